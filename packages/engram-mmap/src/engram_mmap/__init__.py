@@ -1,6 +1,34 @@
-"""engram-mmap: Engram n-gram hashing and the memory-mapped gather of Engram table rows."""
+"""engram-mmap: Engram n-gram hashing and the memory-mapped gather of Engram table rows.
+
+Public API (stable; see the package README):
+
+* :class:`EngramConfig` - hash geometry from a DeepSeek config (``from_hf_config``), primes,
+  offsets, multipliers, ``table_rows(layer)``.
+* :func:`build_token_map`, :class:`EngramHasher` - token ids -> row ids (``row_ids``).
+* :class:`EngramTable`, :class:`TableConfig` - a table mapped from safetensors shards; ``gather``,
+  ``gather_async``, ``prefetch``.
+* :func:`dequantize` - fp8 E4M3 rows x E8M0 scales -> float32 / bfloat16.
+"""
 
 from importlib.metadata import version as _version
 
+from .config import EngramConfig
+from .dequant import dequantize
+from .hashing import EngramHasher, build_token_map
+from .safetensors_header import EngramFormatError, TensorInfo
+from .table import EngramTable, GatherHandle, PrefetchHandle, TableConfig
+
 __version__ = _version("engram-mmap")
-__all__ = ["__version__"]
+__all__ = [
+    "EngramConfig",
+    "EngramFormatError",
+    "EngramHasher",
+    "EngramTable",
+    "GatherHandle",
+    "PrefetchHandle",
+    "TableConfig",
+    "TensorInfo",
+    "__version__",
+    "build_token_map",
+    "dequantize",
+]
