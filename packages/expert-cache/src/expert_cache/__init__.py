@@ -1,6 +1,50 @@
-"""expert-cache: The elastic VRAM expert cache for MoE serving: slot pool, pointer tables, policies and a trace simulator"""
+"""expert-cache: the elastic VRAM expert cache for MoE serving (slot pool, pointer tables, policies, trace simulator).
 
+See README.md. Public API:
+
+* :class:`ExpertCacheConfig`, :class:`ProjectionSpec` - the one frozen config;
+* :class:`ExpertCache` - the slot pool, per-layer ``slot_of`` maps and pointer tables on a device;
+* :mod:`expert_cache.policies` - ``decayed`` (the reference), ``lru``, ``lfu``, ``arc``, ``hybrid``;
+* :mod:`expert_cache.trace` - the trace format, :class:`TraceRecorder`, the synthetic generator;
+* :mod:`expert_cache.sim` - :func:`simulate`, Belady's MIN, the CLI.
+"""
+
+from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-__version__ = _version("expert-cache")
-__all__ = ["__version__"]
+from .cache import ExpertCache
+from .config import DSV41_FLASH_EXL3_3BPW, POLICIES, ExpertCacheConfig, ProjectionSpec
+from .planner import CacheController, CacheStats, Swap
+from .policies import Policy, load_profile, make_policy, save_profile
+from .sim import belady_hit_rate, belady_hits, simulate, static_oracle_hit_rate
+from .trace import SyntheticTraceConfig, Trace, TraceRecorder, generate, load_trace
+
+try:
+    __version__ = _version("expert-cache")
+except PackageNotFoundError:  # imported from a source tree (e.g. PYTHONPATH=src on the GPU machine)
+    __version__ = "0+src"
+
+__all__ = [
+    "DSV41_FLASH_EXL3_3BPW",
+    "POLICIES",
+    "CacheController",
+    "CacheStats",
+    "ExpertCache",
+    "ExpertCacheConfig",
+    "Policy",
+    "ProjectionSpec",
+    "Swap",
+    "SyntheticTraceConfig",
+    "Trace",
+    "TraceRecorder",
+    "__version__",
+    "belady_hit_rate",
+    "belady_hits",
+    "generate",
+    "load_profile",
+    "load_trace",
+    "make_policy",
+    "save_profile",
+    "simulate",
+    "static_oracle_hit_rate",
+]

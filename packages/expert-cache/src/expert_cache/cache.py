@@ -1,0 +1,456 @@
+"""The expert cache on a device: slot pool, per-layer ``slot_of`` maps, pointer tables, stream-ordered swaps.
+
+Memory model
+------------
+Every expert keeps its *home* copy in host memory (pinned, so a GPU kernel can read it through unified
+addressing). The pool holds ``num_slots`` slots of ``config.slot_stride`` bytes on the device. For every
+(layer, expert, projection) the int64 pointer table holds the address a kernel must read: the slot's bytes when
+the expert is resident, the home row otherwise. ``slot_of[layer, expert]`` (int32) is the slot or -1.
+
+Ordering (CUDA)
+---------------
+All table writes happen on the *compute stream* (the stream the MoE kernels run on), between steps. A swap of
+victim ``v`` (in slot ``s``) for newcomer ``n``:
+
+1. compute stream: ``v``'s pointers go back home, ``slot_of[v] = -1``; record event A;
+2. side stream: wait A, copy ``n``'s home rows into slot ``s``; record event B;
+3. compute stream: wait B (or, with ``async_fill``, at the first step boundary where B has completed), then
+   ``n``'s pointers move to slot ``s`` and ``slot_of[n] = s``.
+
+Kernels enqueued before step 1 read ``v`` from ``s``, and the fill cannot start before they finish (A); kernels
+after step 1 read ``v`` from home; no kernel reads ``n`` from ``s`` before its bytes are there (B). A pointer
+that is stale (still home) is slower, never wrong. On a CPU device every copy is synchronous.
+
+Hot path
+--------
+:meth:`observe` only launches device ops (``index_add_``, ``index_fill_``, a gather for hit counting) on fixed
+buffers; it never reads a device value on the host. The counters are read once per replan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import ExpertCacheConfig
+from .planner import CacheController, CacheStats, Swap
+from .policies import HybridPolicy, save_profile
+
+__all__ = ["ExpertCache"]
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int32": torch.int32,
+    "float32": torch.float32,
+    "int64": torch.int64,
+}
+
+
+class ExpertCache:
+    """An elastic cache of expert weights in device slots, read by kernels through pointer tables.
+
+    Parameters
+    ----------
+    config
+        The configuration (geometry, size, policy, lifecycle).
+    home
+        ``home[layer][p]``: the host tensor of projection ``p`` for all experts of ``layer``, shape
+        ``[num_experts, *projections[p].shape]``, dtype ``projections[p].dtype``, contiguous; pinned when the
+        device is CUDA. The cache never writes to it.
+    device
+        Where the pool and the tables live (``"cpu"`` works, for tests).
+    compute_stream
+        CUDA only: the stream whose kernels read the tables (default: the current stream at construction).
+
+    Step protocol
+    -------------
+    ``before_step(num_tokens)``; the model runs and calls ``observe(layer, ids)`` per MoE layer;
+    ``after_step()`` (which replans every ``replan_every`` decode steps). ``replan``, ``release`` and ``rewarm``
+    can also be called directly between steps.
+    """
+
+    def __init__(
+        self,
+        config: ExpertCacheConfig,
+        home: Sequence[Sequence[torch.Tensor]],
+        device: torch.device | str = "cpu",
+        compute_stream: Any = None,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        if self._cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        L, E = config.num_layers, config.num_experts
+        specs = config.projection_specs
+        P = len(specs)
+        self._specs = specs
+        self._offs = config.projection_offsets
+        self._stride = config.slot_stride
+        self._home = self._check_home(home)
+        home_ptr = np.empty((L, E, P), np.int64)
+        for layer in range(L):
+            for p, spec in enumerate(specs):
+                home_ptr[layer, :, p] = self._home[layer][p].data_ptr() + np.arange(E, dtype=np.int64) * spec.nbytes
+        self._home_ptr = home_ptr.reshape(L * E, P)
+        dev = self.device
+        if self._cuda:
+            self._compute = compute_stream if compute_stream is not None else torch.cuda.current_stream(dev)
+            self._side = torch.cuda.Stream(dev)
+        else:
+            if compute_stream is not None:
+                raise ValueError("compute_stream: only meaningful on a CUDA device")
+            self._compute = self._side = None
+        with self._on_compute():
+            #: int64 ``[L, E, P]``: address of each expert's projection (slot or home). Kernels read this.
+            self.pointer_table = torch.from_numpy(home_ptr.copy()).to(dev)
+            #: int32 ``[L, E]``: slot of each expert, -1 when it is read from home.
+            self.slot_of = torch.full((L, E), -1, dtype=torch.int32, device=dev)
+            R = config.replan_every
+            self._touched = torch.zeros((R, L * E), dtype=torch.bool, device=dev)
+            self._counts = torch.zeros(L * E, dtype=torch.float32, device=dev)
+            self._prefill_counts = torch.zeros(L * E, dtype=torch.float32, device=dev)
+            self._base = torch.arange(L, dtype=torch.int64, device=dev) * E
+            self._offsets = self._base.clone()  # (row * L + layer) * E for the current touched row
+            self._dev_counters = torch.zeros(3, dtype=torch.int64, device=dev)  # accesses, hits, pick_hits
+            self._ones = torch.ones(64, dtype=torch.float32, device=dev)
+        free = torch.cuda.mem_get_info(dev)[0] if self._cuda else None
+        self.num_slots = config.resolve_num_slots(free)
+        self._ctl = CacheController(config, self.num_slots)
+        self._pool: torch.Tensor | None = None
+        self._pending: list[tuple[Any, np.ndarray, np.ndarray]] = []  # (event B, keys, slots) awaiting activation
+        self._kind: str | None = None
+        self._row = 0  # touched row of the current decode step (= decode steps since the last drain)
+        self._prefill_rows = 0
+        self._step_rows = 0
+        self._picks = 0
+        self._fills = 0
+        self._allocate()
+
+    # ---- validation and helpers ------------------------------------------------------------------------------
+
+    def _check_home(self, home: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        cfg = self.config
+        if len(home) != cfg.num_layers:
+            raise ValueError(f"home: expected {cfg.num_layers} layers, got {len(home)}")
+        out = []
+        for layer, row in enumerate(home):
+            if len(row) != len(self._specs):
+                raise ValueError(f"home[{layer}]: expected {len(self._specs)} projections {[s.name for s in self._specs]}, got {len(row)}")
+            lay = []
+            for p, (t, spec) in enumerate(zip(row, self._specs, strict=True)):
+                name = f"home[{layer}][{p}] ({spec.name})"
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{name}: must be a torch.Tensor, got {type(t).__name__}")
+                if t.device.type != "cpu":
+                    raise ValueError(f"{name}: must be a host (CPU) tensor, got device {t.device}")
+                want = (cfg.num_experts, *spec.shape)
+                if tuple(t.shape) != want:
+                    raise ValueError(f"{name}: shape must be {want}, got {tuple(t.shape)}")
+                if t.dtype != _TORCH_DTYPES[spec.dtype]:
+                    raise ValueError(f"{name}: dtype must be {spec.dtype}, got {t.dtype}")
+                if not t.is_contiguous():
+                    raise ValueError(f"{name}: must be contiguous")
+                if self._cuda and not t.is_pinned():
+                    raise ValueError(f"{name}: must be pinned (page-locked) so the GPU can read it; use .pin_memory()")
+                lay.append(t)
+            out.append(lay)
+        return out
+
+    def _on_compute(self) -> Any:
+        if self._cuda:
+            return torch.cuda.stream(self._compute)
+        return torch.no_grad()
+
+    def _h2d(self, a: np.ndarray) -> torch.Tensor:
+        # Pageable source + non_blocking: CUDA stages the bytes before returning, no device sync.
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+
+    def _write_tables(self, keys: np.ndarray, ptrs: np.ndarray, slots: np.ndarray) -> None:
+        """On the compute stream: pointer_table[keys] = ptrs ``[n, P]``, slot_of[keys] = slots."""
+        if keys.size == 0:
+            return
+        with self._on_compute():
+            idx = self._h2d(keys.astype(np.int64))
+            self.pointer_table.view(-1, len(self._specs)).index_copy_(0, idx, self._h2d(ptrs.astype(np.int64)))
+            self.slot_of.view(-1).index_copy_(0, idx, self._h2d(slots.astype(np.int32)))
+
+    def _slot_ptrs(self, slots: np.ndarray) -> np.ndarray:
+        assert self._pool is not None
+        base = self._pool.data_ptr() + slots.astype(np.int64)[:, None] * self._stride
+        return base + np.asarray(self._offs, np.int64)[None, :]
+
+    def _allocate(self) -> None:
+        if self._pool is not None or self.num_slots == 0:
+            return
+        with self._on_compute():
+            self._pool = torch.empty((self.num_slots, self._stride), dtype=torch.uint8, device=self.device)
+
+    # ---- swaps -----------------------------------------------------------------------------------------------
+
+    def _execute(self, swaps: list[Swap]) -> None:
+        if not swaps:
+            return
+        old = np.array([s.old_key for s in swaps if s.old_key >= 0], np.int64)
+        new = np.array([s.new_key for s in swaps], np.int64)
+        slots = np.array([s.slot for s in swaps], np.int64)
+        # 1. victims back home (compute stream), and never activate them later.
+        self._write_tables(old, self._home_ptr[old], np.full(old.size, -1))
+        # 2. fills on the side stream after the repoint.
+        E = self.config.num_experts
+        assert self._pool is not None
+        if self._cuda:
+            ev_a = torch.cuda.Event()
+            ev_a.record(self._compute)
+            self._side.wait_event(ev_a)
+            ctx: Any = torch.cuda.stream(self._side)
+        else:
+            ctx = torch.no_grad()
+        with ctx:
+            for key, slot in zip(new.tolist(), slots.tolist(), strict=True):
+                layer, e = divmod(key, E)
+                for p, spec in enumerate(self._specs):
+                    src = self._home[layer][p][e].view(-1).view(torch.uint8)
+                    dst = self._pool[slot, self._offs[p] : self._offs[p] + spec.nbytes]
+                    dst.copy_(src, non_blocking=self._cuda)
+        self._fills += new.size
+        # 3. activation.
+        if not self._cuda:
+            self._activate(new, slots)
+            return
+        ev_b = torch.cuda.Event()
+        ev_b.record(self._side)
+        if self.config.async_fill:
+            self._pending.append((ev_b, new, slots))
+        else:
+            self._compute.wait_event(ev_b)
+            self._activate(new, slots)
+
+    def _activate(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        live = self._ctl.slot_of[keys] == slots  # skip keys evicted (or moved) since their fill was queued
+        keys, slots = keys[live], slots[live]
+        self._write_tables(keys, self._slot_ptrs(slots), slots)
+
+    def _poll(self, wait: bool = False) -> None:
+        """Activate newcomers whose fill finished (all of them with ``wait``; the compute stream then waits)."""
+        while self._pending:
+            ev, keys, slots = self._pending[0]
+            if not wait and not ev.query():
+                break
+            self._compute.wait_event(ev)
+            self._pending.pop(0)
+            self._activate(keys, slots)
+
+    # ---- observation -----------------------------------------------------------------------------------------
+
+    def before_step(self, num_tokens: int) -> None:
+        """Start a step of ``num_tokens`` scheduled tokens (may release or re-warm the pool first)."""
+        if self._kind is not None:
+            raise RuntimeError("before_step: the previous step was not closed with after_step()")
+        kind, action = self._ctl.begin_step(int(num_tokens))
+        if action == "release":
+            self._release_now()
+        elif action == "rewarm":
+            self._rewarm_now()
+        self._kind = kind
+        self._step_rows = 0
+
+    def observe(self, layer: int, expert_ids: torch.Tensor) -> None:
+        """Record the routing of one MoE layer in the current step.
+
+        Parameters
+        ----------
+        layer
+            MoE layer index in ``[0, num_layers)``.
+        expert_ids
+            Integer tensor ``[tokens, top_k]`` (any integer dtype) on the cache's device, the router's top-k ids,
+            each in ``[0, num_experts)`` (not checked on the device: that would need a sync).
+
+        Notes
+        -----
+        Device ops only (no host sync). Decode steps update pick counts, the step's touched set and the pick hit
+        counter; prefill steps update the prefill counts when ``observe_prefill`` is on, and nothing otherwise.
+        """
+        kind = self._kind
+        if kind is None:
+            raise RuntimeError("observe: call before_step(num_tokens) first")
+        if not 0 <= layer < self.config.num_layers:
+            raise IndexError(f"layer: must be in [0, {self.config.num_layers}), got {layer}")
+        if expert_ids.device != self.device:
+            raise ValueError(f"expert_ids: must be on {self.device}, got {expert_ids.device}")
+        if kind == "prefill" and not self.config.observe_prefill:
+            return
+        ids = expert_ids.reshape(-1)
+        n = ids.numel()
+        if n == 0:
+            return
+        if n > self._ones.numel():
+            self._ones = torch.ones(max(n, 2 * self._ones.numel()), dtype=torch.float32, device=self.device)
+        rows = expert_ids.shape[0] if expert_ids.dim() > 1 else 1
+        self._step_rows = max(self._step_rows, rows)
+        ids64 = ids.to(torch.int64)
+        flat = ids64 + layer * self.config.num_experts
+        if kind == "prefill":
+            self._prefill_counts.index_add_(0, flat, self._ones[:n])
+            return
+        self._counts.index_add_(0, flat, self._ones[:n])
+        self._touched.view(-1).index_fill_(0, ids64 + self._offsets[layer], True)
+        hit = self.slot_of.view(-1).index_select(0, flat) >= 0
+        self._dev_counters[2:3].add_(hit.sum())
+        self._picks += n
+
+    def after_step(self) -> None:
+        """Close the step: count its distinct hits, activate finished fills, replan when due."""
+        kind = self._kind
+        if kind is None:
+            raise RuntimeError("after_step: no step is open (call before_step first)")
+        self._kind = None
+        if kind == "decode":
+            L, E = self.config.num_layers, self.config.num_experts
+            row = self._touched[self._row]
+            res = (self.slot_of.view(-1) >= 0) & row
+            self._dev_counters[0:1].add_(row.sum())
+            self._dev_counters[1:2].add_(res.sum())
+            self._row += 1
+            self._offsets += L * E
+        elif self._step_rows:
+            self._prefill_rows += self._step_rows
+        if self._cuda:
+            self._poll()
+        if self._ctl.end_step(kind):  # type: ignore[arg-type]
+            self.replan()
+
+    def _drain(self) -> None:
+        """Move the device-side observations to the policy (one host sync) and clear them."""
+        n = self._row
+        touched = self._touched[:n].cpu().numpy() if n else np.zeros((0, self.config.num_keys), bool)
+        picks = self._counts.cpu().numpy().astype(np.float64)
+        pre = self._prefill_counts.cpu().numpy().astype(np.float64) if self._prefill_rows else None
+        self._ctl.observe([np.flatnonzero(r) for r in touched], picks, pre, self._prefill_rows)
+        with self._on_compute():
+            self._touched[:n].zero_()
+            self._counts.zero_()
+            if pre is not None:
+                self._prefill_counts.zero_()
+            self._offsets.copy_(self._base)
+        self._row = 0
+        self._prefill_rows = 0
+
+    # ---- public lifecycle ------------------------------------------------------------------------------------
+
+    def replan(self) -> list[Swap]:
+        """Feed the observations to the policy and execute its admissions/evictions (between steps).
+
+        Returns
+        -------
+        list[Swap]
+            The swaps executed (slot, evicted key or -1, admitted key); key = ``layer * num_experts + expert``.
+        """
+        if self._kind is not None:
+            raise RuntimeError("replan: not allowed inside a step (between before_step and after_step)")
+        if self._cuda:
+            self._poll()
+        self._drain()
+        swaps = self._ctl.plan()
+        self._execute(swaps)
+        return swaps
+
+    def release(self) -> None:
+        """Give the whole pool back (every pointer goes home); the residents are remembered for :meth:`rewarm`."""
+        if self._kind is not None:
+            raise RuntimeError("release: not allowed inside a step")
+        if self._ctl.released:
+            return
+        self._release_now()
+
+    def _release_now(self) -> None:
+        self._drain()
+        residents = self._ctl.release()
+        if self._cuda:
+            self._compute.wait_stream(self._side)  # every fill done before the pool can go
+        pend = [k for _, k, _ in self._pending]
+        self._pending.clear()
+        keys = np.unique(np.concatenate([residents, *pend])) if pend else residents
+        self._write_tables(keys, self._home_ptr[keys], np.full(keys.size, -1))
+        self._pool = None
+        if self._cuda:
+            torch.cuda.empty_cache()
+
+    def rewarm(self) -> None:
+        """Re-allocate the pool and refill it (``rewarm_set``), if it was released."""
+        if self._kind is not None:
+            raise RuntimeError("rewarm: not allowed inside a step")
+        if not self._ctl.released:
+            return
+        self._rewarm_now()
+
+    def _rewarm_now(self) -> None:
+        self._drain()
+        self._allocate()
+        self._execute(self._ctl.rewarm())
+
+    def synchronize(self) -> None:
+        """Wait for every queued fill and activate it (tests and benchmarks; not needed in serving)."""
+        if self._cuda:
+            self._poll(wait=True)
+            torch.cuda.synchronize(self.device)
+
+    # ---- inspection ------------------------------------------------------------------------------------------
+
+    @property
+    def released(self) -> bool:
+        """True while the pool is given back."""
+        return self._ctl.released
+
+    @property
+    def pool(self) -> torch.Tensor | None:
+        """uint8 ``[num_slots, slot_stride]`` device tensor, or None while released."""
+        return self._pool
+
+    def layer_pointers(self, layer: int) -> torch.Tensor:
+        """int64 ``[num_experts, num_projections]`` view of one layer's pointer table (what a kernel is given)."""
+        return self.pointer_table[layer]
+
+    def resident(self) -> dict[int, int]:
+        """``{key: slot}`` of the planned residents (a newcomer may still be filling; see :meth:`synchronize`)."""
+        keys = self._ctl.resident_keys()
+        return {int(k): int(self._ctl.slot_of[k]) for k in keys}
+
+    def home_pointer(self, layer: int, expert: int, projection: int) -> int:
+        """The home address of one expert projection."""
+        return int(self._home_ptr[layer * self.config.num_experts + expert, projection])
+
+    def stats(self) -> CacheStats:
+        """Counters since construction (reads the device counters: one sync)."""
+        acc, hits, pick_hits = (int(v) for v in self._dev_counters.cpu().tolist())
+        c = self._ctl.counters()
+        return CacheStats(
+            steps=c["steps"],
+            decode_steps=c["decode_steps"],
+            prefill_steps=c["prefill_steps"],
+            accesses=acc,
+            hits=hits,
+            picks=self._picks,
+            pick_hits=pick_hits,
+            admits=c["admits"],
+            evicts=c["evicts"],
+            replans=c["replans"],
+            releases=c["releases"],
+            rewarms=c["rewarms"],
+            bytes_copied=self._fills * self.config.expert_bytes,
+            num_slots=self.num_slots,
+        )
+
+    def save_profile(self, path: str) -> None:
+        """Save the hybrid policy's slow pick rates as a routing-frequency profile (hybrid policy only)."""
+        pol = self._ctl.policy
+        if not isinstance(pol, HybridPolicy):
+            raise ValueError(f"policy: save_profile needs the 'hybrid' policy, the cache uses {self.config.policy!r}")
+        save_profile(path, pol.rates(), self.config.num_layers, self.config.num_experts)

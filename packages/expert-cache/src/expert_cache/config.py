@@ -1,0 +1,291 @@
+"""The one configuration object of the package: :class:`ExpertCacheConfig` (frozen, validated).
+
+Every field is checked in ``__post_init__``; a bad value raises ``ValueError`` (or ``TypeError``) whose message
+starts with the field name, e.g. ``"admit_limit: must be >= 1, got 0"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import numpy as np
+
+__all__ = [
+    "DSV41_FLASH_EXL3_3BPW",
+    "POLICIES",
+    "ExpertCacheConfig",
+    "PolicyName",
+    "ProjectionSpec",
+]
+
+PolicyName = Literal["decayed", "lru", "lfu", "arc", "hybrid"]
+#: Every policy name :class:`ExpertCacheConfig` accepts (see :mod:`expert_cache.policies`).
+POLICIES: tuple[PolicyName, ...] = ("decayed", "lru", "lfu", "arc", "hybrid")
+
+_DTYPES: dict[str, int] = {
+    "uint8": 1,
+    "int8": 1,
+    "int16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "int32": 4,
+    "float32": 4,
+    "int64": 8,
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProjectionSpec:
+    """One weight tensor of an expert (one pointer-table column).
+
+    Parameters
+    ----------
+    name
+        A label, e.g. ``"w13"``; unique within a config.
+    shape
+        The shape of one expert's row of this projection, e.g. ``(2, 320, 144, 48)``.
+    dtype
+        One of ``uint8 int8 int16 float16 bfloat16 int32 float32 int64``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "uint8"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"projections.name: must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.shape, tuple) or not self.shape:
+            raise ValueError(f"projections[{self.name}].shape: must be a non-empty tuple of ints, got {self.shape!r}")
+        for d in self.shape:
+            if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 1:
+                raise ValueError(f"projections[{self.name}].shape: every dimension must be an int >= 1, got {self.shape!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"projections[{self.name}].dtype: must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return _DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one expert's row of this projection."""
+        return math.prod(self.shape) * self.itemsize
+
+
+#: DeepSeek-V4.1-Flash routed experts in EXL3 3.0 bpw, as the reference system stores them (section 2 of
+#: ../shared/reference/reference-system.md): w13 (gate+up) int16 ``[2, 320, 144, 48]`` = 8,847,360 B and w2 (down)
+#: int16 ``[144, 320, 48]`` = 4,423,680 B, 13,271,040 B (12.66 MiB) per expert.
+DSV41_FLASH_EXL3_3BPW: tuple[ProjectionSpec, ...] = (
+    ProjectionSpec("w13", (2, 320, 144, 48), "int16"),
+    ProjectionSpec("w2", (144, 320, 48), "int16"),
+)
+
+
+def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise TypeError(f"{name}: must be an int, got {type(value).__name__} {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name}: must be {rng}, got {value}")
+
+
+def _check_float(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
+    if not isinstance(value, (int, float, np.floating, np.integer)) or isinstance(value, bool):
+        raise TypeError(f"{name}: must be a number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or v > hi or v < lo or (lo_open and v == lo):
+        left = "(" if lo_open else "["
+        raise ValueError(f"{name}: must be in {left}{lo}, {hi}], got {value}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExpertCacheConfig:
+    """Configuration of one expert cache (geometry, size, policy, elastic lifecycle).
+
+    Geometry
+        ``num_layers`` MoE layers of ``num_experts`` routed experts each. An expert's weights are either the
+        ``projections`` (one pointer-table column each) or, when ``projections`` is empty, one opaque ``uint8``
+        row of ``slot_bytes`` bytes (projection name ``"weights"``).
+    Size
+        ``num_slots`` VRAM slots, shared by all layers. ``num_slots = 0`` derives the count at allocation:
+        ``(budget - margin_bytes) // slot_stride`` with ``budget = vram_budget_bytes``, or the device's free memory
+        when that is 0 too (CUDA only). ``max_slots`` (0 = no cap) caps the derived count.
+    Policy (:mod:`expert_cache.policies`)
+        ``policy`` ranks (layer, expert) pairs; every ``replan_every`` steps the planner wants the top
+        ``num_slots`` pairs resident, admits at most ``admit_limit`` of them, and evicts a resident only when
+        ``priority(new) > hysteresis * priority(victim)``. ``decay`` is the reference's per-replan score decay;
+        ``lfu_halve_every`` the LFU aging period; ``hybrid_*`` the hybrid policy's time constants and weights;
+        ``profile_path`` an optional ``.npz`` routing-frequency profile (:func:`expert_cache.policies.save_profile`)
+        the hybrid policy starts from.
+    Elastic lifecycle
+        With ``elastic``, a step of more than ``prefill_tokens`` scheduled tokens releases the whole pool before it
+        runs (the memory goes back to the allocator), and the pool is refilled after ``rewarm_after`` consecutive
+        steps of at most ``prefill_tokens`` tokens. ``rewarm_set = "kept"`` re-admits the residents remembered at
+        release (the reference); ``"top"`` admits the current top ``num_slots`` by priority.
+        ``observe_prefill`` lets the routing of big (prefill) steps feed the policy, weighted by ``prefill_weight``.
+    Execution
+        ``async_fill``: slot fills run on a side stream and a newcomer's pointers move to its slot at the first
+        step boundary after its copy finished (no stall); otherwise the compute stream waits for the fill at the
+        replan. ``slot_alignment``: byte alignment of each projection inside a slot.
+
+    Defaults are the reference system's (``DSV41_EC_*``: every 16, admit 48, decay 0.9, hysteresis 1.0, margin
+    900 MB, prefill threshold 512 tokens, re-warm after 4 decode steps).
+    """
+
+    num_layers: int
+    num_experts: int
+    projections: tuple[ProjectionSpec, ...] = ()
+    slot_bytes: int = 0
+    num_slots: int = 0
+    vram_budget_bytes: int = 0
+    margin_bytes: int = 900 * 2**20
+    max_slots: int = 0
+    policy: PolicyName = "decayed"
+    replan_every: int = 16
+    admit_limit: int = 48
+    hysteresis: float = 1.0
+    decay: float = 0.9
+    lfu_halve_every: int = 256
+    hybrid_fast_halflife: float = 48.0
+    hybrid_slow_halflife: float = 2048.0
+    hybrid_slow_weight: float = 0.1
+    hybrid_recency_bonus: float = 0.0
+    profile_path: str | None = None
+    profile_weight: float = 1.0
+    elastic: bool = False
+    prefill_tokens: int = 512
+    rewarm_after: int = 4
+    rewarm_set: Literal["kept", "top"] = "kept"
+    observe_prefill: bool = False
+    prefill_weight: float = 1.0
+    async_fill: bool = True
+    slot_alignment: int = 256
+
+    def __post_init__(self) -> None:
+        _check_int("num_layers", self.num_layers, 1)
+        _check_int("num_experts", self.num_experts, 1)
+        if not isinstance(self.projections, tuple):
+            raise TypeError(f"projections: must be a tuple of ProjectionSpec, got {type(self.projections).__name__}")
+        for p in self.projections:
+            if not isinstance(p, ProjectionSpec):
+                raise TypeError(f"projections: every item must be a ProjectionSpec, got {type(p).__name__}")
+        names = [p.name for p in self.projections]
+        if len(set(names)) != len(names):
+            raise ValueError(f"projections: names must be unique, got {names}")
+        _check_int("slot_bytes", self.slot_bytes, 0)
+        if self.projections and self.slot_bytes:
+            raise ValueError("slot_bytes: give either projections or slot_bytes, not both")
+        if not self.projections and not self.slot_bytes:
+            raise ValueError("slot_bytes: one of projections or slot_bytes (> 0) is required")
+        _check_int("num_slots", self.num_slots, 0)
+        _check_int("vram_budget_bytes", self.vram_budget_bytes, 0)
+        _check_int("margin_bytes", self.margin_bytes, 0)
+        _check_int("max_slots", self.max_slots, 0)
+        if self.num_slots > self.num_layers * self.num_experts:
+            raise ValueError(
+                f"num_slots: must be <= num_layers * num_experts = {self.num_layers * self.num_experts}, got {self.num_slots}"
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {list(POLICIES)}, got {self.policy!r}")
+        _check_int("replan_every", self.replan_every, 1, 1024)
+        _check_int("admit_limit", self.admit_limit, 1)
+        _check_float("hysteresis", self.hysteresis, 1.0, 1e6)
+        if self.policy in ("lru", "arc") and self.hysteresis != 1.0:
+            raise ValueError(
+                f"hysteresis: policy {self.policy!r} ranks by recency, where a ratio means nothing; must be 1.0, got {self.hysteresis}"
+            )
+        _check_float("decay", self.decay, 0.0, 1.0, lo_open=True)
+        _check_int("lfu_halve_every", self.lfu_halve_every, 1)
+        _check_float("hybrid_fast_halflife", self.hybrid_fast_halflife, 0.0, 1e9, lo_open=True)
+        _check_float("hybrid_slow_halflife", self.hybrid_slow_halflife, 0.0, 1e9, lo_open=True)
+        if self.hybrid_slow_halflife < self.hybrid_fast_halflife:
+            raise ValueError(
+                f"hybrid_slow_halflife: must be >= hybrid_fast_halflife ({self.hybrid_fast_halflife}), got {self.hybrid_slow_halflife}"
+            )
+        _check_float("hybrid_slow_weight", self.hybrid_slow_weight, 0.0, 1e6)
+        _check_float("hybrid_recency_bonus", self.hybrid_recency_bonus, 0.0, 1e6)
+        if self.profile_path is not None and (not isinstance(self.profile_path, str) or not self.profile_path):
+            raise ValueError(f"profile_path: must be None or a non-empty path string, got {self.profile_path!r}")
+        if self.profile_path is not None and self.policy != "hybrid":
+            raise ValueError(f"profile_path: only the 'hybrid' policy reads a profile, policy is {self.policy!r}")
+        _check_float("profile_weight", self.profile_weight, 0.0, 1e9)
+        if not isinstance(self.elastic, bool):
+            raise TypeError(f"elastic: must be a bool, got {type(self.elastic).__name__}")
+        _check_int("prefill_tokens", self.prefill_tokens, 1)
+        _check_int("rewarm_after", self.rewarm_after, 0)
+        if self.rewarm_set not in ("kept", "top"):
+            raise ValueError(f"rewarm_set: must be 'kept' or 'top', got {self.rewarm_set!r}")
+        if not isinstance(self.observe_prefill, bool):
+            raise TypeError(f"observe_prefill: must be a bool, got {type(self.observe_prefill).__name__}")
+        _check_float("prefill_weight", self.prefill_weight, 0.0, 1e9)
+        if not isinstance(self.async_fill, bool):
+            raise TypeError(f"async_fill: must be a bool, got {type(self.async_fill).__name__}")
+        _check_int("slot_alignment", self.slot_alignment, 1)
+        if self.slot_alignment & (self.slot_alignment - 1):
+            raise ValueError(f"slot_alignment: must be a power of two, got {self.slot_alignment}")
+
+    # ---- derived geometry -------------------------------------------------------------------------------------
+
+    @property
+    def num_keys(self) -> int:
+        """``num_layers * num_experts``: the number of (layer, expert) pairs; key = ``layer * num_experts + expert``."""
+        return self.num_layers * self.num_experts
+
+    @property
+    def projection_specs(self) -> tuple[ProjectionSpec, ...]:
+        """The projections, or the single opaque ``("weights", (slot_bytes,), "uint8")`` one."""
+        if self.projections:
+            return self.projections
+        return (ProjectionSpec("weights", (self.slot_bytes,), "uint8"),)
+
+    @property
+    def projection_offsets(self) -> tuple[int, ...]:
+        """Byte offset of each projection inside a slot (each aligned to ``slot_alignment``)."""
+        offs, pos = [], 0
+        for p in self.projection_specs:
+            offs.append(pos)
+            pos += -(-p.nbytes // self.slot_alignment) * self.slot_alignment
+        return tuple(offs)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's weights (sum over projections, no padding): what a slot fill copies."""
+        return sum(p.nbytes for p in self.projection_specs)
+
+    @property
+    def slot_stride(self) -> int:
+        """Bytes between two slots of the pool (projections padded to ``slot_alignment``)."""
+        return sum(-(-p.nbytes // self.slot_alignment) * self.slot_alignment for p in self.projection_specs)
+
+    def resolve_num_slots(self, free_bytes: int | None = None) -> int:
+        """The slot count to allocate.
+
+        Parameters
+        ----------
+        free_bytes
+            Free device memory, used only when ``num_slots == 0`` and ``vram_budget_bytes == 0``.
+
+        Returns
+        -------
+        int
+            ``num_slots`` if set, else ``(budget - margin_bytes) // slot_stride`` capped by ``max_slots`` and by
+            ``num_keys`` (never below 0).
+        """
+        if self.num_slots:
+            return self.num_slots
+        budget = self.vram_budget_bytes
+        if budget == 0:
+            if free_bytes is None:
+                raise ValueError(
+                    "num_slots: is 0 and vram_budget_bytes is 0, so the free device memory is needed; "
+                    "set num_slots or vram_budget_bytes on a CPU device"
+                )
+            budget = int(free_bytes)
+        n = max(0, (budget - self.margin_bytes) // self.slot_stride)
+        if self.max_slots:
+            n = min(n, self.max_slots)
+        return min(n, self.num_keys)

@@ -1,0 +1,248 @@
+"""ExpertCache on CPU tensors: pointer tables always read the right expert, the elastic cycle, stats, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from expert_cache import ExpertCache, ExpertCacheConfig, ProjectionSpec, SyntheticTraceConfig, generate, simulate
+from expert_cache.trace import Trace
+
+PROJ = (ProjectionSpec("w13", (2, 3, 5), "int16"), ProjectionSpec("w2", (7,), "float32"), ProjectionSpec("s", (3,), "uint8"))
+
+
+def small_cfg(**kw: object) -> ExpertCacheConfig:
+    base: dict[str, object] = dict(num_layers=3, num_experts=8, projections=PROJ, num_slots=5, replan_every=2, admit_limit=3)
+    base.update(kw)
+    return ExpertCacheConfig(**base)  # type: ignore[arg-type]
+
+
+def test_geometry_and_initial_tables(make_home, check_tables) -> None:
+    cfg = small_cfg(slot_alignment=64)
+    assert cfg.projection_offsets == (0, 64, 128)
+    assert cfg.slot_stride == 192 and cfg.expert_bytes == 60 + 28 + 3
+    home = make_home(cfg)
+    cache = ExpertCache(cfg, home)
+    assert cache.pointer_table.shape == (3, 8, 3) and cache.pointer_table.dtype == torch.int64
+    assert cache.slot_of.shape == (3, 8) and cache.slot_of.dtype == torch.int32
+    assert cache.pool is not None and tuple(cache.pool.shape) == (5, 192)
+    assert check_tables(cache, home) == 0
+    assert torch.equal(cache.layer_pointers(1), cache.pointer_table[1])
+
+
+def test_check_tables_detects_corruption(make_home, check_tables) -> None:
+    """The verifier used everywhere below can fail: corrupt a filled slot and a pointer."""
+    cfg = small_cfg()
+    home = make_home(cfg)
+    cache = ExpertCache(cfg, home)
+    cache.before_step(1)
+    cache.observe(0, torch.tensor([[1, 2]]))
+    cache.after_step()
+    cache.replan()
+    assert check_tables(cache, home) == 2
+    slot = cache.resident()[1]
+    cache.pool[slot, 0] ^= 0xFF  # type: ignore[index]
+    with pytest.raises(AssertionError, match="wrong bytes"):
+        check_tables(cache, home)
+    cache.pool[slot, 0] ^= 0xFF  # type: ignore[index]
+    check_tables(cache, home)
+    cache.pointer_table[2, 3, 1] = cache.pointer_table[2, 4, 1]
+    with pytest.raises(AssertionError, match=r"ptr\[2,3,w2\]"):
+        check_tables(cache, home)
+
+
+@pytest.mark.parametrize("policy", ["decayed", "lru", "lfu", "arc", "hybrid"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tables_right_after_random_operations(make_home, check_tables, policy: str, seed: int) -> None:
+    """Random steps, observations, manual replans, releases and re-warms: after each, every pointer reads the
+    right bytes and slot_of / pointers / planner agree."""
+    rng = np.random.default_rng(seed)
+    cfg = small_cfg(policy=policy, elastic=True, prefill_tokens=6, rewarm_after=2, replan_every=3, observe_prefill=bool(seed))
+    home = make_home(cfg, seed)
+    cache = ExpertCache(cfg, home)
+    seen_res = set()
+    for _ in range(120):
+        op = rng.integers(10)
+        if op < 7:
+            tokens = int(rng.choice([1, 2, 3, 9])) if rng.random() < 0.9 else 20
+            cache.before_step(tokens)
+            for layer in range(cfg.num_layers):
+                t = min(tokens, 4)
+                hot = rng.random() < 0.7
+                ids = np.stack([rng.choice(4 if hot else 8, size=2, replace=False) for _ in range(t)])
+                cache.observe(layer, torch.from_numpy(ids).to(torch.int32))
+            cache.after_step()
+        elif op == 7:
+            cache.replan()
+        elif op == 8:
+            cache.release()
+            assert cache.pool is None and cache.released
+        else:
+            cache.rewarm()
+        n = check_tables(cache, home)
+        seen_res.add(n)
+    assert max(seen_res) == cfg.num_slots, "the pool never filled up: the sequence did not exercise eviction"
+    st = cache.stats()
+    assert st.evicts > 0 and st.releases > 0 and st.rewarms > 0
+
+
+def test_elastic_cycle(make_home, check_tables) -> None:
+    cfg = small_cfg(elastic=True, prefill_tokens=4, rewarm_after=2, replan_every=1)
+    home = make_home(cfg)
+    cache = ExpertCache(cfg, home)
+
+    def decode(ids: list[int]) -> None:
+        cache.before_step(1)
+        for layer in range(3):
+            cache.observe(layer, torch.tensor([ids]))
+        cache.after_step()
+
+    decode([0, 1])
+    decode([0, 2])
+    res_before = cache.resident()
+    assert len(res_before) == 5 and check_tables(cache, home) == 5
+    st0 = cache.stats()
+    cache.before_step(100)  # prefill: released before it runs
+    assert cache.released and cache.pool is None
+    assert check_tables(cache, home) == 0
+    assert (cache.slot_of == -1).all()
+    cache.after_step()
+    decode([0, 1])  # decode step 1 after prefill: still released, all misses
+    decode([0, 1])  # 2
+    assert cache.released
+    st1 = cache.stats()
+    assert st1.hits == st0.hits and st1.accesses == st0.accesses + 2 * 6
+    cache.before_step(1)  # third decode step: re-warm first
+    assert not cache.released and cache.pool is not None
+    assert set(cache.resident()) == set(res_before)
+    assert check_tables(cache, home) == 5
+    for layer in range(3):
+        cache.observe(layer, torch.tensor([[0, 1]]))
+    cache.after_step()
+    st2 = cache.stats()
+    assert st2.releases == 1 and st2.rewarms == 1 and st2.prefill_steps == 1
+    assert st2.bytes_copied == st2.admits * cfg.expert_bytes
+    assert st2.hits > st1.hits
+
+
+def test_big_step_in_non_elastic_mode_keeps_pool(make_home) -> None:
+    cfg = small_cfg(elastic=False, prefill_tokens=4)
+    cache = ExpertCache(cfg, make_home(cfg))
+    cache.before_step(50)
+    cache.observe(0, torch.tensor([[1, 2]] * 50))  # ignored: prefill routing and observe_prefill off
+    cache.after_step()
+    assert not cache.released and cache.stats().prefill_steps == 1 and cache.stats().picks == 0
+
+
+def _drive(cache: ExpertCache, trace: Trace) -> None:
+    off = 0
+    for s in range(trace.num_steps):
+        r = int(trace.rows_per_step[s])
+        ids = torch.from_numpy(trace.ids[off : off + r].astype(np.int64))
+        off += r
+        cache.before_step(int(trace.tokens_per_step[s]))
+        if r:
+            for layer in range(trace.num_layers):
+                cache.observe(layer, ids[:, layer, :])
+        cache.after_step()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(policy="decayed"),
+        dict(policy="decayed", elastic=True, rewarm_after=3),
+        dict(policy="lru", replan_every=1, admit_limit=2),
+        dict(policy="lfu", lfu_halve_every=8),
+        dict(policy="arc", replan_every=2),
+        dict(policy="hybrid", replan_every=1, admit_limit=2, hysteresis=1.2, elastic=True, observe_prefill=True, rewarm_set="top"),
+    ],
+)
+def test_simulator_matches_the_cache(make_home, kw: dict[str, object]) -> None:
+    """simulate() and ExpertCache run the same controller: identical counters on the same trace."""
+    tr = generate(
+        SyntheticTraceConfig(num_layers=3, num_experts=16, top_k=2, decode_steps=150, streams=2, mean_decode_tokens=40, mean_prompt_tokens=30, prefill_rows=5, seed=3)
+    )
+    base: dict[str, object] = dict(num_layers=3, num_experts=16, slot_bytes=40, num_slots=10, prefill_tokens=8, replan_every=4, admit_limit=4)
+    base.update(kw)
+    cfg = ExpertCacheConfig(**base)  # type: ignore[arg-type]
+    cache = ExpertCache(cfg, make_home(cfg))
+    _drive(cache, tr)
+    got = cache.stats()
+    want = simulate(tr, cfg)
+    assert got == want
+    assert want.hits > 0 and want.admits > 0
+    if cfg.elastic:
+        assert want.releases > 0
+
+
+def test_home_validation(make_home) -> None:
+    cfg = small_cfg()
+    home = make_home(cfg)
+    with pytest.raises(ValueError, match="home: expected 3 layers"):
+        ExpertCache(cfg, home[:2])
+    bad = [list(r) for r in home]
+    bad[1][0] = bad[1][0][:4]
+    with pytest.raises(ValueError, match=r"home\[1\]\[0\] \(w13\): shape must be \(8, 2, 3, 5\)"):
+        ExpertCache(cfg, bad)
+    bad = [list(r) for r in home]
+    bad[2][1] = bad[2][1].to(torch.float64)
+    with pytest.raises(ValueError, match=r"home\[2\]\[1\] \(w2\): dtype must be float32"):
+        ExpertCache(cfg, bad)
+    bad = [list(r) for r in home]
+    bad[0][2] = torch.zeros(3, 8, dtype=torch.uint8).t()
+    with pytest.raises(ValueError, match=r"home\[0\]\[2\] \(s\): must be contiguous"):
+        ExpertCache(cfg, bad)
+    bad = [list(r) for r in home]
+    bad[0] = bad[0][:2]
+    with pytest.raises(ValueError, match=r"home\[0\]: expected 3 projections"):
+        ExpertCache(cfg, bad)
+    with pytest.raises(ValueError, match="num_slots: is 0"):
+        ExpertCache(dataclasses.replace(cfg, num_slots=0), home)
+
+
+def test_budget_derived_slot_count(make_home) -> None:
+    cfg = small_cfg(num_slots=0, vram_budget_bytes=4_000, margin_bytes=1_000, slot_alignment=64)
+    assert cfg.resolve_num_slots() == 3000 // 192 == 15
+    assert small_cfg(num_slots=0, vram_budget_bytes=10**9).resolve_num_slots() == 24  # never more than L * E
+    assert small_cfg(num_slots=0, vram_budget_bytes=500, margin_bytes=1_000).resolve_num_slots() == 0
+    cfg = small_cfg(num_slots=0, vram_budget_bytes=10_000, margin_bytes=1_000, slot_alignment=64, max_slots=7)
+    cache = ExpertCache(cfg, make_home(cfg))
+    assert cache.num_slots == 7 and tuple(cache.pool.shape) == (7, 192)  # type: ignore[union-attr]
+
+
+def test_step_protocol_errors(make_home) -> None:
+    cfg = small_cfg()
+    cache = ExpertCache(cfg, make_home(cfg))
+    with pytest.raises(RuntimeError, match="observe: call before_step"):
+        cache.observe(0, torch.tensor([[1, 2]]))
+    with pytest.raises(RuntimeError, match="after_step: no step is open"):
+        cache.after_step()
+    cache.before_step(1)
+    with pytest.raises(RuntimeError, match="before_step: the previous step"):
+        cache.before_step(1)
+    with pytest.raises(RuntimeError, match="replan: not allowed inside a step"):
+        cache.replan()
+    with pytest.raises(IndexError, match="layer: must be in"):
+        cache.observe(3, torch.tensor([[1, 2]]))
+    cache.after_step()
+    with pytest.raises(ValueError, match="num_tokens"):
+        cache.before_step(-1)
+
+
+def test_pick_and_distinct_hit_counting(make_home) -> None:
+    cfg = small_cfg(num_slots=2, replan_every=1, admit_limit=2)
+    cache = ExpertCache(cfg, make_home(cfg))
+    cache.before_step(2)
+    cache.observe(0, torch.tensor([[1, 2], [1, 3]]))  # expert 1 picked twice
+    cache.after_step()  # replan: admits (0,1) [2 picks] and one of the 1-pick keys
+    assert set(cache.resident()) == {1, 2}
+    cache.before_step(2)
+    cache.observe(0, torch.tensor([[1, 2], [1, 3]]))
+    cache.after_step()
+    st = cache.stats()
+    assert (st.accesses, st.hits) == (6, 2)  # second step: distinct {1,2,3}, hits {1,2}
+    assert (st.picks, st.pick_hits) == (8, 3)  # second step: picks 1,2,1,3 -> hits 1,2,1
