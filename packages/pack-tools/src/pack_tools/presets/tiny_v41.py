@@ -1,0 +1,364 @@
+"""``tiny-v41``: the two pack inputs with DeepSeek-V4.1-Flash's real tensor names, dtypes and layout, tiny.
+
+``synth_tiny_v41(out)`` writes
+
+* ``out/Mia-DeepSeek-V4.1-Flash-EXL3-3.0bpw/``: the EXL3 checkpoint. Native namespace
+  (``layers.N.*``, ``mtp.S.*``, ``embed``, ``head``); EXL3 routed experts (3 bpw mul1; MTP 4 bpw) and shared
+  experts, EXL3 attention (``wq_a``, ``wq_b``, ``wkv``, grouped ``wo_a.slice.G``, ``wo_b``), compressor on the
+  KV-source layers, indexer on the index-source layers, EXL3 Engram ``wkv``, a 6 bpw head; BF16 norms, router
+  and embedding; FP32 hyper-connection, sink and bias tensors; vision/aligner tensors (which a text-only pack
+  drops); nested ``config.json`` (``text_config`` + ``vision_config``), ``quantization_config.json``, index,
+  a BPE tokenizer with the V4.1 special tokens and a chat template;
+* ``out/DeepSeek-V4.1-Flash-engram/``: the release's ``config.json``, its full index (most shards absent, as
+  after the real partial download), ``inference/engram.py`` (a labelled stand-in), and shards 47 and 48 with
+  the Engram tables ``layers.N.engram.embed.weight`` F8_E4M3 ``[rows, 256]`` + ``.scale`` F8_E8M0
+  ``[rows, 8]`` (rows = the sum of the layer's bucket primes) among other tensors.
+
+Every tensor is a deterministic function of (seed, name). Sizes: :class:`TinyV41` (about 10 MB in all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pack_tools.origin import ENGRAM, EXL3
+from pack_tools.presets import _common as c
+from pack_tools.st import RawTensor, atomic_write_bytes, atomic_write_json
+from pack_tools.v41 import engram_primes
+
+__all__ = ["TinyV41", "synth_tiny_v41", "tiny_v41_config"]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}<｜System｜>{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% elif m['role'] == 'tool' %}<｜User｜><tool_result>{{ m['content'] }}</tool_result>"
+    "{% elif m['role'] == 'assistant' %}<｜Assistant｜></think>{{ m['content'] }}{{ eos_token }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>"
+    "{% if thinking is defined and thinking %}<think>{% else %}</think>{% endif %}{% endif %}"
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TinyV41:
+    """Dimensions of the tiny model (every EXL3 dimension a multiple of 128, as EXL3 requires)."""
+
+    hidden: int = 256
+    intermediate: int = 128
+    layers: int = 4
+    experts: int = 8
+    experts_per_tok: int = 2
+    heads: int = 2
+    head_dim: int = 128
+    q_lora_rank: int = 128
+    o_groups: int = 2
+    o_lora_rank: int = 128
+    index_heads: int = 1
+    index_head_dim: int = 128
+    hc_mult: int = 4
+    vocab: int = 1024
+    mtp: int = 1
+    engram_layers: tuple[int, ...] = (1, 2)
+    engram_vocab: int = 2000
+    engram_heads: int = 2
+    engram_max_ngram: int = 3
+    kv_source_layers: tuple[int, ...] = (2,)
+    index_source_layers: tuple[int, ...] = (2, 3)
+    routed_bits: int = 3
+    mtp_bits: int = 4
+    dense_bits: int = 4
+    head_bits: int = 6
+    exl3_shards: int = 3
+
+    def __post_init__(self) -> None:
+        for f in ("hidden", "intermediate", "head_dim", "q_lora_rank", "o_lora_rank", "index_head_dim", "vocab"):
+            v = getattr(self, f)
+            if v <= 0 or v % 128:
+                raise ValueError(f"TinyV41.{f}: must be a positive multiple of 128, got {v}")
+        if (self.heads * self.head_dim) % self.o_groups or (self.heads * self.head_dim // self.o_groups) % 128:
+            raise ValueError("TinyV41.o_groups: heads * head_dim / o_groups must be a multiple of 128")
+        if any(not 0 <= i < self.layers for i in self.engram_layers + self.kv_source_layers):
+            raise ValueError("TinyV41: engram / kv-source layer ids must be decoder layers")
+
+
+ENGRAM_DIM = 256  # the real table row width (engram_head_dim)
+
+
+def tiny_v41_config(d: TinyV41 = TinyV41()) -> dict[str, Any]:
+    """The nested V4.1 ``config.json`` (without quantization_config) for dimensions ``d``."""
+    primes = engram_primes(d.engram_vocab, d.engram_heads, d.engram_max_ngram, len(d.engram_layers))
+    ratios = [0, 0] + [2 if i < (d.layers + 2) // 2 else 1 for i in range(2, d.layers)] + [0] * d.mtp
+    text = {
+        "model_type": "deepseek_v41",
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "vocab_size": d.vocab,
+        "hidden_size": d.hidden,
+        "num_hidden_layers": d.layers,
+        "moe_intermediate_size": d.intermediate,
+        "num_attention_heads": d.heads,
+        "num_key_value_heads": 1,
+        "head_dim": d.head_dim,
+        "qk_rope_head_dim": 64,
+        "q_lora_rank": d.q_lora_rank,
+        "o_lora_rank": d.o_lora_rank,
+        "o_groups": d.o_groups,
+        "hidden_act": "silu",
+        "swiglu_limit": 10.0,
+        "rms_norm_eps": 1e-20,
+        "max_position_embeddings": 65536,
+        "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                         "original_max_position_embeddings": 4096},  # fmt: skip
+        "n_routed_experts": d.experts,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": d.experts_per_tok,
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5,
+        "sliding_window": 128,
+        "compress_ratios": ratios,
+        "compress_rope_theta": 160000,
+        "kv_source_layer_ids": list(d.kv_source_layers),
+        "index_source_layer_ids": list(d.index_source_layers),
+        "index_n_heads": d.index_heads,
+        "index_head_dim": d.index_head_dim,
+        "index_topk": 16,
+        "candidate_source_layer_id": d.layers - 1,
+        "candidate_topk_blocks": 8,
+        "candidate_block_size": 8,
+        "hc_mult": d.hc_mult,
+        "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6,
+        "engram_layer_ids": list(d.engram_layers),
+        "engram_num_embeddings": [sum(p) for p in primes],
+        "engram_max_ngram_size": d.engram_max_ngram,
+        "engram_vocab_size": d.engram_vocab,
+        "engram_n_heads": d.engram_heads,
+        "engram_head_dim": ENGRAM_DIM,
+        "engram_pad_token_id": 2,
+        "engram_compressed_vocab_size": d.vocab - 64,
+        "num_nextn_predict_layers": d.mtp,
+        "dspark_block_size": 5,
+        "dspark_noise_token_id": d.vocab - 1,
+        "dspark_target_layer_ids": [d.layers - 1],
+        "dspark_markov_rank": 16,
+        "dspark_n_routed_experts": d.experts,
+        "dspark_num_experts_per_tok": d.experts_per_tok,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "torch_dtype": "bfloat16",
+    }
+    return {
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "model_type": "deepseek_v41",
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "torch_dtype": "bfloat16",
+        "text_config": text,
+        "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 1, "hidden_size": 128,
+                          "patch_size": 4},  # fmt: skip
+    }
+
+
+def _layer_tensors(d: TinyV41, seed: int, root: str, layer: int, is_mtp: bool) -> dict[str, RawTensor | np.ndarray]:
+    H, I, hc = d.hidden, d.intermediate, d.hc_mult  # noqa: N806
+    mix = (2 + hc) * hc
+    t: dict[str, RawTensor | np.ndarray] = {}
+    p = f"{root}."
+    t[p + "attn_norm.weight"] = c.bf16(seed, p + "attn_norm.weight", (H,), 0.05, 1.0)
+    t[p + "ffn_norm.weight"] = c.bf16(seed, p + "ffn_norm.weight", (H,), 0.05, 1.0)
+    for sub in ("attn", "ffn"):
+        t[f"{p}hc_{sub}_fn"] = c.f32(seed, f"{p}hc_{sub}_fn", (mix, hc * H))
+        t[f"{p}hc_{sub}_base"] = c.f32(seed, f"{p}hc_{sub}_base", (mix,), 0.1)
+        t[f"{p}hc_{sub}_scale"] = c.f32(seed, f"{p}hc_{sub}_scale", (3,), 0.1, 1.0)
+    a = p + "attn."
+    db = d.mtp_bits if is_mtp else d.dense_bits
+    t.update(c.exl3(seed, a + "wq_a", H, d.q_lora_rank, db))
+    t.update(c.exl3(seed, a + "wkv", H, d.head_dim, db))
+    t.update(c.exl3(seed, a + "wq_b", d.q_lora_rank, d.heads * d.head_dim, db))
+    t[a + "q_norm.weight"] = c.bf16(seed, a + "q_norm.weight", (d.q_lora_rank,), 0.05, 1.0)
+    t[a + "kv_norm.weight"] = c.bf16(seed, a + "kv_norm.weight", (d.head_dim,), 0.05, 1.0)
+    for g in range(d.o_groups):
+        t.update(c.exl3(seed, f"{a}wo_a.slice.{g}", d.heads * d.head_dim // d.o_groups, d.o_lora_rank, db))
+    t.update(c.exl3(seed, a + "wo_b", d.o_groups * d.o_lora_rank, H, db))
+    t[a + "attn_sink"] = c.f32(seed, a + "attn_sink", (d.heads,), 0.5)
+    if not is_mtp and layer in d.kv_source_layers:
+        cp = a + "compressor."
+        ratio = 2 if layer < (d.layers + 2) // 2 else 1
+        t.update(c.exl3(seed, cp + "wkv", H, d.head_dim, db))
+        t.update(c.exl3(seed, cp + "wgate", H, d.head_dim, db))
+        t[cp + "ape"] = c.f32(seed, cp + "ape", (ratio, d.head_dim))
+        t[cp + "norm.weight"] = c.bf16(seed, cp + "norm.weight", (d.head_dim,), 0.05, 1.0)
+    if not is_mtp and layer in d.index_source_layers:
+        ip = a + "indexer."
+        t.update(c.exl3(seed, ip + "wq_b", d.q_lora_rank, d.index_heads * d.index_head_dim, db))
+        t.update(c.exl3(seed, ip + "wk", H, d.index_head_dim, db))
+        t[ip + "k_norm.weight"] = c.bf16(seed, ip + "k_norm.weight", (d.index_head_dim,), 0.05, 1.0)
+        t[ip + "weights_proj.weight"] = c.bf16(seed, ip + "weights_proj.weight", (d.index_heads, H))
+    f = p + "ffn."
+    t[f + "gate.weight"] = c.bf16(seed, f + "gate.weight", (d.experts, H))
+    t[f + "gate.bias"] = c.f32(seed, f + "gate.bias", (d.experts,), 0.01)
+    t[f + "gate.bias_vl"] = c.f32(seed, f + "gate.bias_vl", (d.experts,), 0.01)
+    rb = d.mtp_bits if is_mtp else d.routed_bits
+    for e in range(d.experts):
+        t.update(c.exl3(seed, f"{f}experts.{e}.w1", H, I, rb))
+        t.update(c.exl3(seed, f"{f}experts.{e}.w3", H, I, rb))
+        t.update(c.exl3(seed, f"{f}experts.{e}.w2", I, H, rb))
+    t.update(c.exl3(seed, f + "shared_experts.w1", H, I, db))
+    t.update(c.exl3(seed, f + "shared_experts.w3", H, I, db))
+    t.update(c.exl3(seed, f + "shared_experts.w2", I, H, db))
+    if not is_mtp and layer in d.engram_layers:
+        ep = p + "engram."
+        cols = (d.engram_max_ngram - 1) * d.engram_heads
+        t.update(c.exl3(seed, ep + "wkv", cols * ENGRAM_DIM, (hc + 1) * H, db))
+        t[ep + "q_weight"] = c.bf16(seed, ep + "q_weight", (hc, H), 0.05, 1.0)
+        t[ep + "k_weight"] = c.bf16(seed, ep + "k_weight", (hc, H), 0.05, 1.0)
+    if is_mtp:
+        t[p + "enorm.weight"] = c.bf16(seed, p + "enorm.weight", (H,), 0.05, 1.0)
+        t[p + "hnorm.weight"] = c.bf16(seed, p + "hnorm.weight", (H,), 0.05, 1.0)
+        t[p + "norm.weight"] = c.bf16(seed, p + "norm.weight", (H,), 0.05, 1.0)
+        t.update(c.exl3(seed, p + "e_proj", H, H, db))
+        t.update(c.exl3(seed, p + "h_proj", H, H, db))
+        t[p + "hc_head_fn"] = c.f32(seed, p + "hc_head_fn", (hc, hc * H))
+        t[p + "hc_head_base"] = c.f32(seed, p + "hc_head_base", (hc,), 0.1)
+        t[p + "hc_head_scale"] = c.f32(seed, p + "hc_head_scale", (1,), 0.1, 1.0)
+    return t
+
+
+def exl3_checkpoint_tensors(d: TinyV41, seed: int) -> tuple[dict[str, RawTensor | np.ndarray], list[list[str]]]:
+    """All tensors of the tiny EXL3 checkpoint, and the per-layer groups that stay in one shard."""
+    H, hc = d.hidden, d.hc_mult  # noqa: N806
+    t: dict[str, RawTensor | np.ndarray] = {}
+    groups: list[list[str]] = []
+    t["embed.weight"] = c.bf16(seed, "embed.weight", (d.vocab, H))
+    for i in range(d.layers):
+        lt = _layer_tensors(d, seed, f"layers.{i}", i, False)
+        groups.append(list(lt))
+        t.update(lt)
+    for s in range(d.mtp):
+        lt = _layer_tensors(d, seed, f"mtp.{s}", d.layers + s, True)
+        groups.append(list(lt))
+        t.update(lt)
+    t["norm.weight"] = c.bf16(seed, "norm.weight", (H,), 0.05, 1.0)
+    t["hc_head_fn"] = c.f32(seed, "hc_head_fn", (hc, hc * H))
+    t["hc_head_base"] = c.f32(seed, "hc_head_base", (hc,), 0.1)
+    t["hc_head_scale"] = c.f32(seed, "hc_head_scale", (1,), 0.1, 1.0)
+    t.update(c.exl3(seed, "head", H, d.vocab, d.head_bits))
+    # The vision tower and aligner (a text-only pack leaves them out), one of them EXL3.
+    t["vision.patch_embed.weight"] = c.bf16(seed, "vision.patch_embed.weight", (128, 48))
+    t.update(c.exl3(seed, "vision.blocks.0.mlp.fc1", 128, 128, d.dense_bits))
+    t["aligner.proj.weight"] = c.bf16(seed, "aligner.proj.weight", (H, 128))
+    t["image_newline"] = c.bf16(seed, "image_newline", (H,))
+    return t, groups
+
+
+def engram_release_tensors(d: TinyV41, seed: int) -> tuple[dict[int, dict[str, RawTensor]], dict[str, str]]:
+    """Shard 47/48 contents of the original release (FP8), and index entries of the shards not downloaded."""
+    H, hc = d.hidden, d.hc_mult  # noqa: N806
+    primes = engram_primes(d.engram_vocab, d.engram_heads, d.engram_max_ngram, len(d.engram_layers))
+    cols = (d.engram_max_ngram - 1) * d.engram_heads
+    shards: dict[int, dict[str, RawTensor]] = {47: {}, 48: {}}
+    for i, layer in enumerate(d.engram_layers):
+        shard = shards[47 if i % 2 == 0 else 48]
+        rows = sum(primes[i])
+        ep = f"layers.{layer}.engram."
+        shard[ep + "embed.weight"] = c.fp8_e4m3(seed, ep + "embed.weight", (rows, ENGRAM_DIM))
+        shard[ep + "embed.scale"] = c.e8m0_scales(seed, ep + "embed.scale", (rows, ENGRAM_DIM // 32))
+        n_out, n_in = (hc + 1) * H, cols * ENGRAM_DIM
+        shard[ep + "wkv.weight"] = c.fp8_e4m3(seed, ep + "wkv.weight", (n_out, n_in))
+        shard[ep + "wkv.scale"] = c.e8m0_scales(seed, ep + "wkv.scale", (n_out // 32, n_in // 32))
+        shard[ep + "q_weight"] = c.bf16(seed, "release." + ep + "q_weight", (hc, H), 0.05, 1.0)
+        shard[ep + "k_weight"] = c.bf16(seed, "release." + ep + "k_weight", (hc, H), 0.05, 1.0)
+    # Other release tensors that live in the same shards: FP4 experts (I8-packed + E8M0 scales) and a norm
+    # whose name the EXL3 checkpoint also has (the pack must take it from the EXL3 checkpoint).
+    last = f"layers.{d.layers - 1}.ffn.experts.0.w1."
+    shards[47][last + "weight"] = c.raw_int8(seed, last + "weight", (d.intermediate, H // 2))
+    shards[47][last + "scale"] = c.e8m0_scales(seed, last + "scale", (d.intermediate, H // 32))
+    shards[48]["mtp.0.norm.weight"] = c.bf16(seed, "release.mtp.0.norm.weight", (H,), 0.05, 1.0)
+    absent = {
+        "embed.weight": "model-00001-of-00048.safetensors",
+        "layers.0.attn.wq_a.weight": "model-00001-of-00048.safetensors",
+        "layers.0.attn.wq_a.scale": "model-00001-of-00048.safetensors",
+        "layers.0.ffn.experts.0.w1.weight": "model-00002-of-00048.safetensors",
+        "head.weight": "model-00046-of-00048.safetensors",
+    }
+    return shards, absent
+
+
+def synth_tiny_v41(out: Path, seed: int = 0, dims: TinyV41 | None = None) -> Path:
+    """Write the tiny V4.1 EXL3 checkpoint and Engram release under ``out`` (see module docstring).
+
+    Returns ``out``. Deterministic: the same (dims, seed) gives byte-identical files.
+    """
+    d = dims or TinyV41()
+    out = Path(out)
+    ex = out / EXL3.dirname
+    en = out / ENGRAM.dirname
+    ex.mkdir(parents=True, exist_ok=True)
+    (en / "inference").mkdir(parents=True, exist_ok=True)
+
+    cfg = tiny_v41_config(d)
+    tensors, groups = exl3_checkpoint_tensors(d, seed)
+    c.write_shards(ex, tensors, d.exl3_shards, groups=groups)
+    ex_cfg = dict(cfg)
+    ex_cfg["quantization_config"] = {
+        "quant_method": "exl3",
+        "version": "1.6.5",
+        "bits": float(d.routed_bits),
+        "head_bits": d.head_bits,
+        "calibration": {"rows": 250, "cols": 2048},
+        "out_scales": "always",
+        "codebook": "mul1",
+    }
+    atomic_write_json(ex / "config.json", ex_cfg)
+    atomic_write_json(ex / "quantization_config.json", ex_cfg["quantization_config"])
+    atomic_write_json(ex / "generation_config.json", {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True,
+                                                      "temperature": 1.0, "top_p": 0.95})  # fmt: skip
+    size = c.write_tokenizer(ex, d.vocab, CHAT_TEMPLATE)
+    if size > d.vocab:  # pragma: no cover - write_tokenizer raises first
+        raise ValueError("tokenizer larger than the vocabulary")
+
+    shards, absent = engram_release_tensors(d, seed)
+    weight_map: dict[str, str] = dict(absent)
+    from pack_tools.st import write_safetensors
+
+    for num, st in shards.items():
+        fname = f"model-{num:05d}-of-00048.safetensors"
+        write_safetensors(en / fname, st, {"format": "pt"})
+        weight_map.update({n: fname for n in st})
+    total = sum(t.data.nbytes for st in shards.values() for t in st.values())
+    atomic_write_json(en / "model.safetensors.index.json",
+                      {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})  # fmt: skip
+    en_cfg = dict(cfg)
+    en_cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [32, 32],
+                                     "scale_fmt": "ue8m0", "activation_scheme": "dynamic"}  # fmt: skip
+    atomic_write_json(en / "config.json", en_cfg)
+    atomic_write_bytes(
+        en / "inference" / "engram.py",
+        b"# Synthetic stand-in written by `pack-tools synth --preset tiny-v41` for the release's\n"
+        b"# inference/engram.py. The pack does not read this file; it is here so the directory has the\n"
+        b"# same file set as the real partial download.\n",
+    )
+    info = {"preset": "tiny-v41", "seed": seed, "dims": dataclasses.asdict(d)}
+    c.write_input_receipt(ex, source="synth", extra={"repo_id": EXL3.repo_id, "revision": None, **info})
+    c.write_input_receipt(en, source="synth", extra={"repo_id": ENGRAM.repo_id, "revision": None, **info})
+    return out
+
+
+def expected_engram_rows(d: TinyV41 = TinyV41()) -> list[int]:
+    """Rows of each Engram table for dimensions ``d`` (sum of the layer's bucket primes)."""
+    return [sum(p) for p in engram_primes(d.engram_vocab, d.engram_heads, d.engram_max_ngram, len(d.engram_layers))]
+
+
+def total_experts(d: TinyV41 = TinyV41()) -> int:
+    return d.layers * d.experts
+
