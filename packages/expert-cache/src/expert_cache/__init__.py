@@ -12,12 +12,26 @@ See README.md. Public API:
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from .cache import ExpertCache
+from typing import TYPE_CHECKING, Any
+
 from .config import DSV41_FLASH_EXL3_3BPW, POLICIES, ExpertCacheConfig, ProjectionSpec
 from .planner import CacheController, CacheStats, Swap
 from .policies import Policy, load_profile, make_policy, save_profile
 from .sim import belady_hit_rate, belady_hits, simulate, static_oracle_hit_rate
 from .trace import SyntheticTraceConfig, Trace, TraceRecorder, generate, load_trace
+
+if TYPE_CHECKING:
+    from .cache import ExpertCache
+
+
+def __getattr__(name: str) -> Any:
+    # ExpertCache needs torch; the simulator, the trace tools and their CLIs do not, so torch loads only here.
+    if name == "ExpertCache":
+        from .cache import ExpertCache
+
+        return ExpertCache
+    raise AttributeError(f"module 'expert_cache' has no attribute {name!r}")
+
 
 try:
     __version__ = _version("expert-cache")

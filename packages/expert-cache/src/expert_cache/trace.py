@@ -208,7 +208,8 @@ class SyntheticTraceConfig:
 
     Each of ``streams`` concurrent streams serves requests one after another. A request has a prompt of
     ~``mean_prompt_tokens`` tokens (one prefill step; ``prefill_rows`` of its token rows are recorded) and
-    ~``mean_decode_tokens`` decode tokens (geometric). A decode step routes one token per active stream. Every
+    ~``mean_decode_tokens`` decode tokens (both geometric); a prompt of at most ``full_rows_below`` tokens has all
+    its rows recorded (it is a decode-path step for a cache whose ``prefill_tokens`` is that value). A decode step routes one token per active stream. Every
     token picks ``top_k`` distinct experts per layer by Gumbel-top-k sampling from the logits
 
         ``-zipf_global * log(rank_global[l, e]) - zipf_request * log(rank_request[l, e]) + locality * prev[l, e]``
@@ -233,6 +234,7 @@ class SyntheticTraceConfig:
     mean_decode_tokens: float = 1500.0
     mean_prompt_tokens: float = 2000.0
     prefill_rows: int = 256
+    full_rows_below: int = 512
     prompt_match: float = 0.5
     seed: int = 0
 
@@ -255,6 +257,8 @@ class SyntheticTraceConfig:
                 raise ValueError(f"{f}: must be >= 1, got {v!r}")
         if not isinstance(self.prefill_rows, int) or self.prefill_rows < 0:
             raise ValueError(f"prefill_rows: must be an int >= 0, got {self.prefill_rows!r}")
+        if not isinstance(self.full_rows_below, int) or self.full_rows_below < 0:
+            raise ValueError(f"full_rows_below: must be an int >= 0, got {self.full_rows_below!r}")
         if not (isinstance(self.prompt_match, (int, float)) and 0 <= self.prompt_match <= 1):
             raise ValueError(f"prompt_match: must be in [0, 1], got {self.prompt_match!r}")
 
@@ -291,7 +295,7 @@ def generate(cfg: SyntheticTraceConfig) -> Trace:
             prev[s] = 0.0
             left[s] = rng.geometric(p_end)
             n_prompt = max(1, int(rng.geometric(1.0 / cfg.mean_prompt_tokens)))
-            r = min(cfg.prefill_rows, n_prompt)
+            r = n_prompt if n_prompt <= cfg.full_rows_below else min(cfg.prefill_rows, n_prompt)
             if r:
                 other = _rank_logits(rng, L, E, cfg.zipf_request)
                 match = rng.random(r) < cfg.prompt_match
