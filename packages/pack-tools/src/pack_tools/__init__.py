@@ -14,14 +14,14 @@ from importlib.metadata import version as _version
 
 __version__ = _version("pack-tools")
 
-from pack_tools.build import build_pack  # noqa: E402
-from pack_tools.config import PackConfig  # noqa: E402
-from pack_tools.download import download_inputs  # noqa: E402
-from pack_tools.errors import PackError  # noqa: E402
-from pack_tools.inspection import inspect_pack  # noqa: E402
-from pack_tools.manifest import write_manifest  # noqa: E402
-from pack_tools.presets import synth  # noqa: E402
-from pack_tools.verify import verify_pack  # noqa: E402
+from pack_tools.build import build_pack
+from pack_tools.config import PackConfig
+from pack_tools.download import download_inputs
+from pack_tools.errors import PackError
+from pack_tools.inspection import inspect_pack
+from pack_tools.manifest import write_manifest
+from pack_tools.presets import synth
+from pack_tools.verify import verify_pack
 
 __all__ = [
     "PackConfig",

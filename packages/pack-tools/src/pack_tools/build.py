@@ -43,7 +43,7 @@ from pack_tools import v41
 from pack_tools.config import PackConfig
 from pack_tools.errors import PackError
 from pack_tools.manifest import INDEX_NAME, MANIFEST_NAME, hash_file, write_manifest
-from pack_tools.st import Header, atomic_write_json, raw, read_header, write_safetensors
+from pack_tools.st import Header, atomic_write_json, read_header, write_safetensors
 
 __all__ = ["INPUT_RECEIPT", "build_pack", "fingerprint_inputs"]
 
@@ -352,7 +352,7 @@ def build_pack(
     generated_st = set(woa_files.values()) | ({NATIVE_DENSE} if dense_predecode else set())
     clash = generated_st & set(link_names)
     if clash:
-        raise PackError(f"{exl3.name}/{sorted(clash)[0]}: input file name collides with a generated file")
+        raise PackError(f"{exl3.name}/{min(clash)}: input file name collides with a generated file")
 
     # ---- decode
     steps = len(roots) * int(o_groups or 1) + len(dense_predecode)
@@ -605,7 +605,9 @@ def _quant_config(
     per_layer: dict[str, Any] = {}
     for idx, projs in routed_bits.items():
         vals = set(projs.values())
-        per_layer[idx] = _int_if_whole(vals.pop()) if len(vals) == 1 else {k: _int_if_whole(v) for k, v in projs.items()}
+        per_layer[idx] = (
+            _int_if_whole(vals.pop()) if len(vals) == 1 else {k: _int_if_whole(v) for k, v in projs.items()}
+        )
     scalar = [v for v in per_layer.values() if not isinstance(v, dict)]
     main_bits = Counter(scalar).most_common(1)[0][0] if scalar else None
     layer_bits = {k: v for k, v in sorted(per_layer.items(), key=lambda kv: _natural(kv[0])) if v != main_bits}
@@ -682,4 +684,3 @@ def _fsync_dir(p: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-

@@ -21,7 +21,7 @@ def _err(msg: str) -> None:
     print(f"pack-tools: error: {msg}", file=sys.stderr)
 
 
-def _log(quiet: bool):  # noqa: ANN202
+def _log(quiet: bool):
     if quiet:
         return None
     from tqdm import tqdm
@@ -185,7 +185,9 @@ def _cmd_synth(a: argparse.Namespace) -> int:
         options.update(given)
         options["progress"] = not a.quiet
     elif given:
-        raise PackError(f"--{next(iter(given)).replace('_bytes', '-mb').replace('_', '-')}: only for --preset flash-layer")
+        raise PackError(
+            f"--{next(iter(given)).replace('_bytes', '-mb').replace('_', '-')}: only for --preset flash-layer"
+        )
     try:
         out = synth(a.preset, a.out, seed=a.seed, **options)
     except ValueError as e:

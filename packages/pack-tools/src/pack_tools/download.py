@@ -114,7 +114,9 @@ def plan_download(
             if not any(ch in p for ch in "*?[") and not any(f.path == p for f in files)
         ]  # fmt: skip
         if missing:
-            raise PackError(f"{repo.repo_id}@{repo.revision[:12]}: {missing[0]}: not in the repository at this revision")
+            raise PackError(
+                f"{repo.repo_id}@{repo.revision[:12]}: {missing[0]}: not in the repository at this revision"
+            )
         if not files:
             raise PackError(f"{repo.repo_id}@{repo.revision[:12]}: no file matches {list(repo.allow_patterns)}")
         out[key] = {

@@ -245,7 +245,9 @@ def format_inspect(info: dict[str, Any]) -> str:
         f"linked inputs {info['linked_bytes']:,} B)",
     ]
     if info["absent_files"]:
-        lines.append(f"note: {len(info['absent_files'])} files named by the index are absent (partial download); "
-                     "counted without them")
+        lines.append(
+            f"note: {len(info['absent_files'])} files named by the index are absent (partial download); "
+            "counted without them"
+        )
     lines += [f"note: {n}" for n in info["notes"]]
     return "\n".join(lines)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -57,6 +58,7 @@ _NUMPY_NAMES: dict[str, str] = {
     "int32": "I32", "uint32": "U32", "int16": "I16", "uint16": "U16", "int8": "I8", "uint8": "U8",
     "bool": "BOOL",
 }  # fmt: skip
+
 
 def _current_umask() -> int:
     mask = os.umask(0o022)
@@ -214,7 +216,7 @@ def header_problems(h: Header, name: str, only: Iterable[str] | None = None, lim
     if extra:
         out.append(f"{name}: ... and {extra} more problems in this file")
     spans = sorted((t.begin, t.end, k) for k, t in h.tensors.items() if t.end > t.begin)
-    for (b0, e0, k0), (b1, _e1, k1) in zip(spans, spans[1:]):
+    for (_b0, e0, k0), (b1, _e1, k1) in itertools.pairwise(spans):
         if b1 < e0:
             out.append(f"{name}: {k1}: data overlaps tensor {k0} (offsets {b1} < {e0})")
             break

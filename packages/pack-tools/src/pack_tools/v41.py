@@ -51,11 +51,7 @@ def text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def is_vision(name: str) -> bool:
     """Tensors of the vision tower / aligner / image tokens, which a text-only pack drops."""
-    return (
-        name.startswith(("vision.", "aligner.", "model.vision", "visual."))
-        or name.startswith("image_")
-        or ".image_" in name
-    )
+    return name.startswith(("vision.", "aligner.", "model.vision", "visual.", "image_")) or ".image_" in name
 
 
 def woa_slice_root(prefix: str) -> tuple[str, int] | None:

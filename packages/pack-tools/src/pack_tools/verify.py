@@ -180,7 +180,7 @@ class _Verifier:
         names = self.indexed.get(rel)
         if not names:
             return ""
-        return f"; {len(names)} indexed tensors unavailable, e.g. {sorted(names)[0]}"
+        return f"; {len(names)} indexed tensors unavailable, e.g. {min(names)}"
 
     def compare_specs(self, rel: str, h: Header, spec: dict[str, Any]) -> list[str]:
         lines: list[str] = []
@@ -295,7 +295,7 @@ class _Verifier:
             rows[m["layer"]][m["part"]] = (where[name], t)
         for layer, parts in sorted(rows.items()):
             if "weight" in parts and "scale" in parts:
-                (fw, w), (fs, s) = parts["weight"], parts["scale"]
+                (_fw, w), (fs, s) = parts["weight"], parts["scale"]
                 if s.shape[0] != w.shape[0] or s.shape[1] * 32 != w.shape[1]:
                     self.add(f"{fs}: layers.{layer}.engram.embed.scale: shape {list(s.shape)} does not match "
                              f"table {list(w.shape)} (one scale per 32 columns per row)")  # fmt: skip

@@ -134,7 +134,9 @@ def write_shards(
     if extra_index:
         full.update(extra_index)
     total_size = sum(tensor_bytes(t) for t in tensors.values())
-    atomic_write_json(root / INDEX_NAME, {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(full.items()))})
+    atomic_write_json(
+        root / INDEX_NAME, {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(full.items()))}
+    )
     return weight_map
 
 
@@ -184,7 +186,9 @@ def write_tokenizer(root: Path, vocab_size: int, chat_template: str | None = Non
     return size
 
 
-def write_input_receipt(root: Path, *, source: str, extra: Mapping[str, Any] | None = None, hash_files: bool = True) -> Path:
+def write_input_receipt(
+    root: Path, *, source: str, extra: Mapping[str, Any] | None = None, hash_files: bool = True
+) -> Path:
     """``.pack-tools-input.json``: every file of a synthesized input directory with size (and sha256)."""
     from pack_tools.build import INPUT_RECEIPT
 

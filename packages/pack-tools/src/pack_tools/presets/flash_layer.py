@@ -67,12 +67,20 @@ def _units(f: FlashLayer) -> Iterator[tuple[str, list[tuple[str, str, tuple[int,
     p = f"layers.{f.layer}.ffn"
     yield "router", [(f"{p}.gate.weight", "BF16", (f.experts, f.hidden)), (f"{p}.gate.bias", "F32", (f.experts,))]
     shared = []
-    for proj, k, n in (("w1", f.hidden, f.intermediate), ("w3", f.hidden, f.intermediate), ("w2", f.intermediate, f.hidden)):
+    for proj, k, n in (
+        ("w1", f.hidden, f.intermediate),
+        ("w3", f.hidden, f.intermediate),
+        ("w2", f.intermediate, f.hidden),
+    ):
         shared += _linear_specs(f"{p}.shared_experts.{proj}", k, n, f.shared_bits, f.codebook)
     yield "shared", shared
     for e in range(f.experts):
         specs = []
-        for proj, k, n in (("w1", f.hidden, f.intermediate), ("w3", f.hidden, f.intermediate), ("w2", f.intermediate, f.hidden)):
+        for proj, k, n in (
+            ("w1", f.hidden, f.intermediate),
+            ("w3", f.hidden, f.intermediate),
+            ("w2", f.intermediate, f.hidden),
+        ):
             specs += _linear_specs(f"{p}.experts.{e}.{proj}", k, n, f.bits, f.codebook)
         yield f"expert {e}", specs
 
@@ -108,7 +116,9 @@ def flash_layer_plan(f: FlashLayer = FlashLayer()) -> dict[str, Any]:
     }
 
 
-def _tensors_for(f: FlashLayer, seed: int, specs: list[tuple[str, str, tuple[int, ...]]]) -> dict[str, RawTensor | np.ndarray]:
+def _tensors_for(
+    f: FlashLayer, seed: int, specs: list[tuple[str, str, tuple[int, ...]]]
+) -> dict[str, RawTensor | np.ndarray]:
     out: dict[str, RawTensor | np.ndarray] = {}
     prefixes = sorted({n.rsplit(".", 1)[0] for n, _, _ in specs if n.endswith(".trellis")})
     for prefix in prefixes:

@@ -113,8 +113,13 @@ def tiny_v41_config(d: TinyV41 = TinyV41()) -> dict[str, Any]:
         "rms_norm_eps": 1e-20,
         "max_position_embeddings": 65536,
         "rope_theta": 10000,
-        "rope_scaling": {"type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
-                         "original_max_position_embeddings": 4096},  # fmt: skip
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 16,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "original_max_position_embeddings": 4096,
+        },
         "n_routed_experts": d.experts,
         "n_shared_experts": 1,
         "num_experts_per_tok": d.experts_per_tok,
@@ -164,13 +169,17 @@ def tiny_v41_config(d: TinyV41 = TinyV41()) -> dict[str, Any]:
         "pad_token_id": 2,
         "torch_dtype": "bfloat16",
         "text_config": text,
-        "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 1, "hidden_size": 128,
-                          "patch_size": 4},  # fmt: skip
+        "vision_config": {
+            "model_type": "deepseek_v41_vision",
+            "num_hidden_layers": 1,
+            "hidden_size": 128,
+            "patch_size": 4,
+        },
     }
 
 
 def _layer_tensors(d: TinyV41, seed: int, root: str, layer: int, is_mtp: bool) -> dict[str, RawTensor | np.ndarray]:
-    H, I, hc = d.hidden, d.intermediate, d.hc_mult  # noqa: N806
+    H, I, hc = d.hidden, d.intermediate, d.hc_mult
     mix = (2 + hc) * hc
     t: dict[str, RawTensor | np.ndarray] = {}
     p = f"{root}."
@@ -236,7 +245,7 @@ def _layer_tensors(d: TinyV41, seed: int, root: str, layer: int, is_mtp: bool) -
 
 def exl3_checkpoint_tensors(d: TinyV41, seed: int) -> tuple[dict[str, RawTensor | np.ndarray], list[list[str]]]:
     """All tensors of the tiny EXL3 checkpoint, and the per-layer groups that stay in one shard."""
-    H, hc = d.hidden, d.hc_mult  # noqa: N806
+    H, hc = d.hidden, d.hc_mult
     t: dict[str, RawTensor | np.ndarray] = {}
     groups: list[list[str]] = []
     t["embed.weight"] = c.bf16(seed, "embed.weight", (d.vocab, H))
@@ -263,7 +272,7 @@ def exl3_checkpoint_tensors(d: TinyV41, seed: int) -> tuple[dict[str, RawTensor 
 
 def engram_release_tensors(d: TinyV41, seed: int) -> tuple[dict[int, dict[str, RawTensor]], dict[str, str]]:
     """Shard 47/48 contents of the original release (FP8), and index entries of the shards not downloaded."""
-    H, hc = d.hidden, d.hc_mult  # noqa: N806
+    H, hc = d.hidden, d.hc_mult
     primes = engram_primes(d.engram_vocab, d.engram_heads, d.engram_max_ngram, len(d.engram_layers))
     cols = (d.engram_max_ngram - 1) * d.engram_heads
     shards: dict[int, dict[str, RawTensor]] = {47: {}, 48: {}}
@@ -361,4 +370,3 @@ def expected_engram_rows(d: TinyV41 = TinyV41()) -> list[int]:
 
 def total_experts(d: TinyV41 = TinyV41()) -> int:
     return d.layers * d.experts
-
