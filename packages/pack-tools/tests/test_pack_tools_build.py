@@ -141,6 +141,45 @@ def test_rebuild_is_deterministic_and_force_replaces(tiny):
     assert not list(tiny.root.glob("pack.old-*")) and not list(tiny.root.glob("pack.partial-*"))
 
 
+def test_parallel_build_is_identical(tiny, tmp_path):
+    """jobs > 1 decodes in worker processes; the pack is byte-identical."""
+    other = tiny.root / "pack2"
+    build_pack(tiny.exl3, tiny.engram, other, jobs=2)
+    for p in tiny.pack.iterdir():
+        if p.is_file() and not p.is_symlink():
+            assert hash_file(p) == hash_file(other / p.name), p.name
+    with pytest.raises(PackError, match="jobs"):
+        build_pack(tiny.exl3, tiny.engram, tmp_path / "x", jobs=0)
+
+
+def test_fp16_reconstruction_is_correctly_rounded():
+    """decode.reconstruct_fp16 vs cpu_tier's float64 reference: equal, or (rarely) the reference is the one
+    off by a double rounding (float64 -> float32 -> float16); checked against an 80-bit evaluation."""
+    from cpu_tier.exl3 import decode, random_tensor
+
+    from pack_tools.decode import fwht128, reconstruct_fp16
+
+    x = np.random.default_rng(0).standard_normal((256, 384))
+    h = np.ones((1, 1))
+    while h.shape[0] < 128:
+        h = np.block([[h, h], [h, -h]])
+    np.testing.assert_allclose(fwht128(x, 1)[:, :128], x[:, :128] @ h, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(fwht128(x, 0)[128:, :], h @ x[128:, :], rtol=0, atol=1e-12)
+    t = random_tensor(1024, 512, 3, "mul1", 3)
+    mine = reconstruct_fp16(t.trellis, t.suh, t.svh, "mul1")
+    ref = t.reconstruct().T.astype(np.float16)
+    assert mine.shape == (512, 1024)
+    diff = np.argwhere(mine != ref)
+    assert len(diff) < mine.size * 1e-3
+    wi = decode(t.trellis, "mul1").astype(np.longdouble)
+    hl = h.astype(np.longdouble)
+    for o, i in diff[:50]:
+        blk = wi[(i // 128) * 128 : (i // 128 + 1) * 128, (o // 128) * 128 : (o // 128 + 1) * 128]
+        exact = hl[i % 128] @ blk @ hl[:, o % 128] / 128 * np.longdouble(t.suh[i]) * np.longdouble(t.svh[o])
+        assert np.float16(np.float64(exact)) == mine[o, i]
+        assert abs(float(mine[o, i]) - float(ref[o, i])) <= float(np.spacing(np.float16(abs(mine[o, i]))))
+
+
 def test_interrupted_build_leaves_no_valid_pack_and_resumes(tiny_inputs, monkeypatch):
     real = build_mod._decode_linear
     calls: list[str] = []

@@ -41,6 +41,7 @@ from safetensors import safe_open
 
 from pack_tools import v41
 from pack_tools.config import PackConfig
+from pack_tools.decode import reconstruct_fp16
 from pack_tools.errors import PackError
 from pack_tools.manifest import INDEX_NAME, MANIFEST_NAME, hash_file, write_manifest
 from pack_tools.st import Header, atomic_write_json, read_header, write_safetensors
@@ -180,21 +181,49 @@ class _PrefixView:
 
 
 def _decode_linear(reader: _Reader, where: dict[str, str], prefix: str) -> np.ndarray:
-    """Reconstruct one EXL3 linear to FP16 ``[out, in]`` (the ``nn.Linear.weight`` orientation)."""
+    """Reconstruct one EXL3 linear to FP16 ``[out, in]`` (the ``nn.Linear.weight`` orientation).
+
+    The tensor set is read and validated by ``cpu_tier.exl3.Exl3Tensor``; the weight is
+    ``pack_tools.decode.reconstruct_fp16`` (cpu_tier's bit-exact decode + an exact Hadamard).
+    """
     from cpu_tier.exl3 import Exl3Tensor
 
+    file = where[prefix + ".trellis"]
     names = {f"{prefix}.{p}": where[f"{prefix}.{p}"] for p in v41.EXL3_PARTS if f"{prefix}.{p}" in where}
     try:
         t = Exl3Tensor.from_safetensors(_PrefixView(reader, names, prefix), prefix)
+        return reconstruct_fp16(t.trellis, t.suh, t.svh, t.codebook)
     except ValueError as e:
-        raise PackError(f"{where[prefix + '.trellis']}: {e}") from None
-    w = t.reconstruct().T  # (k, n) = (in, out) -> (out, in)
-    if not np.isfinite(w).all():
-        raise PackError(f"{where[prefix + '.trellis']}: {prefix}: reconstruction is not finite")
-    w16 = w.astype(np.float16)
-    if not np.isfinite(w16).all():
-        raise PackError(f"{where[prefix + '.trellis']}: {prefix}: reconstruction overflows FP16")
-    return np.ascontiguousarray(w16)
+        msg = str(e)
+        raise PackError(f"{file}: {msg if msg.startswith(prefix) else f'{prefix}: {msg}'}") from None
+
+
+def _subset(where: dict[str, str], prefixes: Any) -> dict[str, str]:
+    """The ``where`` entries of the EXL3 tensors of ``prefixes`` (small enough to send to a worker)."""
+    out: dict[str, str] = {}
+    for prefix in prefixes:
+        for part in v41.EXL3_PARTS:
+            name = f"{prefix}.{part}"
+            if name in where:
+                out[name] = where[name]
+    return out
+
+
+def _decode_one(exl3: Path, where: dict[str, str], prefix: str) -> np.ndarray:
+    with ExitStack() as stack:
+        return _decode_linear(_Reader(exl3, stack), where, prefix)
+
+
+def _make_woa(
+    exl3: Path, where: dict[str, str], root: str, prefixes: list[str], dims: tuple[Any, ...], path: Path
+) -> list[int]:
+    """Reconstruct one root's grouped ``wo_a`` (slices concatenated along dim 0) and write its file."""
+    with ExitStack() as stack:
+        reader = _Reader(exl3, stack)
+        w = np.concatenate([_decode_linear(reader, where, p) for p in prefixes], axis=0)
+    _check_woa_shape(dims, root, w, where[prefixes[0] + ".trellis"])
+    write_safetensors(path, {f"{root}.attn.wo_a.weight": w}, {"format": "pt"})
+    return list(w.shape)
 
 
 def _root_key(root: str) -> tuple[int, int, str]:
@@ -241,6 +270,7 @@ def build_pack(
     *,
     config: PackConfig | None = None,
     force: bool = False,
+    jobs: int = 1,
     progress: bool = False,
     log: Log | None = None,
 ) -> Path:
@@ -254,6 +284,8 @@ def build_pack(
     out : the pack directory to create.
     config : build settings (:class:`PackConfig`).
     force : replace an existing ``out`` (atomically: the old pack stays in place until the new one is done).
+    jobs : worker processes for the EXL3 -> FP16 decoding (one task per ``wo_a`` root or dense module); the
+        output does not depend on it.
     progress : show a progress bar on stderr.
     log : receives one line per build step.
 
@@ -270,6 +302,8 @@ def build_pack(
 
     cfg = config or PackConfig()
     say = log or _quiet
+    if jobs < 1:
+        raise PackError(f"jobs: must be at least 1, got {jobs}")
     exl3 = Path(exl3_dir).resolve()
     engram = Path(engram_dir).resolve()
     out = Path(out).absolute()
@@ -354,36 +388,60 @@ def build_pack(
     if clash:
         raise PackError(f"{exl3.name}/{min(clash)}: input file name collides with a generated file")
 
-    # ---- decode
-    steps = len(roots) * int(o_groups or 1) + len(dense_predecode)
-    bar = _progress(steps, progress)
-    with ExitStack() as stack:
-        reader = _Reader(exl3, stack)
-        for root in roots:
-            rel = woa_files[root]
-            if state.is_done(rel):
-                bar.update(len(slices[root]))
-                continue
-            parts = []
-            for g in sorted(slices[root]):
-                parts.append(_decode_linear(reader, where, slices[root][g]))
+    # ---- decode (in this process, or in `jobs` worker processes: one task per wo_a root / dense module)
+    dims = tuple(tc.get(k) for k in ("num_attention_heads", "head_dim", "o_groups", "o_lora_rank"))
+    woa_todo = [r for r in roots if not state.is_done(woa_files[r])]
+    dense_todo = [] if not dense_predecode or state.is_done(NATIVE_DENSE) else dense_predecode
+    bar = _progress(len(woa_todo) + len(dense_todo), progress)
+    woa_args = {
+        r: (exl3, _subset(where, slices[r].values()), r, [slices[r][g] for g in sorted(slices[r])], dims,
+            partial / woa_files[r])
+        for r in woa_todo
+    }  # fmt: skip
+    dense_out: dict[str, np.ndarray] = {}
+
+    def woa_done(root: str, shape: list[int]) -> None:
+        state.mark(woa_files[root])
+        say(f"wrote {woa_files[root]} {shape} fp16")
+        bar.update(1)
+
+    if jobs <= 1:
+        for root in woa_todo:
+            woa_done(root, _make_woa(*woa_args[root]))
+        with ExitStack() as stack:
+            reader = _Reader(exl3, stack)
+            for prefix in dense_todo:
+                dense_out[prefix] = _decode_linear(reader, where, prefix)
                 bar.update(1)
-            w = np.concatenate(parts, axis=0)
-            _check_woa_shape(tc, root, w, where[slices[root][0] + ".trellis"])
-            write_safetensors(partial / rel, {f"{root}.attn.wo_a.weight": w}, {"format": "pt"})
-            state.mark(rel)
-            say(f"wrote {rel} {list(w.shape)} fp16")
-        if dense_predecode:
-            if state.is_done(NATIVE_DENSE):
-                bar.update(len(dense_predecode))
-            else:
-                dense: dict[str, np.ndarray] = {}
-                for prefix in dense_predecode:
-                    dense[f"{prefix}.weight"] = _decode_linear(reader, where, prefix)
-                    bar.update(1)
-                write_safetensors(partial / NATIVE_DENSE, dense, {"format": "pt"})
-                state.mark(NATIVE_DENSE)
-                say(f"wrote {NATIVE_DENSE} ({len(dense)} tensors)")
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            try:
+                futs = {pool.submit(_make_woa, *woa_args[r]): ("woa", r) for r in woa_todo}
+                futs.update(
+                    {pool.submit(_decode_one, exl3, _subset(where, [p]), p): ("dense", p) for p in dense_todo}
+                )
+                from concurrent.futures import as_completed
+
+                for fut in as_completed(futs):
+                    kind, key = futs[fut]
+                    if kind == "woa":
+                        woa_done(key, fut.result())
+                    else:
+                        dense_out[key] = fut.result()
+                        bar.update(1)
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+    if dense_todo:
+        write_safetensors(
+            partial / NATIVE_DENSE, {f"{p}.weight": dense_out[p] for p in dense_predecode}, {"format": "pt"}
+        )
+        state.mark(NATIVE_DENSE)
+        say(f"wrote {NATIVE_DENSE} ({len(dense_predecode)} tensors)")
     bar.close()
 
     # ---- index
@@ -546,8 +604,8 @@ def _check_engram(tc: Any, engram: Path, en: _Input, keys: dict[str, str]) -> No
             )
 
 
-def _check_woa_shape(tc: Any, root: str, w: np.ndarray, file: str) -> None:
-    heads, hdim, groups, rank = (tc.get(k) for k in ("num_attention_heads", "head_dim", "o_groups", "o_lora_rank"))
+def _check_woa_shape(dims: tuple[Any, ...], root: str, w: np.ndarray, file: str) -> None:
+    heads, hdim, groups, rank = dims
     if None in (heads, hdim, groups, rank):
         return
     want = (groups * rank, heads * hdim // groups)
@@ -672,7 +730,7 @@ def _progress(total: int, enabled: bool) -> Any:
         return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="decode EXL3 -> fp16", unit="tensor")
+    return tqdm(total=total, desc="decode EXL3 -> fp16", unit="file")
 
 
 def _fsync_dir(p: Path) -> None:

@@ -70,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--engram", type=Path, required=True, help=f"Engram release directory (e.g. .../{ENGRAM.dirname})")
     b.add_argument("--out", type=Path, required=True, help=f"pack directory to create (e.g. .../{PACK_DIRNAME})")
     b.add_argument("--force", action="store_true", help="replace an existing pack (atomically)")
+    b.add_argument("--jobs", type=int, default=1, help="decoding worker processes (default 1)")
     b.add_argument("--hash-inputs", action="store_true", help="hash all input bytes into the manifest (slow)")
     b.add_argument("--absolute-links", action="store_true", help="absolute instead of relative links")
     b.add_argument("--host-experts", choices=["all", "none"], default="all", help="host-resident routed experts")
@@ -145,7 +146,9 @@ def _cmd_build(a: argparse.Namespace) -> int:
         link_mode="absolute" if a.absolute_links else "relative",
         hash_inputs=a.hash_inputs,
     )
-    out = build_pack(a.exl3, a.engram, a.out, config=cfg, force=a.force, progress=not a.quiet, log=_log(a.quiet))
+    out = build_pack(
+        a.exl3, a.engram, a.out, config=cfg, force=a.force, jobs=a.jobs, progress=not a.quiet, log=_log(a.quiet)
+    )
     print(out)
     return 0
 
