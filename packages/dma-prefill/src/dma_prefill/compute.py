@@ -1,0 +1,356 @@
+"""Computing the routed experts of one staged batch: a Triton backend (GPU) and a pure-torch backend.
+
+Both read the expert records straight out of the staging slot and add ``weight * expert(x)`` of every route of
+the batch's experts into the fp32 layer output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from .config import PROJECTIONS, PrefillConfig
+from .device import Device
+from .layout import ExpertLayout
+from .ops_torch import CODEBOOK_MULT, decode_torch, expert_torch, hadamard_pm1
+from .plan import PrefillPlan
+from .ring import Staged, StagingRing
+from .store import HostExpertStore
+
+__all__ = [
+    "BatchCompute",
+    "LayerPrep",
+    "TorchCompute",
+    "TritonCompute",
+    "decode_into",
+    "decode_triton",
+    "grouped_gemm",
+    "row_hadamard",
+]
+
+
+@dataclasses.dataclass(eq=False)
+class LayerPrep:
+    """Per-layer device data derived from a plan once (counts, GEMM tiles)."""
+
+    plan: PrefillPlan
+    counts: torch.Tensor | None = None  # int64 [E] on the device
+    tiles: torch.Tensor | None = None  # int32 [n, 3]
+    tile_ranges: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    bm: int = 64
+
+
+class BatchCompute:
+    """Base: ``prepare`` once per layer, ``run_batch`` once per staged batch; ``computed`` logs (layer, expert)."""
+
+    def __init__(self, store: HostExpertStore, config: PrefillConfig, device: Device) -> None:
+        self.store = store
+        self.config = config
+        self.device = device
+        self.computed: list[tuple[int, int]] = []
+
+    def prepare(self, plan: PrefillPlan, x: torch.Tensor) -> LayerPrep:
+        return LayerPrep(plan)
+
+    def run_batch(
+        self, ring: StagingRing, st: Staged, prep: LayerPrep, x: torch.Tensor, out: torch.Tensor, stream: Any
+    ) -> None:
+        raise NotImplementedError
+
+
+class TorchCompute(BatchCompute):
+    """Per expert: decode from the slot (bit-exact), then the EXL3 forward in float32 with torch.
+
+    ``config.exact=False`` rounds the Hadamard-basis activations to fp16 before each GEMM (the precision of a
+    plain fp16 path), which the tests use as the inexact comparison point.
+    """
+
+    def run_batch(
+        self, ring: StagingRing, st: Staged, prep: LayerPrep, x: torch.Tensor, out: torch.Tensor, stream: Any
+    ) -> None:
+        plan = prep.plan
+        routed = tuple(int(e) for e in plan.routed(st.batch))
+        layout = self.store.layout(st.layer)
+        slot = ring.slot(st)
+        cfg = self.config
+
+        def fn() -> None:
+            for e in routed:
+                row = st.row(e)
+                weights = {
+                    p: (
+                        decode_torch(layout.view(slot, row, p, "trellis"), layout.spec.proj(p).codebook),
+                        layout.view(slot, row, p, "suh"),
+                        layout.view(slot, row, p, "svh"),
+                    )
+                    for p in PROJECTIONS
+                }
+                r0, r1 = plan.rows(e)
+                tok = plan.sorted_tokens[r0:r1]
+                w = plan.sorted_weights[r0:r1]
+                y = expert_torch(
+                    x[tok], weights, limit=cfg.swiglu_limit, dtype=torch.float32, fp16_activations=not cfg.exact
+                )
+                out.index_add_(0, tok, y * w[:, None])
+                self.computed.append((st.layer, e))
+
+        self.device.launch(stream, fn, reads=st.tags(routed), label=f"L{st.layer}b{st.batch}")
+
+
+# ------------------------------------------------------------------------------------------- Triton
+
+
+def _triton() -> Any:
+    from . import triton_kernels
+
+    return triton_kernels
+
+
+def decode_into(
+    src32: torch.Tensor,
+    expert_stride: int,
+    offset: int,
+    counts: torch.Tensor,
+    out: torch.Tensor,
+    k: int,
+    n: int,
+    bits: float,
+    codebook: str,
+    *,
+    block_tn: int = 16,
+) -> None:
+    """Decode the trellis of ``counts.numel()`` consecutive records into ``out`` (fp16 ``[E, k, n]``).
+
+    ``src32`` is the records viewed as int32; ``expert_stride`` and ``offset`` are in int32 units. Records
+    whose count is 0 are skipped (their ``out`` rows are left as they were).
+    """
+    tk = _triton()
+    ne = counts.numel()
+    if out.dtype != torch.float16 or out.dim() != 3 or out.shape[0] < ne or tuple(out.shape[1:]) != (k, n):
+        raise ValueError(f"decode out must be fp16 [>={ne}, {k}, {n}], got {out.dtype} {tuple(out.shape)}")
+    if not out.is_contiguous():
+        raise ValueError("decode out must be contiguous")
+    mult, add = CODEBOOK_MULT[codebook]
+    grid = (ne, k // 16, -(-(n // 16) // block_tn))
+    tk.decode_kernel[grid](
+        src32, expert_stride, offset, counts, out, k * n, n // 16, int(round(2 * bits)), mult, add,
+        MUL1=codebook == "mul1", BLOCK_TN=block_tn, num_warps=4,
+    )  # fmt: skip
+
+
+def decode_triton(trellis: torch.Tensor, codebook: str) -> torch.Tensor:
+    """Standalone GPU decode of one trellis (int16 ``[k/16, n/16, 16*K]`` on CUDA) to fp16 ``(k, n)``."""
+    if trellis.dtype != torch.int16 or trellis.dim() != 3:
+        raise ValueError(f"trellis must be int16 [k/16, n/16, 16*K], got {trellis.dtype} {tuple(trellis.shape)}")
+    tk_, tn_, words = trellis.shape
+    bits = words / 16
+    k, n = 16 * tk_, 16 * tn_
+    src = trellis.contiguous().view(-1).view(torch.int32)
+    out = torch.empty((1, k, n), dtype=torch.float16, device=trellis.device)
+    counts = torch.ones(1, dtype=torch.int64, device=trellis.device)
+    decode_into(src, 0, 0, counts, out, k, n, bits, codebook)
+    return out[0]
+
+
+def row_hadamard(
+    x: torch.Tensor,
+    n: int,
+    rows: int,
+    grp: torch.Tensor,
+    grp_base: int,
+    hpm: torch.Tensor,
+    *,
+    mode: int,
+    src: torch.Tensor | None = None,
+    vec: torch.Tensor | None = None,
+    vec_stride: int = 0,
+    pre_off: int | None = None,
+    post_off: int | None = None,
+    split: bool = True,
+    o_hi: torch.Tensor | None = None,
+    o_lo: torch.Tensor | None = None,
+    o_inv: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    w: torch.Tensor | None = None,
+    dst: torch.Tensor | None = None,
+    block_r: int = 16,
+) -> None:
+    """Launch ``row_hadamard_kernel`` (see its docstring); unused pointers get a dummy tensor."""
+    tk = _triton()
+    if rows == 0:
+        return
+    dummy16 = hpm
+    dummy32 = o_inv if o_inv is not None else out
+    if dummy32 is None:
+        raise ValueError("row_hadamard: needs o_inv (mode 0) or out (modes 1, 2)")
+    if x.stride(-1) != 1 or (o_hi is not None and o_hi.stride(-1) != 1) or (out is not None and out.stride(-1) != 1):
+        raise ValueError("row_hadamard: rows must be contiguous")
+    stride_oa = o_hi.stride(0) if o_hi is not None else 0
+    tk.row_hadamard_kernel[(-(-rows // block_r),)](
+        x, x.stride(0), src if src is not None else grp, grp, grp_base,
+        vec if vec is not None else dummy16, vec_stride, pre_off or 0, post_off or 0, hpm,
+        o_hi if o_hi is not None else dummy16, o_lo if o_lo is not None else dummy16, dummy32, stride_oa,
+        out if out is not None else dummy32, out.stride(0) if out is not None else 0,
+        w if w is not None else dummy32, dst if dst is not None else grp,
+        rows, n,
+        HAS_SRC=src is not None, HAS_PRE=pre_off is not None, HAS_POST=post_off is not None,
+        MODE=mode, SPLIT=split, BLOCK_R=block_r, num_warps=4,
+    )  # fmt: skip
+
+
+def grouped_gemm(
+    a_hi: torch.Tensor,
+    a_lo: torch.Tensor | None,
+    a_inv: torch.Tensor,
+    w: torch.Tensor,
+    tiles: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    bm: int,
+    bn: int = 128,
+    bk: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 3,
+) -> None:
+    """``out[rows] = (a_hi + a_lo)[rows] @ w[e] * a_inv[rows]`` per tile ``(e, row0, row1)``."""
+    tk = _triton()
+    ntiles = tiles.shape[0]
+    if ntiles == 0:
+        return
+    _, K, N = w.shape
+    if K % bk:
+        raise ValueError(f"grouped_gemm: K={K} is not a multiple of BK={bk}")
+    if a_hi.shape[1] != K or out.shape[1] != N:
+        raise ValueError(f"grouped_gemm: a {tuple(a_hi.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)} disagree")
+    tk.grouped_gemm_kernel[(ntiles, -(-N // bn))](
+        a_hi, a_lo if a_lo is not None else a_hi, a_inv, a_hi.stride(0), w, w.stride(0), out, out.stride(0),
+        tiles, K, N, SPLIT=a_lo is not None, BM=bm, BN=bn, BK=bk, num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+
+
+def make_tiles(plan: PrefillPlan, bm: int) -> tuple[np.ndarray, dict[int, tuple[int, int]]]:
+    """GEMM row tiles ``(local expert, row0, row1)`` (rows local to the batch) for every GPU batch."""
+    out: list[tuple[int, int, int]] = []
+    ranges: dict[int, tuple[int, int]] = {}
+    for b in plan.gpu_batches:
+        start = len(out)
+        e0, _ = plan.batch_range(b)
+        br0, _ = plan.batch_rows(b)
+        for e in plan.routed(b).tolist():
+            r0, r1 = plan.rows(e)
+            for s in range(r0, r1, bm):
+                out.append((e - e0, s - br0, min(s + bm, r1) - br0))
+        ranges[b] = (start, len(out))
+    return np.array(out, dtype=np.int32).reshape(-1, 3), ranges
+
+
+class TritonCompute(BatchCompute):
+    """Per batch: decode the B experts' three projections into fp16 scratch, then for all rows of the batch
+    at once: input transform (split), grouped GEMM gate and up, output transforms, SwiGLU, input transform,
+    grouped GEMM down, output transform with the routing weight, atomically added into the layer output.
+    About 16 launches per batch, none per expert."""
+
+    def __init__(self, store: HostExpertStore, config: PrefillConfig, device: Device, torch_device: torch.device) -> None:
+        super().__init__(store, config, device)
+        self.torch_device = torch_device
+        self.hpm = hadamard_pm1(torch.float16, torch_device)
+        spec = store.spec(store.layer_ids[0])
+        B = config.experts_per_batch
+        self.w = {p: torch.empty((B, spec.proj(p).k, spec.proj(p).n), dtype=torch.float16, device=torch_device) for p in PROJECTIONS}
+
+    def prepare(self, plan: PrefillPlan, x: torch.Tensor) -> LayerPrep:
+        busy = plan.counts[plan.counts > 0]
+        bm = 64 if busy.size == 0 or busy.mean() <= 96 else 128
+        tiles, ranges = make_tiles(plan, bm)
+        return LayerPrep(
+            plan,
+            counts=torch.from_numpy(plan.counts).to(self.torch_device),
+            tiles=torch.from_numpy(tiles).to(self.torch_device),
+            tile_ranges=ranges,
+            bm=bm,
+        )
+
+    def run_batch(
+        self, ring: StagingRing, st: Staged, prep: LayerPrep, x: torch.Tensor, out: torch.Tensor, stream: Any
+    ) -> None:
+        plan = prep.plan
+        routed = tuple(int(e) for e in plan.routed(st.batch))
+        layout = self.store.layout(st.layer)
+        slot = ring.slot(st)
+        self.device.launch(
+            stream,
+            lambda: self._batch(layout, slot, st, prep, routed, x, out),
+            reads=st.tags(routed),
+            label=f"L{st.layer}b{st.batch}",
+        )
+
+    def _batch(
+        self,
+        layout: ExpertLayout,
+        slot: torch.Tensor,
+        st: Staged,
+        prep: LayerPrep,
+        routed: tuple[int, ...],
+        x: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        plan = prep.plan
+        spec = layout.spec
+        cfg = self.config
+        assert prep.counts is not None and prep.tiles is not None
+        ne = st.e1 - st.e0
+        counts = prep.counts[st.e0 : st.e1]
+        slot32 = slot.view(torch.int32)
+        slot16 = slot.view(torch.float16)
+        s4, s2 = layout.stride // 4, layout.stride // 2
+        for p in PROJECTIONS:
+            ps = spec.proj(p)
+            decode_into(slot32, s4, layout.elem_offset(p, "trellis", 4), counts, self.w[p], ps.k, ps.n, ps.bits, ps.codebook)
+        r0, r1 = plan.batch_rows(st.batch)
+        R = r1 - r0
+        tok = plan.sorted_tokens[r0:r1]
+        grp = plan.sorted_experts[r0:r1]
+        wts = plan.sorted_weights[r0:r1]
+        t0, t1 = prep.tile_ranges[st.batch]
+        tiles = prep.tiles[t0:t1]
+        H, I = spec.hidden, spec.intermediate
+        dev = self.torch_device
+        split = cfg.exact
+
+        def transform_in(inp: torch.Tensor, n: int, p: str, src: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+            hi = torch.empty((R, n), dtype=torch.float16, device=dev)
+            lo = torch.empty((R, n), dtype=torch.float16, device=dev) if split else None
+            inv = torch.empty(R, dtype=torch.float32, device=dev)
+            row_hadamard(
+                inp, n, R, grp, st.e0, self.hpm, mode=0, src=src, vec=slot16, vec_stride=s2,
+                pre_off=layout.elem_offset(p, "suh", 2), split=split, o_hi=hi, o_lo=lo, o_inv=inv,
+            )  # fmt: skip
+            return hi, lo, inv  # type: ignore[return-value]
+
+        gu = []
+        for p in ("gate", "up"):
+            hi, lo, inv = transform_in(x, H, p, tok)
+            t = torch.empty((R, I), dtype=torch.float32, device=dev)
+            grouped_gemm(hi, lo, inv, self.w[p][:ne], tiles, t, bm=prep.bm)
+            y = torch.empty((R, I), dtype=torch.float32, device=dev)
+            row_hadamard(
+                t, I, R, grp, st.e0, self.hpm, mode=1, vec=slot16, vec_stride=s2,
+                post_off=layout.elem_offset(p, "svh", 2), out=y,
+            )  # fmt: skip
+            gu.append(y)
+        g, u = gu
+        if cfg.swiglu_limit is not None:
+            g.clamp_(max=cfg.swiglu_limit)
+            u.clamp_(-cfg.swiglu_limit, cfg.swiglu_limit)
+        act = torch.nn.functional.silu(g, inplace=True).mul_(u)
+        hi, lo, inv = transform_in(act, I, "down", None)
+        t = torch.empty((R, H), dtype=torch.float32, device=dev)
+        grouped_gemm(hi, lo, inv, self.w["down"][:ne], tiles, t, bm=prep.bm)
+        row_hadamard(
+            t, H, R, grp, st.e0, self.hpm, mode=2, vec=slot16, vec_stride=s2,
+            post_off=layout.elem_offset("down", "svh", 2), out=out, w=wts, dst=tok,
+        )  # fmt: skip
+        self.computed.extend((st.layer, e) for e in routed)

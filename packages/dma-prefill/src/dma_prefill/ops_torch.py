@@ -1,0 +1,146 @@
+"""Pure-torch EXL3 expert math: the CPU path, the fallback on any device, and the second test reference.
+
+``decode_torch`` is bit-exact against ``cpu_tier.exl3.decode`` (same integer arithmetic, done in int64).
+``linear_torch`` / ``expert_torch`` follow the EXL3 forward order ``H(x * suh) @ W_inner -> H -> * svh`` in the
+requested float dtype (float32 on the fake device, float64 for references).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+from cpu_tier.exl3 import CODEBOOKS, Codebook, bits_from_trellis, tensor_core_perm
+
+__all__ = ["decode_torch", "expert_torch", "hadamard_128_torch", "hadamard_pm1", "linear_torch", "swiglu"]
+
+_MUL1_K_INV = 0.00676727294921875  # half(0x1EEE)
+_MUL1_K_BIAS = -10.3828125  # half(0xC931)
+#: (multiplier, addend) of the LOP3 codebooks; MUL1's multiplier.
+CODEBOOK_MULT = {"3inst": (89226354, 64248484), "mcg": (0xCBAC1FED, 0), "mul1": (0x83DCD12D, 0)}
+
+
+def _window_ends(bits: float) -> np.ndarray:
+    """``S(t)``, end of element t's code in the tile stream (same rule as the numpy reference)."""
+    t = np.arange(256, dtype=np.int64)
+    ka = int(bits) if float(bits).is_integer() else int(bits - 0.5)
+    half = 0 if float(bits).is_integer() else 1
+    i = t & 15
+    return (t >> 4) * (16 * ka + 8 * half) + (i + 1) * ka + half * ((i + 1) // 2)
+
+
+@functools.cache
+def _stream_index(bits: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    nbits = int(256 * bits)
+    nwords = nbits // 32
+    start = (_window_ends(bits) - 16) % nbits
+    i0 = start // 32
+    i1 = (i0 + 1) % nwords
+    shift = 48 - start % 32
+    return i0, i1, shift
+
+
+def codebook_torch(states: torch.Tensor, codebook: Codebook) -> torch.Tensor:
+    """int64 states in [0, 65535] -> fp16 values, bit-exactly like exllamav3's GPU codebooks."""
+    if codebook not in CODEBOOKS:
+        raise ValueError(f"unknown codebook {codebook!r}; expected one of {CODEBOOKS}")
+    mult, add = CODEBOOK_MULT[codebook]
+    x = (states * mult + add) & 0xFFFFFFFF
+    if codebook == "mul1":
+        bs = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+        # exact in float64 (and in float32); one rounding to fp16, to nearest even
+        return ((bs + 1024).to(torch.float64) * _MUL1_K_INV + _MUL1_K_BIAS).to(torch.float32).to(torch.float16)
+    x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+    lo = (x & 0xFFFF).to(torch.int32).to(torch.int16).view(torch.float16).to(torch.float32)
+    hi = (x >> 16).to(torch.int32).to(torch.int16).view(torch.float16).to(torch.float32)
+    return (lo + hi).to(torch.float16)  # exact fp32 sum, one rounding (as __hadd)
+
+
+def decode_torch(trellis: torch.Tensor, codebook: Codebook, *, chunk_tiles: int = 8192) -> torch.Tensor:
+    """Decode an EXL3 trellis to ``W_inner`` (fp16 ``(k, n)``), bit-exact, on the trellis's device.
+
+    Parameters
+    ----------
+    trellis : int16 ``[k/16, n/16, 16*K]`` (any device; a slot or host-store view works).
+    codebook : "3inst", "mcg" or "mul1".
+    """
+    if trellis.dtype != torch.int16 or trellis.dim() != 3:
+        raise ValueError(f"trellis must be int16 [k/16, n/16, 16*K], got {trellis.dtype} {tuple(trellis.shape)}")
+    bits = bits_from_trellis(np.empty((0, 0, trellis.shape[-1]), dtype=np.int16))
+    tk, tn, _ = trellis.shape
+    dev = trellis.device
+    i0, i1, shift = (torch.from_numpy(a).to(dev) for a in _stream_index(bits))
+    perm = torch.from_numpy(tensor_core_perm()).to(dev)
+    out = torch.empty((tk, tn, 256), dtype=torch.float16, device=dev)
+    flat = trellis.reshape(tk * tn, -1)
+    outf = out.view(tk * tn, 256)
+    for s in range(0, tk * tn, chunk_tiles):
+        u16 = flat[s : s + chunk_tiles].to(torch.int64) & 0xFFFF
+        words = u16[:, 0::2] | (u16[:, 1::2] << 16)
+        pair = (words[:, i0] << 32) | words[:, i1]  # int64 wraps; the bits we keep are below bit 64
+        states = (pair >> shift) & 0xFFFF
+        outf[s : s + chunk_tiles, perm] = codebook_torch(states, codebook)
+    return out.view(tk, tn, 16, 16).permute(0, 2, 1, 3).reshape(16 * tk, 16 * tn)
+
+
+@functools.cache
+def _hadamard_np() -> np.ndarray:
+    h = np.ones((1, 1))
+    while h.shape[0] < 128:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def hadamard_pm1(dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The Sylvester Hadamard-128 with +-1 entries (unnormalised), ``[128, 128]``."""
+    return torch.from_numpy(_hadamard_np()).to(dtype=dtype, device=device)
+
+
+def hadamard_128_torch(x: torch.Tensor) -> torch.Tensor:
+    """Blockwise orthonormal Hadamard-128 over the last dim, in ``x.dtype`` (float32/float64)."""
+    n = x.shape[-1]
+    if n % 128:
+        raise ValueError(f"Hadamard-128 needs a last dim that is a multiple of 128, got {n}")
+    h = hadamard_pm1(x.dtype, x.device) * (1.0 / math.sqrt(128.0))
+    return (x.reshape(*x.shape[:-1], n // 128, 128) @ h).reshape(x.shape)
+
+
+def linear_torch(
+    x: torch.Tensor,
+    w_inner: torch.Tensor,
+    suh: torch.Tensor,
+    svh: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+    fp16_activations: bool = False,
+) -> torch.Tensor:
+    """``y = H(H(x * suh) @ W_inner) * svh`` in ``dtype``; ``fp16_activations`` rounds ``H(x * suh)`` to fp16
+    first (what a plain fp16 GEMM path does)."""
+    xh = hadamard_128_torch(x.to(dtype) * suh.to(dtype))
+    if fp16_activations:
+        xh = xh.to(torch.float16).to(dtype)
+    return hadamard_128_torch(xh @ w_inner.to(dtype)) * svh.to(dtype)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    """DeepSeek's clamped SwiGLU: ``silu(min(gate, L)) * clamp(up, -L, L)`` (plain SwiGLU when L is None)."""
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+    return torch.nn.functional.silu(gate) * up
+
+
+def expert_torch(
+    x: torch.Tensor,
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    *,
+    limit: float | None = None,
+    dtype: torch.dtype = torch.float32,
+    fp16_activations: bool = False,
+) -> torch.Tensor:
+    """One routed SwiGLU expert: ``down(swiglu(gate(x), up(x)))``; ``weights[p] = (W_inner, suh, svh)``."""
+    g = linear_torch(x, *weights["gate"], dtype=dtype, fp16_activations=fp16_activations)
+    u = linear_torch(x, *weights["up"], dtype=dtype, fp16_activations=fp16_activations)
+    return linear_torch(swiglu(g, u, limit), *weights["down"], dtype=dtype, fp16_activations=fp16_activations)

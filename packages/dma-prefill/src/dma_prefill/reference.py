@@ -1,0 +1,129 @@
+"""All-in-memory references and a small synthetic MoE stack, for tests and the accuracy report.
+
+The reference reads each expert straight from the host store, decodes it with ``cpu_tier.exl3.decode`` (the
+numpy reference, independent of this package's decoders) and runs the EXL3 forward in float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from cpu_tier import exl3
+
+from .config import PROJECTIONS, LayerSpec, StoreConfig
+from .ops_torch import expert_torch
+from .store import HostExpertStore
+
+__all__ = ["SyntheticStack", "fill_random", "kl_divergence", "reference_expert", "reference_moe"]
+
+MoeFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def fill_random(store: HostExpertStore, seed: int = 0) -> None:
+    """Fill every expert of every layer with a valid random EXL3 tensor (``cpu_tier.exl3.random_tensor``)."""
+    rng = np.random.default_rng(seed)
+    for lid in store.layer_ids:
+        spec = store.spec(lid)
+        for e in range(spec.num_experts):
+            for p in PROJECTIONS:
+                ps = spec.proj(p)
+                store.write(lid, e, p, exl3.random_tensor(ps.k, ps.n, ps.bits, ps.codebook, rng))
+
+
+def reference_expert(
+    store: HostExpertStore, layer: int, expert: int, x: torch.Tensor, *, limit: float | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:  # fmt: skip
+    """One expert on CPU rows ``x`` in ``dtype`` (float64: the reference; float32: the fp32-noise yardstick)."""
+    spec = store.spec(layer)
+    weights = {}
+    for p in PROJECTIONS:
+        cb = spec.proj(p).codebook
+        w_inner = torch.from_numpy(exl3.decode(store.numpy(layer, expert, p, "trellis"), cb))
+        weights[p] = (w_inner, store.tensor(layer, expert, p, "suh"), store.tensor(layer, expert, p, "svh"))
+    return expert_torch(x.cpu(), weights, limit=limit, dtype=dtype)
+
+
+def reference_moe(
+    store: HostExpertStore,
+    layer: int,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    limit: float | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """``sum_k w_k * expert_k(x)`` for every token, on the CPU in ``dtype``."""
+    x = x.cpu().to(dtype)
+    ids = topk_ids.cpu()
+    ws = topk_weights.cpu().to(dtype)
+    out = torch.zeros_like(x)
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        y = reference_expert(store, layer, e, x[tok], limit=limit, dtype=dtype)
+        out.index_add_(0, tok, y * ws[tok, slot][:, None])
+    return out
+
+
+def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per-token ``KL(softmax(ref) || softmax(logits))`` in float64."""
+    p = torch.log_softmax(ref_logits.double(), dim=-1)
+    q = torch.log_softmax(logits.double(), dim=-1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+@dataclasses.dataclass(eq=False)
+class SyntheticStack:
+    """A small residual stack of MoE layers with random EXL3 experts, softmax top-k routers and an unembedding.
+
+    ``h <- h + moe_l(rmsnorm(h))`` per layer, logits ``= rmsnorm(h) @ unembed``.
+    """
+
+    store: HostExpertStore
+    routers: dict[int, torch.Tensor]  # float64 [H, E]
+    unembed: torch.Tensor  # float64 [H, V]
+    top_k: int
+
+    @classmethod
+    def build(
+        cls,
+        num_layers: int = 3,
+        spec: LayerSpec | None = None,
+        *,
+        top_k: int = 4,
+        vocab: int = 512,
+        seed: int = 0,
+        use_cuda: bool | None = None,
+    ) -> SyntheticStack:
+        spec = spec or LayerSpec(num_experts=16, hidden=256, intermediate=128)
+        store = HostExpertStore({i: spec for i in range(num_layers)}, StoreConfig(progress=False), use_cuda=use_cuda)
+        fill_random(store, seed)
+        g = torch.Generator().manual_seed(seed)
+        routers = {i: torch.randn(spec.hidden, spec.num_experts, generator=g, dtype=torch.float64) for i in range(num_layers)}
+        unembed = torch.randn(spec.hidden, vocab, generator=g, dtype=torch.float64) * 4.0 / spec.hidden**0.5
+        return cls(store, routers, unembed, top_k)
+
+    def embed(self, tokens: int, seed: int = 1) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(tokens, self.store.spec(0).hidden, generator=g, dtype=torch.float64)
+
+    def route(self, layer: int, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.softmax(xn @ self.routers[layer].to(xn), dim=-1)
+        w, ids = torch.topk(scores, self.top_k, dim=-1)
+        return ids, w / w.sum(-1, keepdim=True)
+
+    def forward(self, h0: torch.Tensor, moe: MoeFn, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+        """Logits ``[T, V]``; ``moe(layer, xn, topk_ids, topk_weights)`` computes one MoE layer."""
+        h = h0.to(dtype)
+        for layer in sorted(self.routers):
+            xn = torch.nn.functional.rms_norm(h, (h.shape[-1],))
+            ids, w = self.route(layer, xn)
+            h = h + moe(layer, xn, ids, w).to(dtype)
+        return torch.nn.functional.rms_norm(h, (h.shape[-1],)) @ self.unembed.to(h)
+
+    def reference_logits(self, h0: torch.Tensor) -> torch.Tensor:
+        return self.forward(h0.cpu(), lambda layer, x, i, w: reference_moe(self.store, layer, x, i, w))

@@ -1,0 +1,206 @@
+"""Triton kernels for the GPU expert path: EXL3 decode, the Hadamard row transforms, the grouped GEMM.
+
+Importing this module needs Triton (present wherever torch has CUDA; absent on the CPU CI machine).
+
+Accuracy scheme ("exact" mode). ``W_inner`` is exactly fp16. An fp32 activation row ``a`` is scaled by a power
+of two ``s`` (so that ``|a*s| < 2^14``) and split ``a*s = hi + lo`` with ``hi = fp16(a*s)`` and
+``lo = fp16(a*s - hi)``; ``hi + lo`` carries ~22 significant bits. ``hi*w`` and ``lo*w`` are exact fp16 x fp16
+products, the tensor cores add them in fp32, and ``1/s`` is applied exactly at the end, so the GEMM's error is
+fp32 accumulation (plus the 2^-22 split) instead of the 2^-11 of an fp16 activation. The Hadamard-128 of a row
+uses the same split against the +-1 matrix (exact products) and one fp32 scaling by 1/sqrt(128).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["decode_kernel", "grouped_gemm_kernel", "row_hadamard_kernel"]
+
+
+@triton.jit
+def decode_kernel(
+    SRC,  # int32*: trellis words (uint32 bit patterns)
+    src_expert_stride,  # int32 units between consecutive experts' records
+    src_offset,  # int32 units from a record's start to this projection's trellis
+    COUNTS,  # int64*: rows routed to each expert (experts with 0 rows are skipped)
+    OUT,  # fp16*: [experts, k, n]
+    out_expert_stride,  # elements
+    TN,  # n / 16
+    K2,  # 2 * bits per weight (odd: half-integer K)
+    MULT,  # codebook multiplier
+    ADD,  # codebook addend (3INST)
+    MUL1: tl.constexpr,  # MUL1 byte-sum codebook, else LOP3 + half-sum (3INST/MCG)
+    BLOCK_TN: tl.constexpr,
+):
+    e = tl.program_id(0)
+    tk = tl.program_id(1)
+    tnb = tl.program_id(2)
+    count = tl.load(COUNTS + e)
+    if count > 0:
+        r3 = tl.arange(0, 16)[:, None, None]  # row inside the tile (k offset)
+        c3 = tl.arange(0, 16)[None, None, :]  # column inside the tile (n offset)
+        tn3 = (tnb * BLOCK_TN + tl.arange(0, BLOCK_TN))[None, :, None]
+        # trellis index t of row-major element (r, c): the inverse of the tensor-core permutation
+        q = (c3 % 8) * 4 + (r3 % 8) // 2
+        j = (c3 // 8) * 4 + (r3 // 8) * 2 + (r3 % 2)
+        t = 8 * q + j
+        ka = K2 // 2
+        half = K2 % 2
+        i = t & 15
+        s_end = (t >> 4) * (16 * ka + 8 * half) + (i + 1) * ka + half * ((i + 1) // 2)
+        nbits = 128 * K2
+        nwords = 4 * K2
+        start = (s_end - 16 + nbits) % nbits
+        i0 = start // 32
+        i1 = (i0 + 1) % nwords
+        sh = (48 - start % 32).to(tl.uint64)
+        tile = (tk * TN + tn3).to(tl.int64)
+        base = SRC + e.to(tl.int64) * src_expert_stride + src_offset + tile * nwords
+        m = (tn3 < TN) & (r3 >= 0) & (c3 >= 0)
+        a = tl.load(base + i0, mask=m, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+        b = tl.load(base + i1, mask=m, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
+        state = (((a << 32) | b) >> sh) & 0xFFFF
+        x = (state.to(tl.int64) * MULT + ADD) & 0xFFFFFFFF
+        if MUL1:
+            bs = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + ((x >> 24) & 0xFF)
+            # (1024 + bs) * half(0x1EEE) + half(0xC931) is exact in fp32; one rounding to fp16 as the hfma
+            v = ((bs + 1024).to(tl.float32) * 0.00676727294921875 + -10.3828125).to(tl.float16)
+        else:
+            x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+            lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = ((x >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            v = (lo + hi).to(tl.float16)  # both halves in [0.125, 2): exact fp32 sum, one rounding
+        n = TN * 16
+        dst = OUT + e.to(tl.int64) * out_expert_stride + (tk * 16 + r3).to(tl.int64) * n + tn3 * 16 + c3
+        tl.store(dst, v, mask=m)
+
+
+@triton.jit
+def row_hadamard_kernel(
+    X,  # input rows (fp16/bf16/fp32)
+    stride_x,
+    SRC,  # int64*: input row of each output row (HAS_SRC)
+    GRP,  # int64*: group (expert id) of each row; local group = GRP[r] - grp_base
+    grp_base,
+    VEC,  # fp16*: per-group vectors (a staging slot viewed as fp16)
+    vec_stride,  # elements between consecutive groups' records
+    pre_off,  # elements: the pre-multiplier (suh) inside a record
+    post_off,  # elements: the post-multiplier (svh) inside a record
+    HPM,  # fp16* [128, 128] +-1 Hadamard
+    O_HI,  # fp16* [R, N] (MODE 0)
+    O_LO,  # fp16* [R, N] (MODE 0 and SPLIT)
+    O_INV,  # fp32* [R] (MODE 0): 1/s of each row
+    stride_oa,
+    OUT,  # fp32* (MODE 1: [R, N]; MODE 2: [T, N] accumulated at DST rows)
+    stride_o,
+    W,  # fp32* [R] (MODE 2): routing weight
+    DST,  # int64* [R] (MODE 2): token of each row
+    R,
+    N,
+    HAS_SRC: tl.constexpr,
+    HAS_PRE: tl.constexpr,
+    HAS_POST: tl.constexpr,
+    MODE: tl.constexpr,  # 0: split fp16 hi/lo for a GEMM; 1: store fp32; 2: weighted atomic add into OUT[DST]
+    SPLIT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Per row: ``v = X[src] * pre[grp]``; ``h = H128(v)``; then MODE 0: ``h*s`` split to fp16 hi/lo plus
+    ``1/s``; MODE 1: ``h * post[grp]``; MODE 2: ``OUT[dst] += h * post[grp] * w``."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    if HAS_SRC:
+        src = tl.load(SRC + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    grp = (tl.load(GRP + rows, mask=rmask, other=grp_base) - grp_base).to(tl.int64)
+    cols = tl.arange(0, 128)
+    xrow = X + src[:, None] * stride_x + cols[None, :]
+    vrow = VEC + grp[:, None] * vec_stride + cols[None, :]
+    m2 = rmask[:, None]
+    # pass 1: the row's 2-norm bounds every Hadamard output (orthonormal): pick s = 2^e with norm * s < 2^14
+    ss = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for kb in range(0, N, 128):
+        v = tl.load(xrow + kb, mask=m2, other=0.0).to(tl.float32)
+        if HAS_PRE:
+            v = v * tl.load(vrow + pre_off + kb, mask=m2, other=0.0).to(tl.float32)
+        ss += tl.sum(v * v, axis=1)
+    e_ss = ((ss.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # ss in [2^e, 2^(e+1))
+    m_exp = (e_ss + 258) // 2 - 128  # ceil((e+1)/2): norm < 2^m
+    es = tl.minimum(tl.maximum(14 - m_exp, -100), 100)
+    scale = ((es + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - es) << 23).to(tl.float32, bitcast=True)
+    hpm = tl.load(HPM + tl.arange(0, 128)[:, None] * 128 + cols[None, :])
+    for kb in range(0, N, 128):
+        v = tl.load(xrow + kb, mask=m2, other=0.0).to(tl.float32)
+        if HAS_PRE:
+            v = v * tl.load(vrow + pre_off + kb, mask=m2, other=0.0).to(tl.float32)
+        y = v * scale[:, None]
+        y_hi = y.to(tl.float16)
+        y_lo = (y - y_hi.to(tl.float32)).to(tl.float16)
+        h = tl.dot(y_hi, hpm, out_dtype=tl.float32)
+        h = tl.dot(y_lo, hpm, h, out_dtype=tl.float32)
+        h = h * 0.08838834764831845  # 1/sqrt(128); h = s * H128(v)
+        if MODE == 0:
+            a_hi = h.to(tl.float16)
+            tl.store(O_HI + rows[:, None].to(tl.int64) * stride_oa + kb + cols[None, :], a_hi, mask=m2)
+            if SPLIT:
+                a_lo = (h - a_hi.to(tl.float32)).to(tl.float16)
+                tl.store(O_LO + rows[:, None].to(tl.int64) * stride_oa + kb + cols[None, :], a_lo, mask=m2)
+        else:
+            o = h * inv[:, None]
+            if HAS_POST:
+                o = o * tl.load(vrow + post_off + kb, mask=m2, other=0.0).to(tl.float32)
+            if MODE == 1:
+                tl.store(OUT + rows[:, None].to(tl.int64) * stride_o + kb + cols[None, :], o, mask=m2)
+            else:
+                w = tl.load(W + rows, mask=rmask, other=0.0)
+                dst = tl.load(DST + rows, mask=rmask, other=0).to(tl.int64)
+                tl.atomic_add(OUT + dst[:, None] * stride_o + kb + cols[None, :], o * w[:, None], mask=m2)
+    if MODE == 0:
+        tl.store(O_INV + rows, inv, mask=rmask)
+
+
+@triton.jit
+def grouped_gemm_kernel(
+    A_HI,  # fp16* [R, K]
+    A_LO,  # fp16* [R, K] (SPLIT)
+    A_INV,  # fp32* [R]
+    stride_a,
+    W,  # fp16* [experts, K, N]
+    stride_we,
+    OUT,  # fp32* [R, N]
+    stride_o,
+    TILES,  # int32* [tiles, 3]: (local expert, first row, end row)
+    K,
+    N,
+    SPLIT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """``OUT[rows] = (A_HI[rows] + A_LO[rows]) @ W[e] * A_INV[rows]`` for each tile of one expert's rows."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(TILES + pid_m * 3).to(tl.int64)
+    r0 = tl.load(TILES + pid_m * 3 + 1)
+    r1 = tl.load(TILES + pid_m * 3 + 2)
+    rows = r0 + tl.arange(0, BM)
+    rmask = rows < r1
+    cols = pid_n * BN + tl.arange(0, BN)
+    cmask = cols < N
+    ks = tl.arange(0, BK)
+    a_off = rows[:, None].to(tl.int64) * stride_a + ks[None, :]
+    w_ptr = W + e * stride_we + ks[:, None].to(tl.int64) * N + cols[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        w = tl.load(w_ptr + k0 * N, mask=cmask[None, :], other=0.0)
+        a = tl.load(A_HI + a_off + k0, mask=rmask[:, None], other=0.0)
+        acc = tl.dot(a, w, acc, out_dtype=tl.float32)
+        if SPLIT:
+            a2 = tl.load(A_LO + a_off + k0, mask=rmask[:, None], other=0.0)
+            acc = tl.dot(a2, w, acc, out_dtype=tl.float32)
+    inv = tl.load(A_INV + rows, mask=rmask, other=1.0)
+    out = acc * inv[:, None]
+    tl.store(OUT + rows[:, None].to(tl.int64) * stride_o + cols[None, :], out, mask=rmask[:, None] & cmask[None, :])
