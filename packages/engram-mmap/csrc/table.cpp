@@ -1,6 +1,7 @@
 #include "table.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -57,12 +58,14 @@ void check_span(const TensorSpan& span, uint64_t rows, const char* what) {
 
 }  // namespace
 
-Table::Table(TensorSpan weight, TensorSpan scale, uint64_t rows, int n_threads, bool dedup, bool readahead)
+Table::Table(TensorSpan weight, TensorSpan scale, uint64_t rows, int n_threads, bool dedup,
+             uint64_t readahead_max_rows)
     : weight_(std::move(weight)),
       scale_(std::move(scale)),
       rows_(rows),
       dedup_(dedup),
-      readahead_(readahead),
+      readahead_max_rows_(readahead_max_rows),
+      cores_(std::max(1, (int)std::thread::hardware_concurrency())),
       // The calling thread takes part in every parallel-for, so the pool holds n_threads - 1.
       pool_(std::max(0, n_threads - 1)) {
   if (n_threads < 1) throw std::invalid_argument("n_threads must be >= 1");
@@ -135,7 +138,9 @@ size_t Table::dedup(const int64_t* ids, size_t n, int32_t* first) {
   while ((uint64_t(1) << bits) < 2 * (uint64_t)n) ++bits;
   int pbits = 0;
   if (n >= 8192) {
-    while ((1 << (pbits + 1)) <= pool_.size() + 1 && pbits + 1 <= bits - 6) ++pbits;
+    // Every task scans all ids, so use no more ranges than there are cores to run them.
+    const int workers = std::min(pool_.size() + 1, cores_);
+    while ((1 << (pbits + 1)) <= workers && pbits + 1 <= bits - 6) ++pbits;
   }
   const uint64_t cap = uint64_t(1) << bits;
   const uint64_t part = cap >> pbits;
@@ -198,43 +203,71 @@ size_t Table::gather(const int64_t* ids, size_t n, uint8_t* out_weight, uint8_t*
   }
   const int32_t* fst = first.empty() ? nullptr : first.data();
   const uint64_t wb = weight_.row_bytes, sb = scale_.row_bytes;
-  const size_t chunk = chunk_size(n);
-  const size_t tasks = (n + chunk - 1) / chunk;
   auto is_first = [fst](size_t i) { return fst == nullptr || fst[i] == (int32_t)i; };
-
-  if (readahead_) {
-    const int wfd = weight_.mapping->fd(), sfd = scale_.mapping->fd();
-    const uint64_t woff = weight_.offset, soff = scale_.offset;
-    pool_.parallel_for(tasks, [&](size_t t) {
-      const size_t end = std::min(n, (t + 1) * chunk);
-      for (size_t i = t * chunk; i < end; ++i) {
-        if (!is_first(i)) continue;
-        (void)::posix_fadvise(wfd, (off_t)(woff + (uint64_t)ids[i] * wb), (off_t)wb, POSIX_FADV_WILLNEED);
-        (void)::posix_fadvise(sfd, (off_t)(soff + (uint64_t)ids[i] * sb), (off_t)sb, POSIX_FADV_WILLNEED);
-      }
-    });
-  }
-  pool_.parallel_for(tasks, [&](size_t t) {
-    const size_t end = std::min(n, (t + 1) * chunk);
-    for (size_t i = t * chunk; i < end; ++i) {
+  auto copy_rows = [&](size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) {
       if (!is_first(i)) continue;
       const uint64_t row = (uint64_t)ids[i];
       std::memcpy(out_weight + i * wb, weight_base_ + row * wb, wb);
       std::memcpy(out_scale + i * sb, scale_base_ + row * sb, sb);
     }
-  });
+  };
+  const size_t chunk = chunk_size(n);
+  const size_t tasks = (n + chunk - 1) / chunk;
+
+  if (n_unique <= readahead_max_rows_) {
+    // Few rows (a decode step): submit every read, then copy; the copy waits about one device
+    // latency in all, and no pool thread needs waking.
+    for (size_t i = 0; i < n; ++i)
+      if (is_first(i)) advise_row(ids[i]);
+    copy_rows(0, n);
+  } else if (sample_resident(ids, n)) {
+    // Cached rows: the copy is CPU bound, one task per core (more threads only add switches).
+    const size_t k = (size_t)std::min(cores_, pool_.size() + 1);
+    const size_t per = (n + k - 1) / k;
+    pool_.parallel_for(k, [&](size_t t) { copy_rows(t * per, std::min(n, (t + 1) * per)); });
+  } else {
+    // Rows on disk: every pool thread faults pages, so the device sees n_threads reads in flight.
+    pool_.parallel_for(tasks, [&](size_t t) { copy_rows(t * chunk, std::min(n, (t + 1) * chunk)); });
+  }
   if (n_unique < n) {
-    pool_.parallel_for(tasks, [&](size_t t) {
-      const size_t end = std::min(n, (t + 1) * chunk);
-      for (size_t i = t * chunk; i < end; ++i) {
+    auto fill_repeats = [&](size_t begin, size_t end) {
+      for (size_t i = begin; i < end; ++i) {
         if (is_first(i)) continue;
         const size_t j = (size_t)fst[i];
         std::memcpy(out_weight + i * wb, out_weight + j * wb, wb);
         std::memcpy(out_scale + i * sb, out_scale + j * sb, sb);
       }
-    });
+    };
+    // Copies between cached buffers: not worth waking the pool for a few thousand rows.
+    if (n <= 4096) {
+      fill_repeats(0, n);
+    } else {
+      pool_.parallel_for(tasks, [&](size_t t) { fill_repeats(t * chunk, std::min(n, (t + 1) * chunk)); });
+    }
   }
   return n_unique;
+}
+
+bool Table::sample_resident(const int64_t* ids, size_t n) const {
+  // mincore on the weight pages of up to 32 evenly spaced rows (their scale pages are 32x denser,
+  // so they are resident whenever the weight pages are).
+  const size_t samples = std::min<size_t>(32, n);
+  const uint8_t* base = weight_.mapping->data();
+  for (size_t k = 0; k < samples; ++k) {
+    const uint64_t off = weight_.offset + (uint64_t)ids[k * n / samples] * weight_.row_bytes;
+    unsigned char vec = 0;
+    if (::mincore(const_cast<uint8_t*>(base) + off / kPage * kPage, 1, &vec) != 0 || !(vec & 1)) return false;
+  }
+  return true;
+}
+
+void Table::advise_row(int64_t row) const {
+  const uint64_t wb = weight_.row_bytes, sb = scale_.row_bytes;
+  (void)::posix_fadvise(weight_.mapping->fd(), (off_t)(weight_.offset + (uint64_t)row * wb), (off_t)wb,
+                        POSIX_FADV_WILLNEED);
+  (void)::posix_fadvise(scale_.mapping->fd(), (off_t)(scale_.offset + (uint64_t)row * sb), (off_t)sb,
+                        POSIX_FADV_WILLNEED);
 }
 
 void Table::prefetch(const int64_t* ids, size_t n) {

@@ -44,7 +44,10 @@ struct TensorSpan {
 
 class Table {
  public:
-  Table(TensorSpan weight, TensorSpan scale, uint64_t rows, int n_threads, bool dedup, bool readahead);
+  // readahead_max_rows: gathers with at most this many distinct rows first submit POSIX_FADV_WILLNEED
+  // for all of them (all reads in flight at once) and then copy on the calling thread alone; larger
+  // gathers copy on the pool, whose threads fault pages synchronously (queue depth = threads).
+  Table(TensorSpan weight, TensorSpan scale, uint64_t rows, int n_threads, bool dedup, uint64_t readahead_max_rows);
   ~Table();
   Table(const Table&) = delete;
   Table& operator=(const Table&) = delete;
@@ -78,6 +81,8 @@ class Table {
   void check_files() const;
   size_t dedup(const int64_t* ids, size_t n, int32_t* first);
   size_t chunk_size(size_t n) const;
+  void advise_row(int64_t row) const;
+  bool sample_resident(const int64_t* ids, size_t n) const;
   std::shared_ptr<Work> submit(std::shared_ptr<Work> work, std::function<size_t()> fn);
   void driver_loop();
 
@@ -87,7 +92,8 @@ class Table {
   const uint8_t* scale_base_;
   uint64_t rows_;
   bool dedup_;
-  bool readahead_;
+  uint64_t readahead_max_rows_;
+  int cores_;
   bool closed_ = false;
   std::shared_mutex use_mutex_;  // shared by gather/prefetch, exclusive in close()
   ThreadPool pool_;

@@ -55,14 +55,14 @@ def multi_shard(tmp_path):
 
 CONFIGS = [
     TableConfig(),
-    TableConfig(num_threads=1),
+    TableConfig(num_threads=1, readahead_max_rows=0),
     TableConfig(num_threads=3, dedup=False),
-    TableConfig(num_threads=8, readahead=True),
-    TableConfig(num_threads=4, random_access=False),
+    TableConfig(num_threads=8, readahead_max_rows=10**6),
+    TableConfig(num_threads=4, readahead_max_rows=0, random_access=False),
 ]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"t{c.num_threads}-d{int(c.dedup)}-r{int(c.readahead)}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"t{c.num_threads}-d{int(c.dedup)}-r{c.readahead_max_rows}")
 def test_gather_matches_arrays(single, config) -> None:
     path, w, s = single
     rng = np.random.default_rng(3)
@@ -363,3 +363,5 @@ def test_reads_files_written_by_the_safetensors_library(tmp_path) -> None:
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match="num_threads"):
         TableConfig(num_threads=0)
+    with pytest.raises(ValueError, match="readahead_max_rows"):
+        TableConfig(readahead_max_rows=-1)

@@ -30,23 +30,27 @@ class TableConfig:
         faults, so this is the I/O queue depth per table, not a core count.
     dedup : bool
         Read each distinct row once per gather and copy the repeats from the output.
-    readahead : bool
-        Before copying, submit POSIX_FADV_WILLNEED for every distinct row so the kernel has all of
-        a gather's reads in flight at once (deeper queue than ``num_threads``), at the cost of two
-        extra syscalls per row when the rows are already cached.
+    readahead_max_rows : int
+        A gather with at most this many distinct rows (a decode step: 24 per token and layer) first
+        submits POSIX_FADV_WILLNEED for each of them, so all its reads are in flight at once, and
+        then copies on the calling thread alone (no pool wake-up). It costs two syscalls per row
+        when the rows are cached. Larger gathers copy on the pool, where each thread faults pages
+        synchronously (queue depth = ``num_threads``). 0 disables it.
     random_access : bool
         MADV_RANDOM / POSIX_FADV_RANDOM on the mappings: a page fault then reads one page, not a
         read-around window (``read_ahead_kb``) per 264-byte row.
     """
 
-    num_threads: int = 16
+    num_threads: int = 64
     dedup: bool = True
-    readahead: bool = False
+    readahead_max_rows: int = 2048
     random_access: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_threads <= 1024:
             raise ValueError(f"num_threads: must be in [1, 1024], got {self.num_threads}")
+        if self.readahead_max_rows < 0:
+            raise ValueError(f"readahead_max_rows: must be >= 0, got {self.readahead_max_rows}")
 
 
 class GatherHandle:
@@ -132,7 +136,7 @@ class EngramTable:
             self._native = _native.Table(
                 self._mappings[weight.path], weight.offset, self.head_dim,
                 self._mappings[scale.path], scale.offset, self.scale_cols,
-                self.rows, config.num_threads, config.dedup, config.readahead,
+                self.rows, config.num_threads, config.dedup, config.readahead_max_rows,
             )  # fmt: skip
         except BaseException:
             for m in self._mappings.values():
