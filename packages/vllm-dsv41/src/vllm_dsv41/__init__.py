@@ -1,6 +1,15 @@
-"""vllm-dsv41: vLLM plugin: EXL3 routed experts in host memory computed by cpu-tier (and, later, the GPU tiers)"""
+"""vllm-dsv41: a vLLM plugin that serves EXL3 MoE packs with the routed experts in host memory.
+
+The plugin is loaded by vLLM through the ``vllm.general_plugins`` entry point (``vllm_dsv41.plugin:register``).
+What the library exposes directly is its configuration and the numpy references it is tested against.
+"""
+
+from __future__ import annotations
 
 from importlib.metadata import version as _version
 
+from .config import CONFIG_KEY, Dsv41PluginConfig
+from .plugin import ARCHITECTURES, register
+
 __version__ = _version("vllm-dsv41")
-__all__ = ["__version__"]
+__all__ = ["ARCHITECTURES", "CONFIG_KEY", "Dsv41PluginConfig", "__version__", "register"]

@@ -1,0 +1,116 @@
+"""Command line: flags -> ``ServerConfig`` -> pack -> preflight -> vLLM.
+
+``uv run apps/server`` (no flags) builds or reuses the tiny-demo pack and serves it on 127.0.0.1:8000.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .config import ServerConfig, default_demo_dir
+from .errors import ServerError
+
+__all__ = ["main", "parse_args"]
+
+log = logging.getLogger("dsv41_server")
+
+
+def _cores(text: str) -> tuple[int, ...]:
+    """``"0-3,8"`` -> ``(0, 1, 2, 3, 8)``."""
+    out: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi or lo)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a CPU list: {text!r} (expected e.g. 0-3,8)") from None
+        out.extend(range(a, b + 1))
+    return tuple(out)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dsv41-server",
+        description="OpenAI-compatible server for DeepSeek-V4.1 EXL3 packs, and for the tiny demo pack on CPU.",
+    )
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--pack", type=Path, help="pack directory to serve")
+    what.add_argument("--demo", action="store_true", help="serve the tiny-demo pack on CPU (the default)")
+    p.add_argument("--demo-dir", type=Path, default=None, help=f"tiny-demo pack cache (default {default_demo_dir()})")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument(
+        "--api-key-file", type=Path, default=None,
+        help="file holding the API key clients must send (required unless --host is a loopback address)",
+    )  # fmt: skip
+    p.add_argument("--served-model-name", default=None, help="model id for clients (default: by pack kind)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: by pack kind)")
+    p.add_argument("--max-num-seqs", type=int, default=4, help="concurrent sequences (default 4)")
+    p.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache in GiB, CPU packs (default 1)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.90, help="VRAM fraction, GPU packs")
+    g = p.add_argument_group("CPU expert tier")
+    g.description = "Unset options keep the pack's setting (config.json 'dsv41'), else the plugin's default."
+    g.add_argument("--cpu-threads", type=int, help="worker threads (0: one per usable CPU)")
+    g.add_argument("--cpu-cores", type=_cores, help="CPUs to pin the workers to, e.g. 0-7")
+    g.add_argument("--cpu-isa", choices=("auto", "avx2", "avx512"))
+    g.add_argument("--precision", choices=("exact", "fast"))
+    g.add_argument("--spin-us", type=int, help="idle spin before sleeping, microseconds")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--check", action="store_true", help="run the preflight checks and exit")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
+    """Flags -> (``ServerConfig``, check-only)."""
+    a = _parser().parse_args(argv)
+    names = ("cpu_threads", "cpu_cores", "cpu_isa", "precision", "spin_us")
+    plugin = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
+    try:
+        cfg = ServerConfig(
+            pack=a.pack,
+            demo_dir=a.demo_dir or default_demo_dir(),
+            host=a.host,
+            port=a.port,
+            api_key_file=a.api_key_file,
+            served_model_name=a.served_model_name,
+            max_model_len=a.max_model_len,
+            max_num_seqs=a.max_num_seqs,
+            kv_cache_gib=a.kv_cache_gib,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+            plugin_overrides=plugin,
+            log_level=a.log_level,
+        )
+    except ValueError as e:
+        raise ServerError(f"bad option: {e}") from None
+    return cfg, a.check
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the server; returns the process exit code (2 when it cannot start)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s dsv41-server %(levelname)s %(message)s")
+    try:
+        cfg, check_only = parse_args(argv)
+        from .packs import ensure_demo_pack, pack_kind
+        from .preflight import preflight
+
+        pack = ensure_demo_pack(cfg.demo_dir) if cfg.demo else cfg.pack
+        assert pack is not None
+        if not pack.is_dir():
+            raise ServerError(f"--pack {pack}: not a directory")
+        pack = pack.resolve()
+        kind = pack_kind(pack)
+        result = preflight(cfg, pack, kind)
+    except ServerError as e:
+        print(f"dsv41-server: error: {e}", file=sys.stderr)
+        return 2
+    log.info("preflight passed: %s (%s) on %s:%d", pack, kind.name, cfg.host, cfg.port)
+    if check_only:
+        return 0
+    from .serve import serve
+
+    serve(cfg, pack, kind, result.api_key)
+    return 0

@@ -1,0 +1,113 @@
+"""What kind of pack a directory holds, how to serve each kind, and the tiny-demo pack's cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from .errors import ServerError
+
+__all__ = ["DEMO", "KINDS", "V41", "PackKind", "ensure_demo_pack", "pack_kind"]
+
+log = logging.getLogger("dsv41_server")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PackKind:
+    """How packs of one architecture are served."""
+
+    name: str
+    architectures: tuple[str, ...]
+    device: str  # "cpu" or "cuda"
+    dtype: str
+    served_model_name: str
+    max_model_len: int
+    tool_call_parser: str
+    reasoning_parser: str
+    extra_vllm_args: tuple[str, ...] = ()
+
+
+#: The tiny demo (Qwen3-MoE layout): its chat template writes Qwen3's ``<think>`` and JSON-in-``<tool_call>``
+#: tool calls, which vLLM's ``qwen3`` reasoning parser and ``hermes`` tool parser read. float32 on CPU (bf16 attention
+#: kernels crash on some AMX CPUs; see ../shared/reference/cpu-ci-feasibility.md), eager mode (torch.compile
+#: would add ~45 s to every start on a small machine for a model this size).
+DEMO = PackKind(
+    name="tiny-demo",
+    architectures=("Dsv41DemoForCausalLM",),
+    device="cpu",
+    dtype="float32",
+    served_model_name="tiny-demo",
+    max_model_len=2048,
+    tool_call_parser="hermes",
+    reasoning_parser="qwen3",
+    extra_vllm_args=("--enforce-eager", "--default-chat-template-kwargs", json.dumps({"enable_thinking": False})),
+)
+
+#: DeepSeek-V4.1-Flash EXL3 packs: vLLM's own V4.1 model, tokenizer mode and parsers, on a GPU.
+V41 = PackKind(
+    name="deepseek-v4.1",
+    architectures=("DeepseekV41ForCausalLM", "DeepseekV41LLMForCausalLM"),
+    device="cuda",
+    dtype="bfloat16",
+    served_model_name="deepseek-v4.1-flash",
+    max_model_len=65536,
+    tool_call_parser="deepseek_v41",
+    reasoning_parser="deepseek_v41",
+    extra_vllm_args=("--tokenizer-mode", "deepseek_v41", "--language-model-only"),
+)
+
+KINDS: tuple[PackKind, ...] = (DEMO, V41)
+
+
+def pack_kind(pack: Path) -> PackKind:
+    """The kind of the pack at ``pack``, from ``config.json`` ``architectures``."""
+    cfg_path = pack / "config.json"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise ServerError(f"{cfg_path}: missing; {pack} is not a pack") from None
+    except (OSError, ValueError) as e:
+        raise ServerError(f"{cfg_path}: unreadable ({e})") from None
+    archs = cfg.get("architectures") if isinstance(cfg, dict) else None
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    for kind in KINDS:
+        if arch in kind.architectures:
+            return kind
+    known = [a for k in KINDS for a in k.architectures]
+    raise ServerError(f"{cfg_path}: architecture {arch!r} is not one this server serves ({', '.join(known)})")
+
+
+def _looks_like_demo(path: Path) -> bool:
+    try:
+        return json.loads((path / "config.json").read_text()).get("architectures") == list(DEMO.architectures)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def ensure_demo_pack(demo_dir: Path, seed: int = 0) -> Path:
+    """Reuse the tiny-demo pack in ``demo_dir`` if it verifies, else (re)build it there.
+
+    A directory that exists but holds something other than a tiny-demo pack is never deleted.
+    """
+    from pack_tools import verify_pack
+    from pack_tools.presets.tiny_demo import synth_tiny_demo
+
+    if demo_dir.exists():
+        if demo_dir.is_dir() and not any(demo_dir.iterdir()):
+            demo_dir.rmdir()
+        elif not _looks_like_demo(demo_dir):
+            raise ServerError(
+                f"{demo_dir}: exists and is not a tiny-demo pack; pass another --demo-dir or remove it"
+            )
+        else:
+            problems = verify_pack(demo_dir)
+            if not problems:
+                log.info("reusing the tiny-demo pack in %s", demo_dir)
+                return demo_dir
+            log.warning("the cached tiny-demo pack is damaged (%s); rebuilding it", problems[0])
+            shutil.rmtree(demo_dir)
+    log.info("building the tiny-demo pack in %s", demo_dir)
+    return synth_tiny_demo(demo_dir, seed=seed)

@@ -1,0 +1,233 @@
+"""Flags, preflight checks and start-up failures (no vLLM engine needed: these run in seconds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dsv41_server import ServerConfig, ServerError
+from dsv41_server.cli import parse_args
+from dsv41_server.packs import DEMO, V41, ensure_demo_pack, pack_kind
+from dsv41_server.preflight import (
+    GiB,
+    check_api_key,
+    check_gpu,
+    check_host_ram,
+    check_memlock,
+    check_pack,
+    check_port,
+    preflight,
+)
+from dsv41_server.serve import vllm_argv, vllm_env
+from dsv41_server.testing import free_port, isolated_env
+
+
+@pytest.fixture(scope="module")
+def demo_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_demo_pack(tmp_path_factory.mktemp("preflight") / "tiny-demo")
+
+
+def _copy(pack: Path, dst: Path) -> Path:
+    shutil.copytree(pack, dst)
+    return dst
+
+
+def _run_server(args: list[str], root: Path) -> subprocess.CompletedProcess[str]:
+    env = isolated_env(root)
+    return subprocess.run(
+        [sys.executable, "-m", "dsv41_server", *args], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def _assert_one_error(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("dsv41-server: error:")]
+    assert len(errors) == 1, proc.stderr
+    message = proc.stderr[proc.stderr.index("dsv41-server: error:") :]
+    for needle in needles:
+        assert needle in message, message
+    return message
+
+
+# --------------------------------------------------------------------------------------------- flags
+
+
+def test_defaults_serve_the_demo_on_loopback() -> None:
+    cfg, check = parse_args([])
+    assert cfg.demo and cfg.host == "127.0.0.1" and cfg.loopback and not check
+    assert cfg.demo_dir.parts[-2:] == ("dsv41", "tiny-demo")
+    assert dict(cfg.plugin_overrides) == {}
+
+
+def test_flags_map_onto_the_configs(tmp_path: Path) -> None:
+    cfg, check = parse_args(
+        ["--pack", str(tmp_path), "--host", "0.0.0.0", "--port", "9001", "--cpu-cores", "0-2,5", "--cpu-isa", "avx2",
+         "--precision", "fast", "--max-num-seqs", "8", "--check"]
+    )  # fmt: skip
+    assert cfg.pack == tmp_path and not cfg.demo and not cfg.loopback and check
+    assert cfg.port == 9001 and cfg.max_num_seqs == 8
+    assert dict(cfg.plugin_overrides) == {"cpu_cores": (0, 1, 2, 5), "cpu_isa": "avx2", "precision": "fast"}
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [(["--spin-us", "-1"], "spin_us"), (["--port", "70000"], "port"), (["--max-num-seqs", "0"], "max_num_seqs")],
+)
+def test_bad_flag_values_name_the_setting(argv: list[str], needle: str) -> None:
+    with pytest.raises(ServerError, match=needle):
+        parse_args(argv)
+
+
+def test_vllm_arguments_per_pack_kind(tmp_path: Path) -> None:
+    cfg = ServerConfig(pack=tmp_path, plugin_overrides={"cpu_threads": 2})
+    demo = vllm_argv(cfg, tmp_path, DEMO)
+    assert demo[demo.index("--tool-call-parser") + 1] == "hermes"
+    assert demo[demo.index("--reasoning-parser") + 1] == "qwen3"
+    assert demo[demo.index("--dtype") + 1] == "float32" and "--enforce-eager" in demo
+    assert json.loads(demo[demo.index("--additional-config") + 1]) == {"dsv41": {"cpu_threads": 2}}
+    v41 = vllm_argv(cfg, tmp_path, V41)
+    assert v41[v41.index("--tool-call-parser") + 1] == "deepseek_v41"
+    assert v41[v41.index("--reasoning-parser") + 1] == "deepseek_v41"
+    assert v41[v41.index("--tokenizer-mode") + 1] == "deepseek_v41"
+    assert "--api-key" not in demo + v41
+    assert vllm_env(cfg, DEMO)["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(cfg, V41)
+
+
+def test_pack_kind_from_config(tmp_path: Path) -> None:
+    for arch, kind in (("Dsv41DemoForCausalLM", DEMO), ("DeepseekV41ForCausalLM", V41)):
+        (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch]}))
+        assert pack_kind(tmp_path) is kind
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ServerError, match="LlamaForCausalLM"):
+        pack_kind(tmp_path)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(ServerError, match="config.json"):
+        pack_kind(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------- the checks
+
+
+def test_api_key_rules(tmp_path: Path) -> None:
+    assert check_api_key(ServerConfig()) == (None, [])
+    key, problems = check_api_key(ServerConfig(host="0.0.0.0"))
+    assert key is None and "--api-key-file" in problems[0]
+    f = tmp_path / "key"
+    f.write_text("s3cret\n")
+    f.chmod(0o600)
+    assert check_api_key(ServerConfig(host="0.0.0.0", api_key_file=f)) == ("s3cret", [])
+    f.chmod(0o644)
+    assert "chmod 600" in check_api_key(ServerConfig(host="0.0.0.0", api_key_file=f))[1][0]
+    f.write_text("  \n")
+    f.chmod(0o600)
+    assert "empty" in check_api_key(ServerConfig(api_key_file=f))[1][0]
+    assert "cannot read" in check_api_key(ServerConfig(api_key_file=tmp_path / "missing"))[1][0]
+
+
+def test_port_in_use() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert "already in use" in check_port("127.0.0.1", port)[0]
+    assert check_port("127.0.0.1", free_port()) == []
+
+
+def test_resource_checks() -> None:
+    assert check_host_ram(2 * GiB, available=4 * GiB) == []
+    assert "needs about 8.0 GiB and 4.0 GiB is available" in check_host_ram(8 * GiB, available=4 * GiB)[0]
+    assert check_memlock(10 * GiB, limit=resource.RLIM_INFINITY) == []
+    assert "ulimit -l unlimited" in check_memlock(10 * GiB, limit=64 << 20)[0]
+
+
+def test_gpu_check_on_this_machine() -> None:
+    import torch
+
+    problems = check_gpu(1 * GiB, 0.9)
+    if torch.cuda.is_available():
+        assert problems == []
+    else:
+        assert "needs an NVIDIA GPU" in problems[0]
+
+
+def test_v41_pack_on_a_cpu_machine_stops_before_vllm(demo_pack: Path, tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the V4.1 refusal is about machines without one")
+    with pytest.raises(ServerError) as info:
+        preflight(ServerConfig(pack=demo_pack, port=free_port()), demo_pack, V41)
+    assert "needs an NVIDIA GPU" in str(info.value)
+
+
+def test_demo_pack_passes_preflight(demo_pack: Path) -> None:
+    result = preflight(ServerConfig(pack=demo_pack, port=free_port()), demo_pack, DEMO)
+    assert result.api_key is None and result.pack_info["experts"] == 8 and result.pack_info["layers"] == 2
+    assert check_pack(demo_pack) == []
+
+
+def test_demo_cache_is_reused_and_repaired(demo_pack: Path, tmp_path: Path) -> None:
+    cache = _copy(demo_pack, tmp_path / "tiny-demo")
+    before = (cache / "model.safetensors").stat().st_mtime_ns
+    assert ensure_demo_pack(cache) == cache and (cache / "model.safetensors").stat().st_mtime_ns == before
+    with (cache / "model.safetensors").open("r+b") as f:
+        f.seek(-64, os.SEEK_END)
+        f.write(b"\xff" * 64)
+    assert ensure_demo_pack(cache) == cache and check_pack(cache) == []
+    other = tmp_path / "not-a-pack"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ServerError, match="not a tiny-demo pack"):
+        ensure_demo_pack(other)
+    assert (other / "notes.txt").exists()
+
+
+# -------------------------------------------------------------------------------- start-up failures
+
+
+def test_corrupt_pack_fails_with_one_clear_message(demo_pack: Path, tmp_path: Path) -> None:
+    pack = _copy(demo_pack, tmp_path / "corrupt")
+    with (pack / "model.safetensors").open("r+b") as f:
+        f.seek(-1000, os.SEEK_END)
+        f.write(b"\x00" * 16)
+    proc = _run_server(["--pack", str(pack), "--port", str(free_port())], tmp_path)
+    message = _assert_one_error(proc, "fails verification", "model.safetensors")
+    assert message.count("\n  - ") <= 6
+
+
+def test_truncated_pack_fails_with_one_clear_message(demo_pack: Path, tmp_path: Path) -> None:
+    pack = _copy(demo_pack, tmp_path / "truncated")
+    size = (pack / "model.safetensors").stat().st_size
+    os.truncate(pack / "model.safetensors", size // 2)
+    _assert_one_error(_run_server(["--pack", str(pack), "--port", str(free_port())], tmp_path), "model.safetensors")
+
+
+def test_missing_pack_and_wrong_architecture(demo_pack: Path, tmp_path: Path) -> None:
+    _assert_one_error(_run_server(["--pack", str(tmp_path / "nope")], tmp_path), "not a directory")
+    pack = _copy(demo_pack, tmp_path / "llama")
+    cfg = json.loads((pack / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (pack / "config.json").write_text(json.dumps(cfg))
+    _assert_one_error(_run_server(["--pack", str(pack)], tmp_path), "LlamaForCausalLM")
+
+
+def test_binding_beyond_loopback_needs_an_api_key(demo_pack: Path, tmp_path: Path) -> None:
+    proc = _run_server(["--pack", str(demo_pack), "--host", "0.0.0.0", "--port", str(free_port())], tmp_path)
+    _assert_one_error(proc, "--api-key-file")
+    key = tmp_path / "key"
+    key.write_text("k\n")
+    key.chmod(0o600)
+    ok = _run_server(
+        ["--pack", str(demo_pack), "--host", "0.0.0.0", "--port", str(free_port()), "--api-key-file", str(key),
+         "--check"], tmp_path,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
