@@ -126,16 +126,17 @@ NB_MODULE(_native, m) {
           "__init__",
           [](Table* t, std::shared_ptr<Mapping> weight_mapping, uint64_t weight_offset, uint64_t weight_row_bytes,
              std::shared_ptr<Mapping> scale_mapping, uint64_t scale_offset, uint64_t scale_row_bytes, uint64_t rows,
-             int n_threads, bool dedup, uint64_t readahead_max_rows) {
+             int n_threads, bool dedup, uint64_t readahead_max_rows, bool resident_scales) {
             new (t) Table(TensorSpan{std::move(weight_mapping), weight_offset, weight_row_bytes},
                           TensorSpan{std::move(scale_mapping), scale_offset, scale_row_bytes}, rows, n_threads, dedup,
-                          readahead_max_rows);
+                          readahead_max_rows, resident_scales);
           },
           "weight_mapping"_a, "weight_offset"_a, "weight_row_bytes"_a, "scale_mapping"_a, "scale_offset"_a,
-          "scale_row_bytes"_a, "rows"_a, "n_threads"_a, "dedup"_a, "readahead_max_rows"_a)
+          "scale_row_bytes"_a, "rows"_a, "n_threads"_a, "dedup"_a, "readahead_max_rows"_a, "resident_scales"_a)
       .def_prop_ro("rows", &Table::rows)
       .def_prop_ro("n_threads", &Table::n_threads)
       .def_prop_ro("closed", &Table::closed)
+      .def_prop_ro("resident_scales", &Table::resident_scales)
       .def(
           "gather",
           [](Table& t, nb::ndarray<> ids, nb::ndarray<> out_weight, nb::ndarray<> out_scale) {

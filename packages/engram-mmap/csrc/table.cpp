@@ -59,7 +59,7 @@ void check_span(const TensorSpan& span, uint64_t rows, const char* what) {
 }  // namespace
 
 Table::Table(TensorSpan weight, TensorSpan scale, uint64_t rows, int n_threads, bool dedup,
-             uint64_t readahead_max_rows)
+             uint64_t readahead_max_rows, bool resident_scales)
     : weight_(std::move(weight)),
       scale_(std::move(scale)),
       rows_(rows),
@@ -73,6 +73,28 @@ Table::Table(TensorSpan weight, TensorSpan scale, uint64_t rows, int n_threads, 
   check_span(scale_, rows_, "scale");
   weight_base_ = weight_.mapping->data() + weight_.offset;
   scale_base_ = scale_.mapping->data() + scale_.offset;
+  if (resident_scales && rows_ > 0) {
+    const uint64_t bytes = rows_ * scale_.row_bytes;
+    const int fd = scale_.mapping->fd();
+    // One sequential pass: ask for large readahead, read into the copy, drop the file pages again.
+    (void)::posix_fadvise(fd, (off_t)scale_.offset, (off_t)bytes, POSIX_FADV_SEQUENTIAL);
+    scale_copy_.resize(bytes);
+    constexpr uint64_t kStep = 8 << 20;
+    const size_t parts = (bytes + kStep - 1) / kStep;
+    pool_.parallel_for(parts, [&](size_t p) {
+      const uint64_t begin = p * kStep, len = std::min(kStep, bytes - begin);
+      (void)::posix_fadvise(fd, (off_t)(scale_.offset + begin), (off_t)len, POSIX_FADV_WILLNEED);
+      std::memcpy(scale_copy_.data() + begin, scale_base_ + begin, len);
+    });
+    // Back to random access for this fd, and release the file's copy of the scales (unmap our
+    // pages of the range first: mapped pages cannot be dropped). Advisory only.
+    (void)::posix_fadvise(fd, (off_t)scale_.offset, (off_t)bytes, POSIX_FADV_RANDOM);
+    const uint64_t first_page = scale_.offset / kPage * kPage;
+    (void)::madvise(const_cast<uint8_t*>(scale_.mapping->data()) + first_page, scale_.offset + bytes - first_page,
+                    MADV_DONTNEED);
+    (void)::posix_fadvise(fd, (off_t)scale_.offset, (off_t)bytes, POSIX_FADV_DONTNEED);
+    scale_base_ = scale_copy_.data();
+  }
   driver_ = std::thread([this] { driver_loop(); });
 }
 
@@ -276,8 +298,9 @@ void Table::advise_row(int64_t row) const {
   const uint64_t wb = weight_.row_bytes, sb = scale_.row_bytes;
   (void)::posix_fadvise(weight_.mapping->fd(), (off_t)(weight_.offset + (uint64_t)row * wb), (off_t)wb,
                         POSIX_FADV_WILLNEED);
-  (void)::posix_fadvise(scale_.mapping->fd(), (off_t)(scale_.offset + (uint64_t)row * sb), (off_t)sb,
-                        POSIX_FADV_WILLNEED);
+  if (scale_copy_.empty())
+    (void)::posix_fadvise(scale_.mapping->fd(), (off_t)(scale_.offset + (uint64_t)row * sb), (off_t)sb,
+                          POSIX_FADV_WILLNEED);
 }
 
 void Table::prefetch(const int64_t* ids, size_t n) {
@@ -296,7 +319,8 @@ void Table::prefetch(const int64_t* ids, size_t n) {
       const uint64_t w = woff + (uint64_t)ids[i] * wb, s = soff + (uint64_t)ids[i] * sb;
       // Skip the syscall when the previous row of this task started on the same page.
       if (w / kPage != last_wpage) (void)::posix_fadvise(wfd, (off_t)w, (off_t)wb, POSIX_FADV_WILLNEED);
-      if (s / kPage != last_spage) (void)::posix_fadvise(sfd, (off_t)s, (off_t)sb, POSIX_FADV_WILLNEED);
+      if (scale_copy_.empty() && s / kPage != last_spage)
+        (void)::posix_fadvise(sfd, (off_t)s, (off_t)sb, POSIX_FADV_WILLNEED);
       last_wpage = w / kPage;
       last_spage = s / kPage;
     }

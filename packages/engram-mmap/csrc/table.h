@@ -47,7 +47,10 @@ class Table {
   // readahead_max_rows: gathers with at most this many distinct rows first submit POSIX_FADV_WILLNEED
   // for all of them (all reads in flight at once) and then copy on the calling thread alone; larger
   // gathers copy on the pool, whose threads fault pages synchronously (queue depth = threads).
-  Table(TensorSpan weight, TensorSpan scale, uint64_t rows, int n_threads, bool dedup, uint64_t readahead_max_rows);
+  // resident_scales: copy the whole scale tensor (rows x 8 bytes, 1/33 of the table) into process
+  // memory at construction, so that a cold row costs one page read instead of two.
+  Table(TensorSpan weight, TensorSpan scale, uint64_t rows, int n_threads, bool dedup, uint64_t readahead_max_rows,
+        bool resident_scales);
   ~Table();
   Table(const Table&) = delete;
   Table& operator=(const Table&) = delete;
@@ -55,6 +58,7 @@ class Table {
   uint64_t rows() const { return rows_; }
   uint64_t weight_row_bytes() const { return weight_.row_bytes; }
   uint64_t scale_row_bytes() const { return scale_.row_bytes; }
+  bool resident_scales() const { return !scale_copy_.empty(); }
   int n_threads() const { return pool_.size(); }
 
   // Throws std::out_of_range naming the first id outside [0, rows).
@@ -94,6 +98,7 @@ class Table {
   bool dedup_;
   uint64_t readahead_max_rows_;
   int cores_;
+  std::vector<uint8_t> scale_copy_;  // the scales, when resident_scales
   bool closed_ = false;
   std::shared_mutex use_mutex_;  // shared by gather/prefetch, exclusive in close()
   ThreadPool pool_;

@@ -89,7 +89,8 @@ def test_blocks_and_batch_dims() -> None:
     _same(got, _ml_reference(rows, scales))
     # Column j uses scale j // 32.
     j = 200
-    expect = rows[..., j].view(ml_dtypes.float8_e4m3fn).astype(np.float32) * np.ldexp(1.0, scales[..., j // 32].astype(np.int64) - 127)
+    scale = np.ldexp(1.0, scales[..., j // 32].astype(np.int64) - 127)
+    expect = rows[..., j].view(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
     _same(got[..., j], expect.astype(np.float32))
     # 1-byte dtypes other than uint8 are taken as raw bytes.
     _same(dequantize(rows.view(ml_dtypes.float8_e4m3fn), scales.view(ml_dtypes.float8_e8m0fnu)), got)

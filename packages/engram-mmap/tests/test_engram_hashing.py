@@ -133,7 +133,8 @@ def test_row_ids_match_reference_random_tokens_and_masks(small) -> None:
         all_layers = hasher.row_ids_all(tokens, mask=None if trial == 0 else live)
         assert all_layers.shape == (len(cfg.layer_ids), length, cfg.n_cols)
         for i, layer in enumerate(cfg.layer_ids):
-            np.testing.assert_array_equal(all_layers[i], hasher.row_ids(tokens, layer, mask=None if trial == 0 else live))
+            one = hasher.row_ids(tokens, layer, mask=None if trial == 0 else live)
+            np.testing.assert_array_equal(all_layers[i], one)
 
 
 def test_chunked_with_lookback_equals_whole(small) -> None:

@@ -59,10 +59,12 @@ CONFIGS = [
     TableConfig(num_threads=3, dedup=False),
     TableConfig(num_threads=8, readahead_max_rows=10**6),
     TableConfig(num_threads=4, readahead_max_rows=0, random_access=False),
+    TableConfig(num_threads=2, resident_scales=True),
+    TableConfig(num_threads=2, resident_scales=True, readahead_max_rows=0),
 ]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"t{c.num_threads}-d{int(c.dedup)}-r{c.readahead_max_rows}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"t{c.num_threads}-d{int(c.dedup)}-r{c.readahead_max_rows}-s{int(c.resident_scales)}")
 def test_gather_matches_arrays(single, config) -> None:
     path, w, s = single
     rng = np.random.default_rng(3)

@@ -8,6 +8,8 @@ are written once to real files under ``--dir`` and reused. Row ids come from the
   ``POSIX_FADV_DONTNEED``; the resident fraction measured by mincore is reported), which is what a
   table far larger than the page cache looks like to a step. Ceiling: O_DIRECT 4 KiB random reads of
   the same file from many threads, measured in the same run.
+* cold-rs: the same with ``TableConfig.resident_scales`` (scale tensors copied to RAM at open), so a
+  row costs one page read instead of two.
 * cached: a smaller file read into the page cache first. Ceiling: buffered 4 KiB random preads of it.
 
 Each case reports median / p10 / p90 step latency, rows/s (48 x tokens / median) and the ratio of
@@ -18,6 +20,7 @@ scale bytes live in different tensors), so a ratio near 0.5-1 is at the device's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -57,10 +60,13 @@ def _ensure_file(path: str, cfg: EngramConfig, log: Any) -> float:
     want = {layer: cfg.table_rows(layer) for layer in LAYERS}
     if os.path.exists(path):
         try:
-            with EngramTable.open(path, "layers.1.engram.embed", config=TableConfig(num_threads=1)) as t1, \
-                 EngramTable.open(path, "layers.14.engram.embed", config=TableConfig(num_threads=1)) as t14:  # fmt: skip
-                if (t1.rows, t14.rows) == (want[1], want[14]):
-                    return 0.0
+            one = TableConfig(num_threads=1)
+            rows = []
+            for layer in LAYERS:
+                with EngramTable.open(path, f"layers.{layer}.engram.embed", config=one) as t:
+                    rows.append(t.rows)
+            if rows == [want[layer] for layer in LAYERS]:
+                return 0.0
         except (ValueError, OSError):
             pass
     log(f"# writing {path} ({sum(want.values()) * 264 / 2**30:.2f} GiB of random bytes, fsync) ...")
@@ -157,19 +163,24 @@ def main(argv: list[str] | None = None) -> int:
     log(f"# {table_cfg} | 48 rows (2 tables x 24) per token, rows from the V4.1 hash of uniform random tokens")
     rng = np.random.default_rng(args.seed)
     results: dict[str, Any] = {"env": env, "table_config": repr(table_cfg), "files": {}, "ceilings": {}, "cases": []}
-    log(f"{'case':<34}{'median_ms':>11}{'p10_ms':>10}{'p90_ms':>10}{'rows/s':>12}{'ceiling/s':>12}{'ratio':>7}{'cpu_ms':>10}")
-    for kind in ("cold", "cached"):
-        path, cfg = files[kind], configs[kind]
+    log(f"{'case':<40}{'median_ms':>11}{'p10_ms':>10}{'p90_ms':>10}{'rows/s':>12}{'ceiling/s':>12}{'ratio':>7}"
+        f"{'cpu_ms':>10}")
+    # "cold-rs": the cold file again, with the scale tensors copied to RAM (TableConfig.resident_scales).
+    for kind in ("cold", "cold-rs", "cached"):
+        base = "cached" if kind == "cached" else "cold"
+        path, cfg = files[base], configs[base]
         size = os.path.getsize(path)
         hasher = EngramHasher(cfg)
-        tables = [EngramTable.open_layer(path, cfg, layer, config=table_cfg) for layer in LAYERS]
+        cfg_kind = dataclasses.replace(table_cfg, resident_scales=kind == "cold-rs")
+        tables = [EngramTable.open_layer(path, cfg, layer, config=cfg_kind) for layer in LAYERS]
+        cold = base == "cold"
         try:
             if kind == "cached":
                 with open(path, "rb") as f:  # read the file once so it sits in the page cache
                     while f.read(64 << 20):
                         pass
-            how = "O_DIRECT" if kind == "cold" else "buffered, cached"
-            if kind == "cold":
+            how = "O_DIRECT" if cold else "buffered, cached"
+            if cold:
                 try:
                     ceiling = args.ceiling_reads / _native.random_read(
                         path, 0, size, args.ceiling_reads, ceiling_threads, 4096, True, args.seed + 1
@@ -197,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             if how == "O_DIRECT":
                 n = 2000
                 qd1 = _native.random_read(path, 0, size, n, 1, 4096, True, args.seed + 2) / n
-            results["files"][kind] = {"path": path, "bytes": size, "rows_per_table": [t.rows for t in tables],
-                                      "write_seconds": round(written[kind], 1),
+            results["files"][base] = {"path": path, "bytes": size, "rows_per_table": [t.rows for t in tables],
+                                      "write_seconds": round(written[base], 1),
                                       "resident_after_warm": tables[0].resident_fraction()[0]}  # fmt: skip
             results["ceilings"][kind] = {"reads_per_s": ceiling, "threads": best_threads, "mode": how,
                                          "qd1_latency_us": None if qd1 is None else qd1 * 1e6}  # fmt: skip
@@ -208,22 +219,23 @@ def main(argv: list[str] | None = None) -> int:
             for t_tokens in tokens:
                 steps = args.steps if t_tokens <= 64 else args.steps_large
                 batches = []
-                for _ in range(steps + (0 if kind == "cold" else 2)):
+                for _ in range(steps + (0 if cold else 2)):
                     tok = rng.integers(0, cfg.compressed_vocab_size, size=t_tokens)
                     batches.append(hasher.row_ids_all(tok))
                 if kind == "cached":
                     _run_steps(tables, batches[:2], cold=False)  # warm-up (PTEs, pool threads)
                     batches = batches[2:]
-                times, cpu, resident = _run_steps(tables, batches, cold=kind == "cold")
+                times, cpu, resident = _run_steps(tables, batches, cold=cold)
                 cpu_ms = statistics.median(cpu) * 1e3
                 med, p10, p90 = _stats(times)
                 rows_s = 48 * t_tokens / med
                 case = {"case": f"{kind}/{t_tokens}tok", "kind": kind, "tokens": t_tokens, "rows": 48 * t_tokens,
                         "steps": len(times), "median_ms": med * 1e3, "p10_ms": p10 * 1e3, "p90_ms": p90 * 1e3,
-                        "rows_per_s": rows_s, "ceiling_reads_per_s": ceiling, "ratio": rows_s / ceiling, "cpu_ms": cpu_ms,
+                        "rows_per_s": rows_s, "ceiling_reads_per_s": ceiling, "ratio": rows_s / ceiling,
+                        "cpu_ms": cpu_ms,
                         "resident_before_step_max": max(resident) if resident else None}  # fmt: skip
                 results["cases"].append(case)
-                log(f"{kind + ' gather ' + str(t_tokens) + ' tok (' + str(48 * t_tokens) + ' rows)':<34}"
+                log(f"{kind + ' gather ' + str(t_tokens) + ' tok (' + str(48 * t_tokens) + ' rows)':<40}"
                     f"{med * 1e3:>11.3f}{p10 * 1e3:>10.3f}{p90 * 1e3:>10.3f}{rows_s:>12,.0f}{ceiling:>12,.0f}"
                     f"{rows_s / ceiling:>7.2f}{cpu_ms:>10.3f}")  # fmt: skip
         finally:
@@ -243,8 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         med, p10, p90 = _stats(times)
         results["cases"].append({"case": f"hash/{t_tokens}tok", "kind": "hash", "tokens": t_tokens,
                                  "median_ms": med * 1e3, "p10_ms": p10 * 1e3, "p90_ms": p90 * 1e3})  # fmt: skip
-        log(f"{'row_ids_all ' + str(t_tokens) + ' tok (numpy)':<34}{med * 1e3:>11.3f}{p10 * 1e3:>10.3f}{p90 * 1e3:>10.3f}")
-    cold_res = [c["resident_before_step_max"] for c in results["cases"] if c.get("resident_before_step_max") is not None]
+        label = f"row_ids_all {t_tokens} tok (numpy)"
+        log(f"{label:<40}{med * 1e3:>11.3f}{p10 * 1e3:>10.3f}{p90 * 1e3:>10.3f}")
+    cold_res = [c.get("resident_before_step_max") for c in results["cases"]]
+    cold_res = [r for r in cold_res if r is not None]
     if cold_res:
         log(f"# cold steps: at most {max(cold_res):.4%} of a weight tensor was resident before a step (mincore)")
     if args.json:

@@ -121,7 +121,9 @@ class EngramHasher:
             token_map = np.arange(config.compressed_vocab_size, dtype=np.int64)
         token_map = np.asarray(token_map)
         if token_map.ndim != 1 or token_map.size == 0 or not np.issubdtype(token_map.dtype, np.integer):
-            raise ValueError(f"token_map: expected a non-empty 1-D integer array, got {token_map.dtype} {token_map.shape}")
+            raise ValueError(
+                f"token_map: expected a non-empty 1-D integer array, got {token_map.dtype} {token_map.shape}"
+            )
         token_map = token_map.astype(np.int64)
         if token_map.min() < 0 or token_map.max() >= config.compressed_vocab_size:
             raise ValueError(

@@ -110,7 +110,9 @@ def read_header(path: str | os.PathLike[str]) -> dict[str, TensorInfo]:
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if dtype not in DTYPE_BYTES:
             raise EngramFormatError(f"{where}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
             raise EngramFormatError(f"{where}: shape must be a list of non-negative ints, got {shape!r}")
         if (
             not isinstance(offsets, list)
