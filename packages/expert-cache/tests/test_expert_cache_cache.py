@@ -159,6 +159,8 @@ def _drive(cache: ExpertCache, trace: Trace) -> None:
         dict(policy="lfu", lfu_halve_every=8),
         dict(policy="arc", replan_every=2),
         dict(policy="hybrid", replan_every=1, admit_limit=2, hysteresis=1.2, elastic=True, observe_prefill=True, rewarm_set="top"),
+        dict(policy="hybrid", replan_every=1, admit_limit=2, elastic=True, observe_prefill=True, async_observe=True),
+        dict(policy="decayed", async_observe=True, elastic=True, rewarm_after=1),
     ],
 )
 def test_simulator_matches_the_cache(make_home, kw: dict[str, object]) -> None:

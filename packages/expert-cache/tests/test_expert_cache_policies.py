@@ -138,7 +138,7 @@ def test_arc_full_cache_invariants() -> None:
 
 
 def test_hybrid_hand_trace() -> None:
-    c = ctl_for(3, 1, policy="hybrid", hybrid_fast_halflife=1.0, hybrid_slow_halflife=1.0, hybrid_slow_weight=0.0, replan_every=1)
+    c = ctl_for(3, 1, policy="hybrid", hybrid_halflives=(1.0,), hybrid_slow_halflife=1.0, hybrid_slow_weight=0.0, replan_every=1)
     step(c, {0: 2})  # fast = 0.5 * 0 + 0.5 * 2 = [1, 0, 0]
     np.testing.assert_allclose(c.policy.priorities(), [1, 0, 0])
     assert res(c) == {0}
@@ -148,7 +148,7 @@ def test_hybrid_hand_trace() -> None:
 
 
 def test_hybrid_hysteresis_and_slow_term() -> None:
-    c = ctl_for(3, 1, policy="hybrid", hybrid_fast_halflife=1.0, hybrid_slow_halflife=1e6, hybrid_slow_weight=1.0, hysteresis=5.0, replan_every=1)
+    c = ctl_for(3, 1, policy="hybrid", hybrid_halflives=(1.0,), hybrid_slow_halflife=1e6, hybrid_slow_weight=1.0, hysteresis=5.0, replan_every=1)
     step(c, {0: 2})
     step(c, {1: 4})
     assert res(c) == {0}  # 2 + tiny < 5 * (0.5 + tiny)
@@ -158,10 +158,32 @@ def test_hybrid_hysteresis_and_slow_term() -> None:
 
 
 def test_hybrid_recency_bonus() -> None:
-    c = ctl_for(3, 1, policy="hybrid", hybrid_fast_halflife=1.0, hybrid_recency_bonus=10.0, replan_every=1)
+    c = ctl_for(3, 1, policy="hybrid", hybrid_halflives=(1.0,), hybrid_recency_bonus=10.0, replan_every=1)
     step(c, {0: 4})
     step(c, {1: 1})  # fast [1, 0.5, 0] but 1 was routed last: +10
     assert res(c) == {1}
+
+
+def test_hybrid_picks_the_time_scale_that_hits() -> None:
+    """Two candidate half-lives (1 and 1000 steps), one slot. While key 0 is routed both shadow caches hit and the
+    long one (the middle candidate) leads; when routing moves to key 1 the short one hits and takes over, so the
+    cache follows within a few steps; a fixed long half-life would hold key 0 for ~1000 steps."""
+    kw = dict(policy="hybrid", hybrid_slow_weight=0.0, replan_every=1, hybrid_score_halflife=64.0)
+    c = ctl_for(2, 1, hybrid_halflives=(1.0, 1000.0), **kw)
+    fixed = ctl_for(2, 1, hybrid_halflives=(1000.0,), **kw)
+    for _ in range(50):
+        step(c, {0: 1})
+        step(fixed, {0: 1})
+    assert c.policy.leader_halflife == 1000.0 and res(c) == {0}
+    for i in range(20):
+        step(c, {1: 1})
+        step(fixed, {1: 1})
+        if res(c) == {1}:
+            break
+    assert res(c) == {1} and i <= 3 and c.policy.leader_halflife == 1.0
+    assert res(fixed) == {0}
+    sc = c.policy.score
+    assert sc[0] > sc[1]
 
 
 def test_hybrid_profile_prior(tmp_path) -> None:
@@ -180,7 +202,7 @@ def test_hybrid_profile_prior(tmp_path) -> None:
 
 
 def test_prefill_observation() -> None:
-    c = ctl_for(4, 1, policy="hybrid", hybrid_fast_halflife=1.0, hybrid_slow_weight=0.0, observe_prefill=True, prefill_weight=2.0, replan_every=1)
+    c = ctl_for(4, 1, policy="hybrid", hybrid_halflives=(1.0,), hybrid_slow_weight=0.0, observe_prefill=True, prefill_weight=2.0, replan_every=1)
     step(c, {0: 1})  # fast [0.5, 0, 0, 0]
     pre = np.array([0.0, 0, 30, 0])
     c.observe([], np.zeros(4), pre, 10)  # rate 3 per token, weight 2 -> +6
@@ -215,4 +237,29 @@ def test_release_and_rewarm_sets() -> None:
 
 def test_hybrid_policy_rejects_a_wrong_profile_size() -> None:
     with pytest.raises(ValueError, match="profile_path: profile has 3 keys"):
-        HybridPolicy(4, profile=np.ones(3))
+        HybridPolicy(4, 1, profile=np.ones(3))
+
+
+def test_async_observe_feeds_the_previous_snapshot() -> None:
+    c = ctl_for(4, 1, policy="decayed", decay=0.5, replan_every=1, async_observe=True)
+    calls = []
+
+    def obs(k: int):
+        def fetch():
+            calls.append(k)
+            p = np.zeros(4)
+            p[k] = 1.0
+            return [np.array([k])], p, None, 0
+
+        return fetch
+
+    c.submit(obs(0))
+    assert calls == [] and c.plan() == []  # nothing fed yet: the snapshot is held
+    c.submit(obs(1))
+    assert calls == [0]
+    assert [s.new_key for s in c.plan()] == [0]  # planned with step 0's data
+    c.submit(obs(2), complete=True)  # a release/re-warm flush feeds everything
+    assert calls == [0, 1, 2]
+    c2 = ctl_for(4, 1, policy="decayed", replan_every=1)
+    c2.submit(obs(3))
+    assert calls[-1] == 3 and [s.new_key for s in c2.plan()] == [3]

@@ -24,7 +24,8 @@ that is stale (still home) is slower, never wrong. On a CPU device every copy is
 Hot path
 --------
 :meth:`observe` only launches device ops (``index_add_``, ``index_fill_``, a gather for hit counting) on fixed
-buffers; it never reads a device value on the host. The counters are read once per replan.
+buffers; it never reads a device value on the host. The counters are copied to the host once per replan; the
+replan waits for that copy (one sync, like the reference) unless ``async_observe`` lets it use the previous one.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ class ExpertCache:
             self._prefill_counts = torch.zeros(L * E, dtype=torch.float32, device=dev)
             self._base = torch.arange(L, dtype=torch.int64, device=dev) * E
             self._offsets = self._base.clone()  # (row * L + layer) * E for the current touched row
-            self._dev_counters = torch.zeros(3, dtype=torch.int64, device=dev)  # accesses, hits, pick_hits
+            self._dev_counters = torch.zeros(4, dtype=torch.int64, device=dev)  # accesses, hits, pick_hits, picks
             self._ones = torch.ones(64, dtype=torch.float32, device=dev)
         free = torch.cuda.mem_get_info(dev)[0] if self._cuda else None
         self.num_slots = config.resolve_num_slots(free)
@@ -130,7 +131,6 @@ class ExpertCache:
         self._row = 0  # touched row of the current decode step (= decode steps since the last drain)
         self._prefill_rows = 0
         self._step_rows = 0
-        self._picks = 0
         self._fills = 0
         self._allocate()
 
@@ -170,8 +170,12 @@ class ExpertCache:
         return torch.no_grad()
 
     def _h2d(self, a: np.ndarray) -> torch.Tensor:
-        # Pageable source + non_blocking: CUDA stages the bytes before returning, no device sync.
-        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if not self._cuda:
+            return t
+        # Pinned staging (torch's caching host allocator keeps the block until the copy is done): the copy is
+        # queued on the current (compute) stream and the host never waits for the device.
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def _write_tables(self, keys: np.ndarray, ptrs: np.ndarray, slots: np.ndarray) -> None:
         """On the compute stream: pointer_table[keys] = ptrs ``[n, P]``, slot_of[keys] = slots."""
@@ -192,6 +196,10 @@ class ExpertCache:
             return
         with self._on_compute():
             self._pool = torch.empty((self.num_slots, self._stride), dtype=torch.uint8, device=self.device)
+            if self._cuda:
+                # The side stream writes the pool: the allocator must not hand its memory out again before
+                # those copies are done, whenever the pool is dropped.
+                self._pool.record_stream(self._side)
 
     # ---- swaps -----------------------------------------------------------------------------------------------
 
@@ -275,8 +283,10 @@ class ExpertCache:
 
         Notes
         -----
-        Device ops only (no host sync). Decode steps update pick counts, the step's touched set and the pick hit
-        counter; prefill steps update the prefill counts when ``observe_prefill`` is on, and nothing otherwise.
+        Device ops only (no host sync), on fixed buffers, so a decode step's calls can be captured in a CUDA graph
+        (for ``expert_ids`` of at most 64 elements, or after one eager call of the captured size). Decode steps
+        update pick counts, the step's touched set and the hit counters; prefill steps update the prefill counts
+        when ``observe_prefill`` is on, and nothing otherwise. Call it on the compute stream.
         """
         kind = self._kind
         if kind is None:
@@ -304,7 +314,7 @@ class ExpertCache:
         self._touched.view(-1).index_fill_(0, ids64 + self._offsets[layer], True)
         hit = self.slot_of.view(-1).index_select(0, flat) >= 0
         self._dev_counters[2:3].add_(hit.sum())
-        self._picks += n
+        self._dev_counters[3:4].add_(n)
 
     def after_step(self) -> None:
         """Close the step: count its distinct hits, activate finished fills, replan when due."""
@@ -327,14 +337,19 @@ class ExpertCache:
         if self._ctl.end_step(kind):  # type: ignore[arg-type]
             self.replan()
 
-    def _drain(self) -> None:
-        """Move the device-side observations to the policy (one host sync) and clear them."""
+    def _drain(self, complete: bool = False) -> None:
+        """Snapshot the device-side observations (D2H copies on the compute stream), clear them, and hand the
+        snapshot to the controller (which reads it now, or at the next replan with ``async_observe``)."""
         n = self._row
-        touched = self._touched[:n].cpu().numpy() if n else np.zeros((0, self.config.num_keys), bool)
-        picks = self._counts.cpu().numpy().astype(np.float64)
-        pre = self._prefill_counts.cpu().numpy().astype(np.float64) if self._prefill_rows else None
-        self._ctl.observe([np.flatnonzero(r) for r in touched], picks, pre, self._prefill_rows)
+        rows = self._prefill_rows
         with self._on_compute():
+            touched = self._touched[:n].to("cpu", non_blocking=self._cuda, copy=True)
+            picks = self._counts.to("cpu", non_blocking=self._cuda, copy=True)
+            pre = self._prefill_counts.to("cpu", non_blocking=self._cuda, copy=True) if rows else None
+            ev = None
+            if self._cuda:
+                ev = torch.cuda.Event()
+                ev.record(self._compute)
             self._touched[:n].zero_()
             self._counts.zero_()
             if pre is not None:
@@ -342,6 +357,19 @@ class ExpertCache:
             self._offsets.copy_(self._base)
         self._row = 0
         self._prefill_rows = 0
+
+        def fetch() -> tuple[list[np.ndarray], np.ndarray, np.ndarray | None, int]:
+            if ev is not None:
+                ev.synchronize()
+            t = touched.numpy()
+            return (
+                [np.flatnonzero(r) for r in t],
+                picks.numpy().astype(np.float64),
+                None if pre is None else pre.numpy().astype(np.float64),
+                rows,
+            )
+
+        self._ctl.submit(fetch, complete)
 
     # ---- public lifecycle ------------------------------------------------------------------------------------
 
@@ -371,7 +399,7 @@ class ExpertCache:
         self._release_now()
 
     def _release_now(self) -> None:
-        self._drain()
+        self._drain(complete=True)
         residents = self._ctl.release()
         if self._cuda:
             self._compute.wait_stream(self._side)  # every fill done before the pool can go
@@ -392,7 +420,7 @@ class ExpertCache:
         self._rewarm_now()
 
     def _rewarm_now(self) -> None:
-        self._drain()
+        self._drain(complete=True)
         self._allocate()
         self._execute(self._ctl.rewarm())
 
@@ -429,7 +457,7 @@ class ExpertCache:
 
     def stats(self) -> CacheStats:
         """Counters since construction (reads the device counters: one sync)."""
-        acc, hits, pick_hits = (int(v) for v in self._dev_counters.cpu().tolist())
+        acc, hits, pick_hits, picks = (int(v) for v in self._dev_counters.cpu().tolist())
         c = self._ctl.counters()
         return CacheStats(
             steps=c["steps"],
@@ -437,7 +465,7 @@ class ExpertCache:
             prefill_steps=c["prefill_steps"],
             accesses=acc,
             hits=hits,
-            picks=self._picks,
+            picks=picks,
             pick_hits=pick_hits,
             admits=c["admits"],
             evicts=c["evicts"],

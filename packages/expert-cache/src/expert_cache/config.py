@@ -118,7 +118,8 @@ class ExpertCacheConfig:
         ``policy`` ranks (layer, expert) pairs; every ``replan_every`` steps the planner wants the top
         ``num_slots`` pairs resident, admits at most ``admit_limit`` of them, and evicts a resident only when
         ``priority(new) > hysteresis * priority(victim)``. ``decay`` is the reference's per-replan score decay;
-        ``lfu_halve_every`` the LFU aging period; ``hybrid_*`` the hybrid policy's time constants and weights;
+        ``lfu_halve_every`` the LFU aging period; ``hybrid_*`` the hybrid policy's half-lives (candidates, shadow
+        score memory, slow rate) and weights;
         ``profile_path`` an optional ``.npz`` routing-frequency profile (:func:`expert_cache.policies.save_profile`)
         the hybrid policy starts from.
     Elastic lifecycle
@@ -130,7 +131,11 @@ class ExpertCacheConfig:
     Execution
         ``async_fill``: slot fills run on a side stream and a newcomer's pointers move to its slot at the first
         step boundary after its copy finished (no stall); otherwise the compute stream waits for the fill at the
-        replan. ``slot_alignment``: byte alignment of each projection inside a slot.
+        replan. ``async_observe``: a replan does not wait for the GPU; it snapshots the routing counters (a
+        device-to-host copy on the compute stream) and plans with the snapshot of the *previous* replan, so the
+        policy sees its data one replan interval late (releases and re-warms still see everything). Without it,
+        each replan waits for the compute stream once, like the reference. ``slot_alignment``: byte alignment of
+        each projection inside a slot.
 
     Defaults are the reference system's (``DSV41_EC_*``: every 16, admit 48, decay 0.9, hysteresis 1.0, margin
     900 MB, prefill threshold 512 tokens, re-warm after 4 decode steps).
@@ -150,7 +155,8 @@ class ExpertCacheConfig:
     hysteresis: float = 1.0
     decay: float = 0.9
     lfu_halve_every: int = 256
-    hybrid_fast_halflife: float = 48.0
+    hybrid_halflives: tuple[float, ...] = (8.0, 16.0, 32.0, 64.0, 128.0)
+    hybrid_score_halflife: float = 256.0
     hybrid_slow_halflife: float = 2048.0
     hybrid_slow_weight: float = 0.1
     hybrid_recency_bonus: float = 0.0
@@ -163,6 +169,7 @@ class ExpertCacheConfig:
     observe_prefill: bool = False
     prefill_weight: float = 1.0
     async_fill: bool = True
+    async_observe: bool = False
     slot_alignment: int = 256
 
     def __post_init__(self) -> None:
@@ -200,11 +207,15 @@ class ExpertCacheConfig:
             )
         _check_float("decay", self.decay, 0.0, 1.0, lo_open=True)
         _check_int("lfu_halve_every", self.lfu_halve_every, 1)
-        _check_float("hybrid_fast_halflife", self.hybrid_fast_halflife, 0.0, 1e9, lo_open=True)
+        if not isinstance(self.hybrid_halflives, tuple) or not self.hybrid_halflives:
+            raise ValueError(f"hybrid_halflives: must be a non-empty tuple of numbers, got {self.hybrid_halflives!r}")
+        for i, h in enumerate(self.hybrid_halflives):
+            _check_float(f"hybrid_halflives[{i}]", h, 0.0, 1e9, lo_open=True)
+        _check_float("hybrid_score_halflife", self.hybrid_score_halflife, 0.0, 1e9, lo_open=True)
         _check_float("hybrid_slow_halflife", self.hybrid_slow_halflife, 0.0, 1e9, lo_open=True)
-        if self.hybrid_slow_halflife < self.hybrid_fast_halflife:
+        if self.hybrid_slow_halflife < max(self.hybrid_halflives):
             raise ValueError(
-                f"hybrid_slow_halflife: must be >= hybrid_fast_halflife ({self.hybrid_fast_halflife}), got {self.hybrid_slow_halflife}"
+                f"hybrid_slow_halflife: must be >= max(hybrid_halflives) = {max(self.hybrid_halflives)}, got {self.hybrid_slow_halflife}"
             )
         _check_float("hybrid_slow_weight", self.hybrid_slow_weight, 0.0, 1e6)
         _check_float("hybrid_recency_bonus", self.hybrid_recency_bonus, 0.0, 1e6)
@@ -224,6 +235,8 @@ class ExpertCacheConfig:
         _check_float("prefill_weight", self.prefill_weight, 0.0, 1e9)
         if not isinstance(self.async_fill, bool):
             raise TypeError(f"async_fill: must be a bool, got {type(self.async_fill).__name__}")
+        if not isinstance(self.async_observe, bool):
+            raise TypeError(f"async_observe: must be a bool, got {type(self.async_observe).__name__}")
         _check_int("slot_alignment", self.slot_alignment, 1)
         if self.slot_alignment & (self.slot_alignment - 1):
             raise ValueError(f"slot_alignment: must be a power of two, got {self.slot_alignment}")

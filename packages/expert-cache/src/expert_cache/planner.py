@@ -7,7 +7,7 @@ and :func:`expert_cache.sim.simulate` (which only counts), so the simulator meas
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Literal
 
 import numpy as np
@@ -76,6 +76,8 @@ class CacheStats:
 
 
 StepKind = Literal["decode", "prefill"]
+#: What an executor hands the controller at a flush: (step_keys, picks, prefill_picks or None, prefill_rows).
+Observation = tuple[Sequence[np.ndarray], np.ndarray, "np.ndarray | None", int]
 
 
 class CacheController:
@@ -110,6 +112,7 @@ class CacheController:
         self.keep = np.zeros(0, np.int64)
         self.decode_streak = 0
         self.steps_since_replan = 0
+        self._held: Callable[[], Observation] | None = None
         self._c = {k: 0 for k in ("steps", "decode_steps", "prefill_steps", "admits", "evicts", "replans", "releases", "rewarms")}
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -197,6 +200,28 @@ class CacheController:
         self.policy.update(step_keys, picks)
         if prefill_picks is not None and prefill_rows > 0 and self.config.observe_prefill:
             self.policy.update_prefill(prefill_picks, prefill_rows, self.config.prefill_weight)
+
+    def submit(self, fetch: Callable[[], Observation], complete: bool = False) -> None:
+        """Hand over the observations since the last flush as a callable that produces them.
+
+        Without ``async_observe`` (or with ``complete``) the policy gets them now. With ``async_observe`` the
+        controller keeps ``fetch`` and feeds the one kept at the previous flush, so an executor's snapshot can
+        finish on the device meanwhile; ``complete=True`` (releases and re-warms) feeds both.
+        """
+        if self.config.async_observe:
+            held, self._held = self._held, fetch
+            if held is not None:
+                self.observe(*held())
+            if complete:
+                self.flush_held()
+        else:
+            self.observe(*fetch())
+
+    def flush_held(self) -> None:
+        """Feed the observation kept by :meth:`submit` (if any) to the policy."""
+        held, self._held = self._held, None
+        if held is not None:
+            self.observe(*held())
 
     def _want(self, prio: np.ndarray) -> np.ndarray:
         """The top ``num_slots`` keys of positive priority (ties: lower key first), unordered."""

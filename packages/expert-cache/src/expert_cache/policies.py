@@ -17,9 +17,10 @@ Policies
 ``lfu``      count of steps a key was accessed in, halved every ``lfu_halve_every`` steps (LFU with aging).
 ``arc``      ARC (Megiddo and Modha, FAST 2003) run on the per-step access stream with capacity ``num_slots``;
              its logical cache T1+T2 is what the planner wants resident.
-``hybrid``   frequency + recency with two time scales: per-step exponentially decayed pick rates (fast and
-             slow half-life), an optional saved routing-frequency profile as a prior, and a bonus for keys
-             routed in the last step. Meant to be replanned every step with a small admission limit.
+``hybrid``   frequency + recency on several time scales: per-step exponentially decayed pick rates for a set
+             of half-lives, the one whose shadow cache hits best is used (self-tuning to drift), plus a slow
+             rate, an optional saved routing-frequency profile as a prior, and an optional bonus for keys routed
+             in the last step. Meant to be replanned every step with a small admission limit.
 """
 
 from __future__ import annotations
@@ -250,11 +251,17 @@ class ARCPolicy(Policy):
 
 
 class HybridPolicy(Policy):
-    """Frequency + recency on two time scales, with an optional routing-frequency prior.
+    """Frequency + recency on several time scales, choosing the time scale online, with an optional prior.
 
-    priority = r_fast + w_slow * r_slow + w_profile * profile + bonus * [routed in the last step], where
-    ``r_h`` is the per-step pick rate averaged with an exponential half-life of ``h`` steps. Keys never routed
-    and absent from the profile have priority 0.
+    For each half-life ``h`` in ``halflives`` the policy keeps ``r_h``, the per-step pick rate averaged with an
+    exponential half-life of ``h`` decode steps. Candidate ``j``'s priority is
+
+        ``r_h[j] + slow_weight * r_slow + profile_weight * profile + recency_bonus * [routed in the last step]``
+
+    Every candidate's top ``num_slots`` keys form a shadow cache; at each decode step the shadow caches are
+    scored on the keys the step routed (hits, exponentially forgotten with ``score_halflife`` steps) and the
+    planner is given the best-scoring candidate's priorities. A short half-life wins when routing drifts, a long
+    one when it is stationary. Keys never routed and absent from the profile have priority 0.
     """
 
     name = "hybrid"
@@ -262,21 +269,34 @@ class HybridPolicy(Policy):
     def __init__(
         self,
         num_keys: int,
-        fast_halflife: float = 48.0,
+        num_slots: int,
+        halflives: Sequence[float] = (8.0, 16.0, 32.0, 64.0, 128.0),
         slow_halflife: float = 2048.0,
         slow_weight: float = 0.1,
         recency_bonus: float = 0.0,
         profile: np.ndarray | None = None,
         profile_weight: float = 1.0,
+        score_halflife: float = 256.0,
     ) -> None:
         super().__init__(num_keys)
-        self.df = 0.5 ** (1.0 / fast_halflife)
+        hl = np.asarray(halflives, np.float64)
+        if hl.ndim != 1 or hl.size == 0 or np.any(hl <= 0):
+            raise ValueError(f"hybrid_halflives: must be a non-empty tuple of positive numbers, got {halflives!r}")
+        self.num_slots = int(num_slots)
+        self.halflives = hl
+        self.d = 0.5 ** (1.0 / hl)  # [J]
         self.ds = 0.5 ** (1.0 / slow_halflife)
+        self.dscore = 0.5 ** (1.0 / score_halflife)
         self.slow_weight = float(slow_weight)
         self.recency_bonus = float(recency_bonus)
-        self.fast = np.zeros(num_keys, np.float64)
+        self.fast = np.zeros((hl.size, num_keys), np.float64)
         self.slow = np.zeros(num_keys, np.float64)
         self.recent = np.zeros(num_keys, np.float64)
+        # Shadow-cache scores; the middle half-life leads until the evidence says otherwise.
+        self.score = np.zeros(hl.size, np.float64)
+        self.score[hl.size // 2] = 1e-9
+        self.leader = hl.size // 2
+        self._top: np.ndarray | None = None  # bool [J, num_keys]: each candidate's top num_slots at the last call
         if profile is not None:
             profile = np.asarray(profile, np.float64).reshape(-1)
             if profile.shape[0] != num_keys:
@@ -287,11 +307,15 @@ class HybridPolicy(Policy):
         n = len(step_keys)
         if n == 0:
             return
+        if self._top is not None and self.halflives.size > 1:
+            for keys in step_keys:
+                self.score *= self.dscore
+                self.score += self._top[:, keys].sum(axis=1)
         self.steps_seen += n
         # Exact for n == 1; for a batch the picks are credited at the batch's last step.
-        self.fast *= self.df**n
+        self.fast *= (self.d**n)[:, None]
+        self.fast += (1.0 - self.d)[:, None] * picks[None, :]
         self.slow *= self.ds**n
-        self.fast += (1.0 - self.df) * picks
         self.slow += (1.0 - self.ds) * picks
         if self.recency_bonus:
             self.recent[:] = 0.0
@@ -299,17 +323,33 @@ class HybridPolicy(Policy):
 
     def update_prefill(self, picks: np.ndarray, rows: int, weight: float) -> None:
         # A prompt's routing samples the new request's routing: picks / rows is its per-token pick rate, the
-        # quantity the fast average estimates for a decode stream. Add it (weighted) on top of what is there.
+        # quantity the fast averages estimate for a decode stream. Add it (weighted) on top of what is there.
         if rows > 0:
-            self.fast += weight * (picks / rows)
+            self.fast += weight * (picks / rows)[None, :]
+
+    def _base(self) -> np.ndarray:
+        base = self.slow_weight * self.slow
+        if self.recency_bonus:
+            base = base + self.recent
+        if self.prior is not None:
+            base = base + self.prior
+        return base
 
     def priorities(self) -> np.ndarray:
-        prio = self.fast + self.slow_weight * self.slow
-        if self.recency_bonus:
-            prio = prio + self.recent
-        if self.prior is not None:
-            prio = prio + self.prior
-        return prio
+        base = self._base()
+        J, n = self.halflives.size, self.num_slots
+        if J > 1 and 0 < n < self.num_keys:
+            allp = self.fast + base[None, :]
+            thr = np.partition(allp, self.num_keys - n, axis=1)[:, self.num_keys - n]
+            self._top = (allp >= thr[:, None]) & (allp > 0)
+            self.leader = int(np.argmax(self.score))
+            return allp[self.leader]
+        return self.fast[self.leader] + base
+
+    @property
+    def leader_halflife(self) -> float:
+        """The half-life whose shadow cache scores best now."""
+        return float(self.halflives[self.leader])
 
     def rates(self) -> np.ndarray:
         """The slow per-step pick rate of every key: what :func:`save_profile` stores."""
@@ -357,12 +397,14 @@ def make_policy(config: ExpertCacheConfig, num_slots: int) -> Policy:
             prof = load_profile(config.profile_path, config.num_layers, config.num_experts)
         return HybridPolicy(
             n,
-            config.hybrid_fast_halflife,
+            num_slots,
+            config.hybrid_halflives,
             config.hybrid_slow_halflife,
             config.hybrid_slow_weight,
             config.hybrid_recency_bonus,
             prof,
             config.profile_weight,
+            config.hybrid_score_halflife,
         )
     raise ValueError(f"policy: unknown policy {config.policy!r}")  # pragma: no cover - config validates
 

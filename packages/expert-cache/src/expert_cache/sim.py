@@ -81,9 +81,10 @@ def simulate(trace: Trace, config: ExpertCacheConfig, policy: Policy | None = No
     hits = accesses = picks = pick_hits = 0
     off = 0
 
-    def flush() -> None:
-        nonlocal acc_picks, pre_rows
-        ctl.observe(acc_steps, acc_picks, pre_picks, pre_rows)
+    def flush(complete: bool = False) -> None:
+        nonlocal pre_rows
+        obs = (list(acc_steps), acc_picks.copy(), pre_picks.copy(), pre_rows)
+        ctl.submit(lambda: obs, complete)
         acc_steps.clear()
         acc_picks[:] = 0.0
         pre_picks[:] = 0.0
@@ -98,11 +99,11 @@ def simulate(trace: Trace, config: ExpertCacheConfig, policy: Policy | None = No
         off += r
         kind, action = ctl.begin_step(int(trace.tokens_per_step[s]))
         if action == "release":
-            flush()
+            flush(complete=True)
             ctl.release()
             sync_resident()
         elif action == "rewarm":
-            flush()
+            flush(complete=True)
             ctl.rewarm()
             sync_resident()
         if r:

@@ -266,13 +266,18 @@ class SyntheticTraceConfig:
 def _rank_logits(rng: np.random.Generator, layers: int, experts: int, s: float) -> np.ndarray:
     """``-s * log(rank)`` with an independent random ranking per layer: float64 ``[L, E]``."""
     ranks = np.argsort(rng.random((layers, experts)), axis=1).argsort(axis=1) + 1
-    return -s * np.log(ranks)
+    return (-s * np.log(ranks)).astype(np.float32)
 
 
 def _topk_sample(rng: np.random.Generator, logits: np.ndarray, k: int) -> np.ndarray:
     """Gumbel-top-k: ``k`` distinct indices per row of ``logits[..., E]`` drawn without replacement."""
-    g = logits + rng.gumbel(size=logits.shape)
-    return np.argpartition(-g, k - 1, axis=-1)[..., :k]
+    u = rng.random(logits.shape, dtype=np.float32)
+    np.maximum(u, np.float32(1e-30), out=u)
+    g = np.log(u)
+    np.negative(g, out=g)
+    np.log(g, out=g)  # log(-log u) = -Gumbel
+    g -= logits  # -(logits + Gumbel)
+    return np.argpartition(g, k - 1, axis=-1)[..., :k]
 
 
 def generate(cfg: SyntheticTraceConfig) -> Trace:
@@ -281,8 +286,8 @@ def generate(cfg: SyntheticTraceConfig) -> Trace:
     L, E, K = cfg.num_layers, cfg.num_experts, cfg.top_k
     glog = _rank_logits(rng, L, E, cfg.zipf_global)
     p_end = 1.0 / cfg.mean_decode_tokens
-    req = np.zeros((cfg.streams, L, E))
-    prev = np.zeros((cfg.streams, L, E))
+    req = np.zeros((cfg.streams, L, E), np.float32)
+    prev = np.zeros((cfg.streams, L, E), np.float32)
     left = np.zeros(cfg.streams, np.int64)  # decode tokens left in the stream's request
     ids: list[np.ndarray] = []
     rows: list[int] = []
@@ -303,7 +308,7 @@ def generate(cfg: SyntheticTraceConfig) -> Trace:
                 ids.append(_topk_sample(rng, lg, K).astype(np.int16))
             rows.append(r)
             toks.append(n_prompt)
-        lg = glog[None] + req + cfg.locality * prev
+        lg = glog[None] + req + np.float32(cfg.locality) * prev
         pick = _topk_sample(rng, lg, K)  # [streams, L, K]
         prev[:] = 0.0
         for s in range(cfg.streams):

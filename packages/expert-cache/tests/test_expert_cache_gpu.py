@@ -1,0 +1,241 @@
+"""CUDA tests (run on the GPU machine: scripts/device_run.sh). A Triton kernel reads through the pointer tables,
+so these check what a real MoE kernel would see, including while swaps are in flight."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from expert_cache import ExpertCache, ExpertCacheConfig, ProjectionSpec, SyntheticTraceConfig, generate, simulate
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():  # pragma: no cover - CPU machines
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _read_through(table, out, n_entries, table_stride, nbytes, out_stride, BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    addr = tl.load(table + i * table_stride)
+    src = addr.to(tl.pointer_type(tl.uint8))
+    for off in range(0, nbytes, BLOCK):
+        o = off + tl.arange(0, BLOCK)
+        m = o < nbytes
+        tl.store(out + i * out_stride + o, tl.load(src + o, mask=m), mask=m)
+
+
+def read_all(cache: ExpertCache, stream: torch.cuda.Stream) -> list[torch.Tensor]:
+    """Per projection, uint8 ``[L*E, nbytes]``: the bytes a kernel on ``stream`` reads through the tables now."""
+    cfg = cache.config
+    outs = []
+    with torch.cuda.stream(stream):
+        for p, spec in enumerate(cfg.projection_specs):
+            out = torch.full((cfg.num_keys, spec.nbytes), 0xAB, dtype=torch.uint8, device=cache.device)
+            tab = cache.pointer_table.view(-1)[p:]
+            _read_through[(cfg.num_keys,)](tab, out, cfg.num_keys, len(cfg.projection_specs), spec.nbytes, spec.nbytes, BLOCK=1024)
+            outs.append(out)
+    return outs
+
+
+def expected(home: list[list[torch.Tensor]], cfg: ExpertCacheConfig) -> list[torch.Tensor]:
+    return [
+        torch.cat([home[layer][p].reshape(cfg.num_experts, -1).view(torch.uint8) for layer in range(cfg.num_layers)])
+        for p in range(len(cfg.projection_specs))
+    ]
+
+
+PROJ = (ProjectionSpec("w13", (2, 64, 48), "int16"), ProjectionSpec("w2", (3000,), "uint8"))
+
+
+@pytest.mark.parametrize("async_fill", [True, False])
+@pytest.mark.parametrize("policy", ["decayed", "hybrid", "arc"])
+def test_kernel_reads_right_bytes_after_random_operations(make_home, policy: str, async_fill: bool) -> None:
+    cfg = ExpertCacheConfig(
+        num_layers=3, num_experts=16, projections=PROJ, num_slots=9, replan_every=2, admit_limit=4, policy=policy,
+        elastic=True, prefill_tokens=6, rewarm_after=2, async_fill=async_fill,
+    )
+    home = make_home(cfg, 1, pin=True)
+    cache = ExpertCache(cfg, home, "cuda")
+    want = [w.cuda() for w in expected(home, cfg)]
+    stream = cache._compute
+    rng = np.random.default_rng(0)
+    checks = []
+    for _ in range(80):
+        op = rng.integers(10)
+        if op < 7:
+            tokens = int(rng.choice([1, 2, 9])) if rng.random() < 0.9 else 20
+            cache.before_step(tokens)
+            for layer in range(3):
+                ids = np.stack([rng.choice(5 if rng.random() < 0.7 else 16, 2, replace=False) for _ in range(min(tokens, 4))])
+                cache.observe(layer, torch.from_numpy(ids).cuda())
+            cache.after_step()
+        elif op == 7:
+            cache.replan()
+        elif op == 8:
+            cache.release()
+        else:
+            cache.rewarm()
+        checks.append(read_all(cache, stream))  # no synchronize: reads are ordered only by the compute stream
+    torch.cuda.synchronize()
+    for i, outs in enumerate(checks):
+        for p, (got, w) in enumerate(zip(outs, want, strict=True)):
+            bad = (got != w).any(dim=1).nonzero().flatten().tolist()
+            assert not bad, f"after op {i}: projection {p} keys {bad} read wrong bytes"
+    cache.synchronize()
+    st = cache.stats()
+    assert st.admits > 0 and st.evicts > 0 and st.releases > 0
+    assert (cache.slot_of >= 0).sum().item() == len(cache.resident())
+
+
+def _race_setup(make_home, async_fill: bool):
+    """One slot holding expert 0; ``async_observe`` so that a replan never waits for the compute stream (with a
+    synchronous drain the wait itself would order everything and hide a missing event)."""
+    cfg = ExpertCacheConfig(
+        num_layers=1, num_experts=4, projections=(ProjectionSpec("w", (4 << 20,), "uint8"),), num_slots=1,
+        replan_every=1024, admit_limit=1, async_fill=async_fill, async_observe=True,
+    )
+    home = make_home(cfg, 2, pin=True)
+    cache = ExpertCache(cfg, home, "cuda")
+    cache.before_step(1)
+    cache.observe(0, torch.tensor([[0]], device="cuda"))
+    cache.after_step()
+    cache.replan()  # snapshot held
+    cache.replan()  # planned with it
+    cache.synchronize()
+    assert cache.resident() == {0: 0}
+    return cfg, home, cache
+
+
+def _route_to_expert_1(cache: ExpertCache) -> None:
+    """Five tokens route expert 1; one replan snapshots that, so the next replan (score 5 against expert 0's
+    0.81) moves expert 1 into slot 0."""
+    cache.before_step(5)
+    cache.observe(0, torch.ones((5, 1), dtype=torch.int64, device="cuda"))
+    cache.after_step()
+    assert cache.replan() == []
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_stale_pointer_is_slower_never_wrong(make_home, monkeypatch, broken: bool) -> None:
+    """A kernel queued before a swap reads the victim through its old slot pointer while the compute stream is
+    held back; the newcomer's fill must wait for it. ``broken`` removes the stream waits: the same check must
+    then see the newcomer's bytes (so the check can fail)."""
+    cfg, home, cache = _race_setup(make_home, async_fill=True)
+    stream = cache._compute
+    _route_to_expert_1(cache)
+    if broken:
+        monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda self, ev: None)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the reader runs
+    early = read_all(cache, stream)[0]  # reads expert 0 from slot 0 (pointer not yet repointed)
+    cache.replan()  # victim 0 -> home, expert 1 filled into slot 0
+    assert cache.resident() == {1: 0}
+    torch.cuda.synchronize()
+    monkeypatch.undo()
+    cache.synchronize()
+    w0 = home[0][0][0].view(-1).cuda()
+    ok = bool(torch.equal(early[0], w0))
+    assert ok != broken, "the reader saw the newcomer's bytes" if not broken else "the race did not show without waits"
+    after = read_all(cache, stream)[0]
+    torch.cuda.synchronize()
+    assert torch.equal(after[1], home[0][0][1].view(-1).cuda()) and cache.slot_of[0, 1].item() == 0
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_newcomer_pointer_waits_for_its_fill(make_home, monkeypatch, broken: bool) -> None:
+    """Synchronous activation: the side stream is held back, so the fill lands late; a kernel right after the
+    replan must still read the newcomer's bytes (the compute stream waits for the fill)."""
+    cfg, home, cache = _race_setup(make_home, async_fill=False)
+    stream = cache._compute
+    _route_to_expert_1(cache)
+    if broken:
+        monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda self, ev: None)
+    with torch.cuda.stream(cache._side):
+        torch.cuda._sleep(200_000_000)
+    cache.replan()
+    got = read_all(cache, stream)[0]
+    torch.cuda.synchronize()
+    monkeypatch.undo()
+    ok = bool(torch.equal(got[1], home[0][0][1].view(-1).cuda()))
+    assert ok != broken
+
+
+def test_observe_and_decode_steps_never_sync(make_home) -> None:
+    cfg = ExpertCacheConfig(num_layers=4, num_experts=32, slot_bytes=4096, num_slots=20, replan_every=8)
+    cache = ExpertCache(cfg, make_home(cfg, pin=True), "cuda")
+    ids = torch.stack([torch.randperm(32, device="cuda")[:6] for _ in range(4)])
+    for step in range(7):  # steps 1..7: no replan due
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            cache.before_step(4)
+            for layer in range(4):
+                cache.observe(layer, ids)
+            cache.after_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert cache.stats().picks == 7 * 4 * 24
+
+
+def test_observe_in_a_cuda_graph(make_home) -> None:
+    """A decode step's observe calls captured once and replayed give the same counters and residents as eager
+    calls with the same ids."""
+    cfg = ExpertCacheConfig(num_layers=2, num_experts=16, slot_bytes=512, num_slots=6, replan_every=4)
+    side = torch.cuda.Stream()
+    rng = np.random.default_rng(0)
+    steps = [torch.from_numpy(np.stack([rng.choice(16, 3, replace=False) for _ in range(2)])).cuda() for _ in range(12)]
+    with torch.cuda.stream(side):
+        graphed = ExpertCache(cfg, make_home(cfg, pin=True), "cuda", compute_stream=side)
+        eager = ExpertCache(cfg, make_home(cfg, pin=True), "cuda", compute_stream=side)
+        static = steps[0].clone()
+        graphed.before_step(2)
+        for layer in range(2):
+            graphed.observe(layer, static)  # eager warm-up = step 0
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=side):
+            for layer in range(2):
+                graphed.observe(layer, static)
+        graphed.after_step()
+        for i, ids in enumerate(steps):
+            if i:
+                static.copy_(ids)
+                graphed.before_step(2)
+                g.replay()
+                graphed.after_step()
+            eager.before_step(2)
+            for layer in range(2):
+                eager.observe(layer, ids)
+            eager.after_step()
+    torch.cuda.synchronize()
+    a, b = graphed.stats(), eager.stats()
+    assert a == b and a.replans == 3 and a.hits > 0
+    assert graphed.resident() == eager.resident()
+    assert torch.equal(graphed.slot_of, eager.slot_of)
+
+
+def test_gpu_cache_matches_the_simulator(make_home) -> None:
+    tr = generate(SyntheticTraceConfig(num_layers=3, num_experts=16, top_k=2, decode_steps=120, streams=2, mean_decode_tokens=40, mean_prompt_tokens=30, prefill_rows=5, seed=4))
+    cfg = ExpertCacheConfig(num_layers=3, num_experts=16, slot_bytes=256, num_slots=10, prefill_tokens=8, replan_every=3, admit_limit=4, elastic=True, rewarm_after=2, async_fill=False)
+    cache = ExpertCache(cfg, make_home(cfg, pin=True), "cuda")
+    off = 0
+    for s in range(tr.num_steps):
+        r = int(tr.rows_per_step[s])
+        ids = torch.from_numpy(tr.ids[off : off + r].astype(np.int64)).cuda()
+        off += r
+        cache.before_step(int(tr.tokens_per_step[s]))
+        for layer in range(3):
+            if r:
+                cache.observe(layer, ids[:, layer, :])
+        cache.after_step()
+    assert cache.stats() == simulate(tr, cfg)
+
+
+def test_home_must_be_pinned_on_cuda(make_home) -> None:
+    cfg = ExpertCacheConfig(num_layers=1, num_experts=4, slot_bytes=64, num_slots=2)
+    with pytest.raises(ValueError, match=r"home\[0\]\[0\] \(weights\): must be pinned"):
+        ExpertCache(cfg, make_home(cfg), "cuda")
