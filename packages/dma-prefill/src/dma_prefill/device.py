@@ -224,8 +224,12 @@ class FakeDevice:
             raise RuntimeError("elapsed_ms: an event was not recorded or not yet replayed (call synchronize)")
         return (end.last.end - start.last.end) * 1e3
 
-    def synchronize(self) -> None:
-        """Replay every queued op in time order (the earliest possible start first)."""
+    def synchronize(self, stream: FakeStream | None = None) -> None:
+        """Replay every queued op in time order (the earliest possible start first).
+
+        The host then continues at the end of ``stream`` (like ``cudaStreamSynchronize``), or of the whole
+        device when ``stream`` is None: later ops start no earlier than that.
+        """
         while True:
             best: tuple[float, str, FakeStream] | None = None
             for s in self.streams.values():
@@ -248,7 +252,8 @@ class FakeDevice:
             op = s.queue.pop(0)
             self._run(op, start)
             s.time = op.end  # type: ignore[assignment]
-        self._host_time = max([self._host_time] + [s.time for s in self.streams.values()])
+        ends = [s.time for s in self.streams.values()] if stream is None else [stream.time]
+        self._host_time = max([self._host_time, *ends])
 
     # ------------------------------------------------------------------ replay
 

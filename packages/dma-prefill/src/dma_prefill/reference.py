@@ -17,7 +17,15 @@ from .config import PROJECTIONS, LayerSpec, StoreConfig
 from .ops_torch import expert_torch
 from .store import HostExpertStore
 
-__all__ = ["SyntheticStack", "fill_random", "kl_divergence", "reference_expert", "reference_moe"]
+__all__ = [
+    "SyntheticStack",
+    "fill_random",
+    "kl_divergence",
+    "per_expert_errors",
+    "reference_expert",
+    "reference_moe",
+    "run_stack",
+]
 
 MoeFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -127,3 +135,60 @@ class SyntheticStack:
 
     def reference_logits(self, h0: torch.Tensor) -> torch.Tensor:
         return self.forward(h0.cpu(), lambda layer, x, i, w: reference_moe(self.store, layer, x, i, w))
+
+
+def run_stack(stack: SyntheticStack, prefill: object, h0: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Logits of ``stack`` with every MoE layer run by ``prefill`` (a ``DmaPrefill``), in float32 on ``device``.
+
+    Each layer's plan is built from the float32 routing; the next layer's first batches are prefetched.
+    """
+    from .plan import PrefillPlan
+    from .prefill import DmaPrefill
+
+    if not isinstance(prefill, DmaPrefill):
+        raise TypeError("prefill must be a DmaPrefill")
+    layers = sorted(stack.routers)
+    E = stack.store.spec(layers[0]).num_experts
+
+    def moe(layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        plan = PrefillPlan.build(ids, w, E, prefill.config.experts_per_batch)
+        i = layers.index(layer)
+        nxt = layers[i + 1] if i + 1 < len(layers) else None
+        out = prefill.run_layer(layer, x.contiguous(), plan, next_layer=nxt)
+        prefill.device.synchronize()
+        return out
+
+    return stack.forward(h0.to(device), moe, dtype=torch.float32)
+
+
+def per_expert_errors(
+    store: HostExpertStore, layer: int, prefill: object, x: torch.Tensor, *, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """Route every token of ``x`` to one expert (weight 1) and compare each expert's rows with the reference.
+
+    Returns ``{"ours": [E], "fp32": [E]}``: ``max|y - ref| / max|ref|`` per expert for the prefill path and for
+    a plain float32 evaluation of the same formula (the fp32-noise yardstick).
+    """
+    from .plan import PrefillPlan
+    from .prefill import DmaPrefill
+
+    if not isinstance(prefill, DmaPrefill):
+        raise TypeError("prefill must be a DmaPrefill")
+    E = store.spec(layer).num_experts
+    T = x.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    ids = (torch.randperm(T, generator=g) % E).view(T, 1)
+    w = torch.ones(T, 1)
+    plan = PrefillPlan.build(ids.to(x.device), w.to(x.device), E, prefill.config.experts_per_batch)
+    out = prefill.run_layer(layer, x, plan)
+    prefill.device.synchronize()
+    out = out.cpu().double()
+    ref = reference_moe(store, layer, x, ids, w)
+    ref32 = reference_moe(store, layer, x, ids, w, dtype=torch.float32).double()
+    res: dict[str, np.ndarray] = {"ours": np.zeros(E), "fp32": np.zeros(E)}
+    for e in range(E):
+        rows = (ids[:, 0] == e).nonzero()[:, 0]
+        scale = ref[rows].abs().max()
+        res["ours"][e] = float((out[rows] - ref[rows]).abs().max() / scale)
+        res["fp32"][e] = float((ref32[rows] - ref[rows]).abs().max() / scale)
+    return res

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Device-machine entry point for dma-prefill: the gpu-marked tests, then the H200 benchmark.
+# Run from anywhere:  bash packages/dma-prefill/scripts/run_gpu.sh [bench_prefill.py args]
+# Results land in $OUT (the device tool's folder) or /tmp/dma-prefill-out.
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+OUT="${OUT:-/tmp/dma-prefill-out}"
+mkdir -p "$OUT"
+# cpu_tier and dma_prefill look up their installed version; the source trees get a minimal dist-info
+SITE="$(mktemp -d)"
+for pair in cpu-tier:cpu_tier dma-prefill:dma_prefill; do
+    mkdir -p "$SITE/${pair#*:}-0.1.0.dist-info"
+    printf 'Metadata-Version: 2.1\nName: %s\nVersion: 0.1.0\n' "${pair%%:*}" > "$SITE/${pair#*:}-0.1.0.dist-info/METADATA"
+done
+export PYTHONPATH="packages/dma-prefill/src:packages/cpu-tier/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,pcie.link.gen.current,pcie.link.width.current --format=csv
+python3 -m pytest packages/dma-prefill/tests -m gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
+rc=${PIPESTATUS[0]}
+python3 packages/dma-prefill/scripts/bench_prefill.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
+rc2=${PIPESTATUS[0]}
+echo "pytest rc=$rc bench rc=$rc2"
+exit $(( rc || rc2 ))

@@ -1,0 +1,114 @@
+"""GPU checks (run on the device machine through scripts/run_gpu.sh): Triton decode bit-exactness, GEMM error
+bounds, KL on a synthetic stack, the ring on real CUDA streams, and the registered + mapped host store."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from cpu_tier import exl3
+
+from dma_prefill import DmaPrefill, HostExpertStore, LayerSpec, PrefillConfig, PrefillPlan, StoreConfig
+from dma_prefill.reference import SyntheticStack, fill_random, kl_divergence, per_expert_errors, reference_moe, run_stack
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+CASES = [(cb, k) for cb in exl3.CODEBOOKS for k in exl3.SUPPORTED_BITS[cb]]
+
+
+def _report(name: str, value: object) -> None:
+    print(f"\nREPORT {name} = {value}")
+
+
+@pytest.mark.parametrize(("codebook", "bits"), CASES)
+def test_triton_decode_bit_exact(codebook: str, bits: float) -> None:
+    from dma_prefill.compute import decode_triton
+
+    t = exl3.random_tensor(256, 640, bits, codebook, seed=int(bits * 10) + len(codebook))
+    got = decode_triton(torch.from_numpy(t.trellis).cuda(), codebook).cpu().numpy()
+    ref = exl3.decode(t.trellis, codebook)
+    np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
+
+
+def test_registered_store_and_zero_copy_decode() -> None:
+    from dma_prefill.compute import decode_into
+
+    spec = LayerSpec(6, 256, 384, bits=(3, 2, 4), codebooks=("mul1", "mcg", "3inst"))
+    with HostExpertStore({7: spec}, StoreConfig(progress=False)) as store:
+        assert store.is_registered(7)
+        fill_random(store, seed=4)
+        dv = store.device_view(7)
+        assert dv.is_cuda and dv.numel() == store.allocated_bytes(7)
+        assert torch.equal(dv.cpu(), store.buffer(7))  # the mapped view reads the host bytes
+        table = store.address_table(7, device=True)
+        assert table[0, 0, 0] == dv.data_ptr()
+        lay = store.layout(7)
+        src32 = dv[: store.nbytes(7)].view(torch.int32)
+        for p in ("gate", "up", "down"):
+            ps = spec.proj(p)
+            out = torch.empty((6, ps.k, ps.n), dtype=torch.float16, device="cuda")
+            counts = torch.ones(6, dtype=torch.int64, device="cuda")
+            decode_into(src32, lay.stride // 4, lay.elem_offset(p, "trellis", 4), counts, out, ps.k, ps.n, ps.bits, ps.codebook)
+            for e in range(6):
+                ref = exl3.decode(store.numpy(7, e, p, "trellis"), ps.codebook)
+                np.testing.assert_array_equal(out[e].cpu().numpy().view(np.uint16), ref.view(np.uint16))
+
+
+@pytest.fixture(scope="module")
+def gpu_stack() -> SyntheticStack:
+    spec = LayerSpec(num_experts=16, hidden=512, intermediate=256)
+    return SyntheticStack.build(num_layers=3, spec=spec, top_k=4, seed=21, use_cuda=True)
+
+
+def _pf(stack: SyntheticStack, exact: bool, **kw) -> DmaPrefill:
+    cfg = PrefillConfig(num_slots=2, experts_per_batch=4, exact=exact, backend="triton")
+    return DmaPrefill(stack.store, cfg, **kw)
+
+
+def test_gemm_error_bounds_per_expert(gpu_stack: SyntheticStack) -> None:
+    x = torch.randn(1024, 512, generator=torch.Generator().manual_seed(2)).cuda()
+    exact = per_expert_errors(gpu_stack.store, 0, _pf(gpu_stack, True), x, seed=3)
+    fp16 = per_expert_errors(gpu_stack.store, 0, _pf(gpu_stack, False), x, seed=3)
+    _report("per-expert max rel err, exact path (max over experts)", f"{exact['ours'].max():.3e}")
+    _report("per-expert max rel err, plain fp32 evaluation (yardstick)", f"{exact['fp32'].max():.3e}")
+    _report("per-expert max rel err, fp16-activation path", f"{fp16['ours'].max():.3e}")
+    assert exact["ours"].max() < 4 * exact["fp32"].max() + 1e-7
+    assert exact["ours"].max() < 5e-6
+    assert fp16["ours"].max() > 10 * exact["ours"].max()
+
+
+def test_stack_kl_on_gpu(gpu_stack: SyntheticStack) -> None:
+    h0 = gpu_stack.embed(256, seed=7)
+    ref = gpu_stack.reference_logits(h0)
+    kl = kl_divergence(ref, run_stack(gpu_stack, _pf(gpu_stack, True), h0, device="cuda").cpu())
+    kl16 = kl_divergence(ref, run_stack(gpu_stack, _pf(gpu_stack, False), h0, device="cuda").cpu())
+    _report("stack KL exact path (mean, max)", f"{kl.mean():.3e}, {kl.max():.3e}")
+    _report("stack KL fp16-activation path (mean, max)", f"{kl16.mean():.3e}, {kl16.max():.3e}")
+    assert float(kl.mean()) < 1e-9
+    assert float(kl16.mean()) > float(kl.mean())
+
+
+def test_ring_on_real_streams(gpu_stack: SyntheticStack) -> None:
+    pf = _pf(gpu_stack, True, timing=True)
+    T = 300
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(T, 512, generator=g).cuda()
+    routes = [torch.rand(T, 16, generator=g).argsort(1)[:, :4] for _ in range(3)]
+    weights = [torch.rand(T, 4, generator=g) for _ in range(3)]
+    torch.cuda.synchronize()
+    pf.start_window()
+    outs = []
+    for i, lid in enumerate([0, 1, 2]):
+        plan = PrefillPlan.build(routes[i].cuda(), weights[i].cuda(), 16, 4)
+        outs.append(pf.run_layer(lid, x, plan, next_layer=lid + 1 if lid < 2 else None))
+    st = pf.stats()
+    for lid, out in enumerate(outs):
+        ref = reference_moe(gpu_stack.store, lid, x, routes[lid], weights[lid])
+        assert float((out.cpu().double() - ref).abs().max() / ref.abs().max()) < 5e-6
+    done = pf.compute.computed
+    assert len(done) == len(set(done)) == 48  # 16 experts x 3 layers, each once
+    assert [s.slot for s in pf.ring.history] == [i % 2 for i in range(12)]
+    assert st.batches == 12 and st.layers == 3
+    assert st.bytes_copied == 48 * gpu_stack.store.layout(0).stride
+    assert 0 < st.copy_fraction <= 1 and 0 < st.compute_fraction <= 1
+    _report("small ring copy GB/s, copy fraction, compute fraction", f"{st.copy_gbps:.1f}, {st.copy_fraction:.2f}, {st.compute_fraction:.2f}")
