@@ -156,7 +156,6 @@ def test_fp16_reconstruction_is_correctly_rounded():
     """decode.reconstruct_fp16 vs cpu_tier's float64 reference: equal, or (rarely) the reference is the one
     off by a double rounding (float64 -> float32 -> float16); checked against an 80-bit evaluation."""
     from cpu_tier.exl3 import decode, random_tensor
-
     from pack_tools.decode import fwht128, reconstruct_fp16
 
     x = np.random.default_rng(0).standard_normal((256, 384))

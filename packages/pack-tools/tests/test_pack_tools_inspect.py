@@ -30,7 +30,7 @@ def test_inspect_pack_counts(tiny_session):
     assert info["engram_rows_total"] == sum(rows)
     assert info["nvme_bytes"] == sum(r * (256 + 8) for r in rows)
     assert info["bits"]["routed"] == {"3 mul1": d.layers * d.experts * 3}
-    assert info["bits"]["mtp"]["4 mul1"] > d.experts * 3
+    assert info["bits"]["mtp"] == {"4 mul1": d.mtp_experts * 3 + 9}  # + wq_a wkv wq_b wo_b shared(3) e/h_proj
     assert info["bits"]["dense"] == {"4 mul1": 32, "6 mul1": 1}
     assert info["predecoded_fp16"] == (d.layers + d.mtp) + 4
     # every indexed byte lands in exactly one tier

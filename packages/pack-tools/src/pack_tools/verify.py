@@ -67,6 +67,13 @@ class _Verifier:
         self.headers: dict[str, Header | None] = {}
         self.bad_files: set[str] = set()  # missing / unreadable: no per-tensor lines for them
         self.indexed: dict[str, list[str]] = {}  # file -> tensors the index names in it
+        self.fds: dict[str, int] = {}
+
+    def fd(self, rel: str) -> int:
+        """A read-only descriptor of a pack file, opened once (closed at the end of run)."""
+        if rel not in self.fds:
+            self.fds[rel] = os.open(self.pack / rel, os.O_RDONLY)
+        return self.fds[rel]
 
     def add(self, msg: str) -> None:
         self.problems.append(msg)
@@ -85,6 +92,13 @@ class _Verifier:
     # ------------------------------------------------------------------------------------------ run
 
     def run(self) -> list[str]:
+        try:
+            return self._run()
+        finally:
+            for fd in self.fds.values():
+                os.close(fd)
+
+    def _run(self) -> list[str]:
         pack = self.pack
         if not pack.exists():
             return [f"{pack}: does not exist"]
@@ -165,9 +179,9 @@ class _Verifier:
             if self.deep and "sha256" in e and hash_file(self.pack / rel) != e["sha256"]:
                 self.add(f"{rel}: content sha256 mismatch (flipped or corrupted bytes in the input shard)")
             return
-        digest, per = hash_safetensors(self.pack / rel, display=rel)
-        if digest == e["sha256"]:
+        if hash_file(self.pack / rel) == e["sha256"]:
             return
+        _, per = hash_safetensors(self.pack / rel, display=rel)  # locate the damage per tensor
         bad = [n for n, s in spec.items() if n in per and "sha256" in s and per[n] != s["sha256"]]
         for n in bad[: self.cap]:
             self.add(f"{rel}: {n}: data sha256 mismatch (corrupted bytes)")
@@ -338,9 +352,7 @@ class _Verifier:
             elif s is not None:
                 h = self.headers[where[name]]
                 assert h is not None
-                with open(self.pack / where[name], "rb") as fh:
-                    fh.seek(h.data_start + s.begin)
-                    val = int.from_bytes(fh.read(4), "little", signed=True)
+                val = int.from_bytes(os.pread(self.fd(where[name]), 4, h.data_start + s.begin), "little", signed=True)
                 if val != _MARKER_VALUES[m]:
                     out.append(f"{where[name]}: {name}: marker value {val}, expected {_MARKER_VALUES[m]}")
         return out

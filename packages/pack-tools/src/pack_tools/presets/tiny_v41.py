@@ -20,8 +20,9 @@ Every tensor is a deterministic function of (seed, name). Sizes: :class:`TinyV41
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -30,7 +31,7 @@ from pack_tools.presets import _common as c
 from pack_tools.st import RawTensor, atomic_write_bytes, atomic_write_json
 from pack_tools.v41 import engram_primes
 
-__all__ = ["TinyV41", "synth_tiny_v41", "tiny_v41_config"]
+__all__ = ["FLASH", "DataGen", "Spec", "SpecGen", "TinyV41", "synth_tiny_v41", "tiny_v41_config"]
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -64,6 +65,7 @@ class TinyV41:
     hc_mult: int = 4
     vocab: int = 1024
     mtp: int = 1
+    mtp_experts: int = 4
     engram_layers: tuple[int, ...] = (1, 2)
     engram_vocab: int = 2000
     engram_heads: int = 2
@@ -88,6 +90,96 @@ class TinyV41:
 
 
 ENGRAM_DIM = 256  # the real table row width (engram_head_dim)
+
+#: DeepSeek-V4.1-Flash's own dimensions (reference-system.md section 10; MTP/DSpark layers have 128 experts).
+#: Shapes the reference does not state are derived from the config (see benches/bench_real_shape.py).
+FLASH = TinyV41(
+    hidden=5120, intermediate=2304, layers=40, experts=384, experts_per_tok=6, heads=64, head_dim=512,
+    q_lora_rank=1280, o_groups=8, o_lora_rank=1024, index_heads=32, index_head_dim=128, hc_mult=4,
+    vocab=129280, mtp=3, mtp_experts=128, engram_layers=(1, 14), engram_vocab=16_000_000, engram_heads=8,
+    engram_max_ngram=4, kv_source_layers=(2, 8, 14, 20), index_source_layers=(2, 8, 14, 20, 24, 28, 32, 36),
+    routed_bits=3, mtp_bits=4, dense_bits=4, head_bits=6, exl3_shards=45,
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Spec:
+    """A tensor's dtype and shape without data; ``fill`` is a 0-dim int32 marker's value."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    fill: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        from pack_tools.st import DTYPE_SIZES
+
+        return DTYPE_SIZES[self.dtype] * math.prod(self.shape)
+
+
+class Gen(Protocol):
+    """Makes one tensor (or one EXL3 linear's tensor set) by name: data (:class:`DataGen`) or specs."""
+
+    def bf16(self, name: str, shape: tuple[int, ...], scale: float = 0.02, offset: float = 0.0) -> Any: ...
+    def f32(self, name: str, shape: tuple[int, ...], scale: float = 0.02, offset: float = 0.0) -> Any: ...
+    def fp8_e4m3(self, name: str, shape: tuple[int, ...]) -> Any: ...
+    def e8m0_scales(self, name: str, shape: tuple[int, ...]) -> Any: ...
+    def raw_int8(self, name: str, shape: tuple[int, ...]) -> Any: ...
+    def exl3(self, prefix: str, k: int, n: int, bits: float) -> dict[str, Any]: ...
+
+
+class DataGen:
+    """Random data, a deterministic function of (seed, name)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def bf16(self, name: str, shape: tuple[int, ...], scale: float = 0.02, offset: float = 0.0) -> RawTensor:
+        return c.bf16(self.seed, name, shape, scale, offset)
+
+    def f32(self, name: str, shape: tuple[int, ...], scale: float = 0.02, offset: float = 0.0) -> RawTensor:
+        return c.f32(self.seed, name, shape, scale, offset)
+
+    def fp8_e4m3(self, name: str, shape: tuple[int, ...]) -> RawTensor:
+        return c.fp8_e4m3(self.seed, name, shape)
+
+    def e8m0_scales(self, name: str, shape: tuple[int, ...]) -> RawTensor:
+        return c.e8m0_scales(self.seed, name, shape)
+
+    def raw_int8(self, name: str, shape: tuple[int, ...]) -> RawTensor:
+        return c.raw_int8(self.seed, name, shape)
+
+    def exl3(self, prefix: str, k: int, n: int, bits: float) -> dict[str, np.ndarray]:
+        return c.exl3(self.seed, prefix, k, n, bits)
+
+
+class SpecGen:
+    """Dtypes and shapes only (for header-only, real-size layouts)."""
+
+    def bf16(self, name: str, shape: tuple[int, ...], scale: float = 0.02, offset: float = 0.0) -> Spec:
+        return Spec("BF16", shape)
+
+    def f32(self, name: str, shape: tuple[int, ...], scale: float = 0.02, offset: float = 0.0) -> Spec:
+        return Spec("F32", shape)
+
+    def fp8_e4m3(self, name: str, shape: tuple[int, ...]) -> Spec:
+        return Spec("F8_E4M3", shape)
+
+    def e8m0_scales(self, name: str, shape: tuple[int, ...]) -> Spec:
+        return Spec("F8_E8M0", shape)
+
+    def raw_int8(self, name: str, shape: tuple[int, ...]) -> Spec:
+        return Spec("I8", shape)
+
+    def exl3(self, prefix: str, k: int, n: int, bits: float) -> dict[str, Spec]:
+        from cpu_tier.exl3 import MARKERS
+
+        return {
+            f"{prefix}.trellis": Spec("I16", (k // 16, n // 16, int(16 * bits))),
+            f"{prefix}.suh": Spec("F16", (k,)),
+            f"{prefix}.svh": Spec("F16", (n,)),
+            f"{prefix}.mul1": Spec("I32", (), MARKERS["mul1"]),
+        }
 
 
 def tiny_v41_config(d: TinyV41 = TinyV41()) -> dict[str, Any]:
@@ -154,7 +246,7 @@ def tiny_v41_config(d: TinyV41 = TinyV41()) -> dict[str, Any]:
         "dspark_noise_token_id": d.vocab - 1,
         "dspark_target_layer_ids": [d.layers - 1],
         "dspark_markov_rank": 16,
-        "dspark_n_routed_experts": d.experts,
+        "dspark_n_routed_experts": d.mtp_experts,
         "dspark_num_experts_per_tok": d.experts_per_tok,
         "bos_token_id": 0,
         "eos_token_id": 1,
@@ -178,121 +270,122 @@ def tiny_v41_config(d: TinyV41 = TinyV41()) -> dict[str, Any]:
     }
 
 
-def _layer_tensors(d: TinyV41, seed: int, root: str, layer: int, is_mtp: bool) -> dict[str, RawTensor | np.ndarray]:
+def _layer_tensors(d: TinyV41, g: Gen, root: str, layer: int, is_mtp: bool) -> dict[str, Any]:
     H, I, hc = d.hidden, d.intermediate, d.hc_mult
     mix = (2 + hc) * hc
-    t: dict[str, RawTensor | np.ndarray] = {}
+    t: dict[str, Any] = {}
     p = f"{root}."
-    t[p + "attn_norm.weight"] = c.bf16(seed, p + "attn_norm.weight", (H,), 0.05, 1.0)
-    t[p + "ffn_norm.weight"] = c.bf16(seed, p + "ffn_norm.weight", (H,), 0.05, 1.0)
+    t[p + "attn_norm.weight"] = g.bf16(p + "attn_norm.weight", (H,), 0.05, 1.0)
+    t[p + "ffn_norm.weight"] = g.bf16(p + "ffn_norm.weight", (H,), 0.05, 1.0)
     for sub in ("attn", "ffn"):
-        t[f"{p}hc_{sub}_fn"] = c.f32(seed, f"{p}hc_{sub}_fn", (mix, hc * H))
-        t[f"{p}hc_{sub}_base"] = c.f32(seed, f"{p}hc_{sub}_base", (mix,), 0.1)
-        t[f"{p}hc_{sub}_scale"] = c.f32(seed, f"{p}hc_{sub}_scale", (3,), 0.1, 1.0)
+        t[f"{p}hc_{sub}_fn"] = g.f32(f"{p}hc_{sub}_fn", (mix, hc * H))
+        t[f"{p}hc_{sub}_base"] = g.f32(f"{p}hc_{sub}_base", (mix,), 0.1)
+        t[f"{p}hc_{sub}_scale"] = g.f32(f"{p}hc_{sub}_scale", (3,), 0.1, 1.0)
     a = p + "attn."
     db = d.mtp_bits if is_mtp else d.dense_bits
-    t.update(c.exl3(seed, a + "wq_a", H, d.q_lora_rank, db))
-    t.update(c.exl3(seed, a + "wkv", H, d.head_dim, db))
-    t.update(c.exl3(seed, a + "wq_b", d.q_lora_rank, d.heads * d.head_dim, db))
-    t[a + "q_norm.weight"] = c.bf16(seed, a + "q_norm.weight", (d.q_lora_rank,), 0.05, 1.0)
-    t[a + "kv_norm.weight"] = c.bf16(seed, a + "kv_norm.weight", (d.head_dim,), 0.05, 1.0)
-    for g in range(d.o_groups):
-        t.update(c.exl3(seed, f"{a}wo_a.slice.{g}", d.heads * d.head_dim // d.o_groups, d.o_lora_rank, db))
-    t.update(c.exl3(seed, a + "wo_b", d.o_groups * d.o_lora_rank, H, db))
-    t[a + "attn_sink"] = c.f32(seed, a + "attn_sink", (d.heads,), 0.5)
+    t.update(g.exl3(a + "wq_a", H, d.q_lora_rank, db))
+    t.update(g.exl3(a + "wkv", H, d.head_dim, db))
+    t.update(g.exl3(a + "wq_b", d.q_lora_rank, d.heads * d.head_dim, db))
+    t[a + "q_norm.weight"] = g.bf16(a + "q_norm.weight", (d.q_lora_rank,), 0.05, 1.0)
+    t[a + "kv_norm.weight"] = g.bf16(a + "kv_norm.weight", (d.head_dim,), 0.05, 1.0)
+    for grp in range(d.o_groups):
+        t.update(g.exl3(f"{a}wo_a.slice.{grp}", d.heads * d.head_dim // d.o_groups, d.o_lora_rank, db))
+    t.update(g.exl3(a + "wo_b", d.o_groups * d.o_lora_rank, H, db))
+    t[a + "attn_sink"] = g.f32(a + "attn_sink", (d.heads,), 0.5)
     if not is_mtp and layer in d.kv_source_layers:
         cp = a + "compressor."
         ratio = 2 if layer < (d.layers + 2) // 2 else 1
-        t.update(c.exl3(seed, cp + "wkv", H, d.head_dim, db))
-        t.update(c.exl3(seed, cp + "wgate", H, d.head_dim, db))
-        t[cp + "ape"] = c.f32(seed, cp + "ape", (ratio, d.head_dim))
-        t[cp + "norm.weight"] = c.bf16(seed, cp + "norm.weight", (d.head_dim,), 0.05, 1.0)
+        t.update(g.exl3(cp + "wkv", H, d.head_dim, db))
+        t.update(g.exl3(cp + "wgate", H, d.head_dim, db))
+        t[cp + "ape"] = g.f32(cp + "ape", (ratio, d.head_dim))
+        t[cp + "norm.weight"] = g.bf16(cp + "norm.weight", (d.head_dim,), 0.05, 1.0)
     if not is_mtp and layer in d.index_source_layers:
         ip = a + "indexer."
-        t.update(c.exl3(seed, ip + "wq_b", d.q_lora_rank, d.index_heads * d.index_head_dim, db))
-        t.update(c.exl3(seed, ip + "wk", H, d.index_head_dim, db))
-        t[ip + "k_norm.weight"] = c.bf16(seed, ip + "k_norm.weight", (d.index_head_dim,), 0.05, 1.0)
-        t[ip + "weights_proj.weight"] = c.bf16(seed, ip + "weights_proj.weight", (d.index_heads, H))
+        t.update(g.exl3(ip + "wq_b", d.q_lora_rank, d.index_heads * d.index_head_dim, db))
+        t.update(g.exl3(ip + "wk", H, d.index_head_dim, db))
+        t[ip + "k_norm.weight"] = g.bf16(ip + "k_norm.weight", (d.index_head_dim,), 0.05, 1.0)
+        t[ip + "weights_proj.weight"] = g.bf16(ip + "weights_proj.weight", (d.index_heads, H))
     f = p + "ffn."
-    t[f + "gate.weight"] = c.bf16(seed, f + "gate.weight", (d.experts, H))
-    t[f + "gate.bias"] = c.f32(seed, f + "gate.bias", (d.experts,), 0.01)
-    t[f + "gate.bias_vl"] = c.f32(seed, f + "gate.bias_vl", (d.experts,), 0.01)
+    n_exp = d.mtp_experts if is_mtp else d.experts
+    t[f + "gate.weight"] = g.bf16(f + "gate.weight", (n_exp, H))
+    t[f + "gate.bias"] = g.f32(f + "gate.bias", (n_exp,), 0.01)
+    t[f + "gate.bias_vl"] = g.f32(f + "gate.bias_vl", (n_exp,), 0.01)
     rb = d.mtp_bits if is_mtp else d.routed_bits
-    for e in range(d.experts):
-        t.update(c.exl3(seed, f"{f}experts.{e}.w1", H, I, rb))
-        t.update(c.exl3(seed, f"{f}experts.{e}.w3", H, I, rb))
-        t.update(c.exl3(seed, f"{f}experts.{e}.w2", I, H, rb))
-    t.update(c.exl3(seed, f + "shared_experts.w1", H, I, db))
-    t.update(c.exl3(seed, f + "shared_experts.w3", H, I, db))
-    t.update(c.exl3(seed, f + "shared_experts.w2", I, H, db))
+    for e in range(n_exp):
+        t.update(g.exl3(f"{f}experts.{e}.w1", H, I, rb))
+        t.update(g.exl3(f"{f}experts.{e}.w3", H, I, rb))
+        t.update(g.exl3(f"{f}experts.{e}.w2", I, H, rb))
+    t.update(g.exl3(f + "shared_experts.w1", H, I, db))
+    t.update(g.exl3(f + "shared_experts.w3", H, I, db))
+    t.update(g.exl3(f + "shared_experts.w2", I, H, db))
     if not is_mtp and layer in d.engram_layers:
         ep = p + "engram."
         cols = (d.engram_max_ngram - 1) * d.engram_heads
-        t.update(c.exl3(seed, ep + "wkv", cols * ENGRAM_DIM, (hc + 1) * H, db))
-        t[ep + "q_weight"] = c.bf16(seed, ep + "q_weight", (hc, H), 0.05, 1.0)
-        t[ep + "k_weight"] = c.bf16(seed, ep + "k_weight", (hc, H), 0.05, 1.0)
+        t.update(g.exl3(ep + "wkv", cols * ENGRAM_DIM, (hc + 1) * H, db))
+        t[ep + "q_weight"] = g.bf16(ep + "q_weight", (hc, H), 0.05, 1.0)
+        t[ep + "k_weight"] = g.bf16(ep + "k_weight", (hc, H), 0.05, 1.0)
     if is_mtp:
-        t[p + "enorm.weight"] = c.bf16(seed, p + "enorm.weight", (H,), 0.05, 1.0)
-        t[p + "hnorm.weight"] = c.bf16(seed, p + "hnorm.weight", (H,), 0.05, 1.0)
-        t[p + "norm.weight"] = c.bf16(seed, p + "norm.weight", (H,), 0.05, 1.0)
-        t.update(c.exl3(seed, p + "e_proj", H, H, db))
-        t.update(c.exl3(seed, p + "h_proj", H, H, db))
-        t[p + "hc_head_fn"] = c.f32(seed, p + "hc_head_fn", (hc, hc * H))
-        t[p + "hc_head_base"] = c.f32(seed, p + "hc_head_base", (hc,), 0.1)
-        t[p + "hc_head_scale"] = c.f32(seed, p + "hc_head_scale", (1,), 0.1, 1.0)
+        t[p + "enorm.weight"] = g.bf16(p + "enorm.weight", (H,), 0.05, 1.0)
+        t[p + "hnorm.weight"] = g.bf16(p + "hnorm.weight", (H,), 0.05, 1.0)
+        t[p + "norm.weight"] = g.bf16(p + "norm.weight", (H,), 0.05, 1.0)
+        t.update(g.exl3(p + "e_proj", H, H, db))
+        t.update(g.exl3(p + "h_proj", H, H, db))
+        t[p + "hc_head_fn"] = g.f32(p + "hc_head_fn", (hc, hc * H))
+        t[p + "hc_head_base"] = g.f32(p + "hc_head_base", (hc,), 0.1)
+        t[p + "hc_head_scale"] = g.f32(p + "hc_head_scale", (1,), 0.1, 1.0)
     return t
 
 
-def exl3_checkpoint_tensors(d: TinyV41, seed: int) -> tuple[dict[str, RawTensor | np.ndarray], list[list[str]]]:
-    """All tensors of the tiny EXL3 checkpoint, and the per-layer groups that stay in one shard."""
+def exl3_checkpoint_tensors(d: TinyV41, g: Gen) -> tuple[dict[str, Any], list[list[str]]]:
+    """All tensors of the EXL3 checkpoint (made by ``g``), and the per-layer groups that stay in one shard."""
     H, hc = d.hidden, d.hc_mult
-    t: dict[str, RawTensor | np.ndarray] = {}
+    t: dict[str, Any] = {}
     groups: list[list[str]] = []
-    t["embed.weight"] = c.bf16(seed, "embed.weight", (d.vocab, H))
+    t["embed.weight"] = g.bf16("embed.weight", (d.vocab, H))
     for i in range(d.layers):
-        lt = _layer_tensors(d, seed, f"layers.{i}", i, False)
+        lt = _layer_tensors(d, g, f"layers.{i}", i, False)
         groups.append(list(lt))
         t.update(lt)
     for s in range(d.mtp):
-        lt = _layer_tensors(d, seed, f"mtp.{s}", d.layers + s, True)
+        lt = _layer_tensors(d, g, f"mtp.{s}", d.layers + s, True)
         groups.append(list(lt))
         t.update(lt)
-    t["norm.weight"] = c.bf16(seed, "norm.weight", (H,), 0.05, 1.0)
-    t["hc_head_fn"] = c.f32(seed, "hc_head_fn", (hc, hc * H))
-    t["hc_head_base"] = c.f32(seed, "hc_head_base", (hc,), 0.1)
-    t["hc_head_scale"] = c.f32(seed, "hc_head_scale", (1,), 0.1, 1.0)
-    t.update(c.exl3(seed, "head", H, d.vocab, d.head_bits))
+    t["norm.weight"] = g.bf16("norm.weight", (H,), 0.05, 1.0)
+    t["hc_head_fn"] = g.f32("hc_head_fn", (hc, hc * H))
+    t["hc_head_base"] = g.f32("hc_head_base", (hc,), 0.1)
+    t["hc_head_scale"] = g.f32("hc_head_scale", (1,), 0.1, 1.0)
+    t.update(g.exl3("head", H, d.vocab, d.head_bits))
     # The vision tower and aligner (a text-only pack leaves them out), one of them EXL3.
-    t["vision.patch_embed.weight"] = c.bf16(seed, "vision.patch_embed.weight", (128, 48))
-    t.update(c.exl3(seed, "vision.blocks.0.mlp.fc1", 128, 128, d.dense_bits))
-    t["aligner.proj.weight"] = c.bf16(seed, "aligner.proj.weight", (H, 128))
-    t["image_newline"] = c.bf16(seed, "image_newline", (H,))
+    t["vision.patch_embed.weight"] = g.bf16("vision.patch_embed.weight", (128, 48))
+    t.update(g.exl3("vision.blocks.0.mlp.fc1", 128, 128, d.dense_bits))
+    t["aligner.proj.weight"] = g.bf16("aligner.proj.weight", (H, 128))
+    t["image_newline"] = g.bf16("image_newline", (H,))
     return t, groups
 
 
-def engram_release_tensors(d: TinyV41, seed: int) -> tuple[dict[int, dict[str, RawTensor]], dict[str, str]]:
+def engram_release_tensors(d: TinyV41, g: Gen) -> tuple[dict[int, dict[str, Any]], dict[str, str]]:
     """Shard 47/48 contents of the original release (FP8), and index entries of the shards not downloaded."""
     H, hc = d.hidden, d.hc_mult
     primes = engram_primes(d.engram_vocab, d.engram_heads, d.engram_max_ngram, len(d.engram_layers))
     cols = (d.engram_max_ngram - 1) * d.engram_heads
-    shards: dict[int, dict[str, RawTensor]] = {47: {}, 48: {}}
+    shards: dict[int, dict[str, Any]] = {47: {}, 48: {}}
     for i, layer in enumerate(d.engram_layers):
         shard = shards[47 if i % 2 == 0 else 48]
         rows = sum(primes[i])
         ep = f"layers.{layer}.engram."
-        shard[ep + "embed.weight"] = c.fp8_e4m3(seed, ep + "embed.weight", (rows, ENGRAM_DIM))
-        shard[ep + "embed.scale"] = c.e8m0_scales(seed, ep + "embed.scale", (rows, ENGRAM_DIM // 32))
+        shard[ep + "embed.weight"] = g.fp8_e4m3(ep + "embed.weight", (rows, ENGRAM_DIM))
+        shard[ep + "embed.scale"] = g.e8m0_scales(ep + "embed.scale", (rows, ENGRAM_DIM // 32))
         n_out, n_in = (hc + 1) * H, cols * ENGRAM_DIM
-        shard[ep + "wkv.weight"] = c.fp8_e4m3(seed, ep + "wkv.weight", (n_out, n_in))
-        shard[ep + "wkv.scale"] = c.e8m0_scales(seed, ep + "wkv.scale", (n_out // 32, n_in // 32))
-        shard[ep + "q_weight"] = c.bf16(seed, "release." + ep + "q_weight", (hc, H), 0.05, 1.0)
-        shard[ep + "k_weight"] = c.bf16(seed, "release." + ep + "k_weight", (hc, H), 0.05, 1.0)
+        shard[ep + "wkv.weight"] = g.fp8_e4m3(ep + "wkv.weight", (n_out, n_in))
+        shard[ep + "wkv.scale"] = g.e8m0_scales(ep + "wkv.scale", (n_out // 32, n_in // 32))
+        shard[ep + "q_weight"] = g.bf16("release." + ep + "q_weight", (hc, H), 0.05, 1.0)
+        shard[ep + "k_weight"] = g.bf16("release." + ep + "k_weight", (hc, H), 0.05, 1.0)
     # Other release tensors that live in the same shards: FP4 experts (I8-packed + E8M0 scales) and a norm
     # whose name the EXL3 checkpoint also has (the pack must take it from the EXL3 checkpoint).
     last = f"layers.{d.layers - 1}.ffn.experts.0.w1."
-    shards[47][last + "weight"] = c.raw_int8(seed, last + "weight", (d.intermediate, H // 2))
-    shards[47][last + "scale"] = c.e8m0_scales(seed, last + "scale", (d.intermediate, H // 32))
-    shards[48]["mtp.0.norm.weight"] = c.bf16(seed, "release.mtp.0.norm.weight", (H,), 0.05, 1.0)
+    shards[47][last + "weight"] = g.raw_int8(last + "weight", (d.intermediate, H // 2))
+    shards[47][last + "scale"] = g.e8m0_scales(last + "scale", (d.intermediate, H // 32))
+    shards[48]["mtp.0.norm.weight"] = g.bf16("release.mtp.0.norm.weight", (H,), 0.05, 1.0)
     absent = {
         "embed.weight": "model-00001-of-00048.safetensors",
         "layers.0.attn.wq_a.weight": "model-00001-of-00048.safetensors",
@@ -316,7 +409,7 @@ def synth_tiny_v41(out: Path, seed: int = 0, dims: TinyV41 | None = None) -> Pat
     (en / "inference").mkdir(parents=True, exist_ok=True)
 
     cfg = tiny_v41_config(d)
-    tensors, groups = exl3_checkpoint_tensors(d, seed)
+    tensors, groups = exl3_checkpoint_tensors(d, DataGen(seed))
     c.write_shards(ex, tensors, d.exl3_shards, groups=groups)
     ex_cfg = dict(cfg)
     ex_cfg["quantization_config"] = {
@@ -336,7 +429,7 @@ def synth_tiny_v41(out: Path, seed: int = 0, dims: TinyV41 | None = None) -> Pat
     if size > d.vocab:  # pragma: no cover - write_tokenizer raises first
         raise ValueError("tokenizer larger than the vocabulary")
 
-    shards, absent = engram_release_tensors(d, seed)
+    shards, absent = engram_release_tensors(d, DataGen(seed))
     weight_map: dict[str, str] = dict(absent)
     from pack_tools.st import write_safetensors
 
