@@ -310,6 +310,16 @@ def test_not_a_directory(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_models_root_reached_through_a_symlink(tiny_inputs, tmp_path):
+    """Out given through a symlinked directory: the relative links are computed on physical paths."""
+    alias = tmp_path / "a" / "b" / "alias"  # a different depth than the physical directory
+    alias.parent.mkdir(parents=True)
+    alias.symlink_to(tiny_inputs.root, target_is_directory=True)
+    build_pack(alias / tiny_inputs.exl3.name, alias / tiny_inputs.engram.name, alias / "pack")
+    assert verify_pack(tiny_inputs.root / "pack") == []
+    assert verify_pack(alias / "pack") == []
+
+
 def test_copy_of_inputs_elsewhere_gives_working_relative_links(tiny_session, tmp_path):
     """Links are relative to the pack's parent: moving the whole models root keeps the pack valid."""
     moved = tmp_path / "moved"

@@ -306,10 +306,11 @@ def build_pack(
         raise PackError(f"jobs: must be at least 1, got {jobs}")
     exl3 = Path(exl3_dir).resolve()
     engram = Path(engram_dir).resolve()
-    out = Path(out).absolute()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out = out.parent.resolve() / out.name  # physical paths on both sides, so relative links resolve
     if out.exists() and not force:
         raise PackError(f"{out}: already exists (use --force to rebuild it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
 
     # ---- inputs
     source_cfg = _read_json(exl3 / "config.json", "the EXL3 checkpoint's config.json")
@@ -415,17 +416,13 @@ def build_pack(
                 bar.update(1)
     else:
         import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures import ProcessPoolExecutor, as_completed
 
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
             try:
                 futs = {pool.submit(_make_woa, *woa_args[r]): ("woa", r) for r in woa_todo}
-                futs.update(
-                    {pool.submit(_decode_one, exl3, _subset(where, [p]), p): ("dense", p) for p in dense_todo}
-                )
-                from concurrent.futures import as_completed
-
+                futs.update({pool.submit(_decode_one, exl3, _subset(where, [p]), p): ("dense", p) for p in dense_todo})
                 for fut in as_completed(futs):
                     kind, key = futs[fut]
                     if kind == "woa":
