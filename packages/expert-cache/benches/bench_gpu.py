@@ -62,7 +62,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())
     props = torch.cuda.get_device_properties(dev)
     total = props.total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, a.vram_gb * 2**30 / total), dev)
@@ -176,6 +176,20 @@ def main() -> int:
         row(f"{policy}: rewarm fill {n} experts (side stream)", "GB/s", rates[1:], f"host enqueue {t_host * 1e3:.1f} ms")
         del cache
         torch.cuda.empty_cache()
+
+    # ---- observe_all: all layers in one call ------------------------------------------------------------------
+    cache = make("decayed")
+    all_us: list[float] = []
+    for s in dec[:400]:
+        ids = ids_gpu[off[s] : off[s + 1]].permute(1, 0, 2)  # [L, rows, K]
+        cache.before_step(int(tr.tokens_per_step[s]))
+        t0 = time.perf_counter()
+        cache.observe_all(ids)
+        all_us.append((time.perf_counter() - t0) * 1e6)
+        cache.after_step()
+    row("decayed: observe_all (40 layers) per step (host)", "us", all_us[10:])
+    del cache
+    torch.cuda.empty_cache()
 
     print(f"# peak VRAM {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB (cap {a.vram_gb} GB)")
     if a.json:

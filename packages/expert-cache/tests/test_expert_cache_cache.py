@@ -248,3 +248,52 @@ def test_pick_and_distinct_hit_counting(make_home) -> None:
     st = cache.stats()
     assert (st.accesses, st.hits) == (6, 2)  # second step: distinct {1,2,3}, hits {1,2}
     assert (st.picks, st.pick_hits) == (8, 3)  # second step: picks 1,2,1,3 -> hits 1,2,1
+
+
+def test_observe_all_equals_per_layer_observe(make_home) -> None:
+    cfg = small_cfg(replan_every=2, observe_prefill=True, prefill_tokens=5)
+    a = ExpertCache(cfg, make_home(cfg))
+    b = ExpertCache(cfg, make_home(cfg))
+    rng = np.random.default_rng(3)
+    for tokens in [1, 3, 2, 7, 2, 1, 4, 1]:
+        ids = torch.from_numpy(np.stack([[rng.choice(8, 2, replace=False) for _ in range(tokens)] for _ in range(3)]))
+        a.before_step(tokens)
+        b.before_step(tokens)
+        for layer in range(3):
+            a.observe(layer, ids[layer].to(torch.int16))  # narrow ids: converted once
+        b.observe_all(ids.to(torch.int32))
+        a.after_step()
+        b.after_step()
+    assert a.stats() == b.stats() and a.resident() == b.resident() and a.stats().hits > 0
+    with pytest.raises(ValueError, match=r"expert_ids: must be \[num_layers=3, tokens, top_k\]"):
+        b.before_step(1)
+        b.observe_all(torch.zeros((2, 1, 2), dtype=torch.int64))
+    with pytest.raises(TypeError, match="expert_ids: must be an integer tensor"):
+        b.observe(0, torch.zeros((1, 2)))
+
+
+def test_observe_is_one_device_op(make_home) -> None:
+    """The hot path: observe() issues exactly one non-view op (index_add_) for int32/int64 ids."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    views = {"slice", "view", "reshape", "_reshape_alias", "alias", "select", "as_strided", "unsqueeze", "expand", "detach"}
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = func.__name__.split(".")[0]
+            if name not in views:
+                self.ops.append(name)
+            return func(*args, **(kwargs or {}))
+
+    cfg = small_cfg()
+    cache = ExpertCache(cfg, make_home(cfg))
+    ids = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+    cache.before_step(2)
+    with Record() as r:
+        cache.observe(1, ids)
+    assert r.ops == ["index_add_"]
+    cache.after_step()

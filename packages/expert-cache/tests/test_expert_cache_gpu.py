@@ -3,6 +3,8 @@ so these check what a real MoE kernel would see, including while swaps are in fl
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -170,14 +172,29 @@ def test_observe_and_decode_steps_never_sync(make_home) -> None:
     cfg = ExpertCacheConfig(num_layers=4, num_experts=32, slot_bytes=4096, num_slots=20, replan_every=8)
     cache = ExpertCache(cfg, make_home(cfg, pin=True), "cuda")
     ids = torch.stack([torch.randperm(32, device="cuda")[:6] for _ in range(4)])
+    torch.cuda.synchronize()
     for step in range(7):  # steps 1..7: no replan due
-        torch.cuda.set_sync_debug_mode("error")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "prototype feature" notice
+            torch.cuda.set_sync_debug_mode("error")
         try:
             cache.before_step(4)
             for layer in range(4):
                 cache.observe(layer, ids)
             cache.after_step()
         finally:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                torch.cuda.set_sync_debug_mode("default")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
+    try:  # the check is live: a host read of a device value raises
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            cache.slot_of.sum().item()
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
             torch.cuda.set_sync_debug_mode("default")
     assert cache.stats().picks == 7 * 4 * 24
 

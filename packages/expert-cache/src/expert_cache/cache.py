@@ -23,8 +23,9 @@ that is stale (still home) is slower, never wrong. On a CPU device every copy is
 
 Hot path
 --------
-:meth:`observe` only launches device ops (``index_add_``, ``index_fill_``, a gather for hit counting) on fixed
-buffers; it never reads a device value on the host. The counters are copied to the host once per replan; the
+:meth:`observe` is one ``index_add_`` into the step's pick counts (a fixed buffer); :meth:`after_step` folds the
+step into the interval counters with a handful of element-wise ops over ``num_layers * num_experts`` values.
+Neither reads a device value on the host. The counters are copied to the host once per replan; the
 replan waits for that copy (one sync, like the reference) unless ``async_observe`` lets it use the previous one.
 """
 
@@ -115,11 +116,12 @@ class ExpertCache:
             #: int32 ``[L, E]``: slot of each expert, -1 when it is read from home.
             self.slot_of = torch.full((L, E), -1, dtype=torch.int32, device=dev)
             R = config.replan_every
-            self._touched = torch.zeros((R, L * E), dtype=torch.bool, device=dev)
-            self._counts = torch.zeros(L * E, dtype=torch.float32, device=dev)
+            # Routing of the open step (picks per key), folded into the interval buffers by after_step().
+            self._step_counts = torch.zeros(L * E, dtype=torch.float32, device=dev)
+            self._touched = torch.zeros((R, L * E), dtype=torch.bool, device=dev)  # distinct keys per decode step
+            self._counts = torch.zeros(L * E, dtype=torch.float32, device=dev)  # picks since the last drain
             self._prefill_counts = torch.zeros(L * E, dtype=torch.float32, device=dev)
             self._base = torch.arange(L, dtype=torch.int64, device=dev) * E
-            self._offsets = self._base.clone()  # (row * L + layer) * E for the current touched row
             self._dev_counters = torch.zeros(4, dtype=torch.int64, device=dev)  # accesses, hits, pick_hits, picks
             self._ones = torch.ones(64, dtype=torch.float32, device=dev)
         free = torch.cuda.mem_get_info(dev)[0] if self._cuda else None
@@ -278,58 +280,86 @@ class ExpertCache:
         layer
             MoE layer index in ``[0, num_layers)``.
         expert_ids
-            Integer tensor ``[tokens, top_k]`` (any integer dtype) on the cache's device, the router's top-k ids,
-            each in ``[0, num_experts)`` (not checked on the device: that would need a sync).
+            Integer tensor ``[tokens, top_k]`` on the cache's device, the router's top-k ids, each in
+            ``[0, num_experts)`` (not checked on the device: that would need a sync). int32/int64 are used as they
+            are; other integer types cost one conversion kernel.
 
         Notes
         -----
-        Device ops only (no host sync), on fixed buffers, so a decode step's calls can be captured in a CUDA graph
-        (for ``expert_ids`` of at most 64 elements, or after one eager call of the captured size). Decode steps
-        update pick counts, the step's touched set and the hit counters; prefill steps update the prefill counts
-        when ``observe_prefill`` is on, and nothing otherwise. Call it on the compute stream.
+        One device op (an ``index_add_`` into the step's pick counts), no host sync, fixed buffers: a decode step's
+        calls can be captured in a CUDA graph (``expert_ids`` of at most 64 elements, or after one eager call of
+        the captured size). Prefill steps add to the prefill counts when ``observe_prefill`` is on and do nothing
+        otherwise. Call it on the compute stream.
         """
         kind = self._kind
         if kind is None:
             raise RuntimeError("observe: call before_step(num_tokens) first")
         if not 0 <= layer < self.config.num_layers:
             raise IndexError(f"layer: must be in [0, {self.config.num_layers}), got {layer}")
-        if expert_ids.device != self.device:
-            raise ValueError(f"expert_ids: must be on {self.device}, got {expert_ids.device}")
         if kind == "prefill" and not self.config.observe_prefill:
             return
-        ids = expert_ids.reshape(-1)
+        ids = self._index(expert_ids)
         n = ids.numel()
         if n == 0:
             return
+        self._step_rows = max(self._step_rows, expert_ids.shape[0] if expert_ids.dim() > 1 else 1)
+        E = self.config.num_experts
+        target = self._step_counts if kind == "decode" else self._prefill_counts
+        target[layer * E : (layer + 1) * E].index_add_(0, ids, self._ones_for(n))
+
+    def observe_all(self, expert_ids: torch.Tensor) -> None:
+        """Record the routing of every MoE layer at once: ``expert_ids`` ``[num_layers, tokens, top_k]``.
+
+        Equivalent to ``observe(layer, expert_ids[layer])`` for each layer, in two device ops.
+        """
+        kind = self._kind
+        if kind is None:
+            raise RuntimeError("observe_all: call before_step(num_tokens) first")
+        L = self.config.num_layers
+        if expert_ids.dim() != 3 or expert_ids.shape[0] != L:
+            raise ValueError(f"expert_ids: must be [num_layers={L}, tokens, top_k], got {tuple(expert_ids.shape)}")
+        if kind == "prefill" and not self.config.observe_prefill:
+            return
+        ids = self._index(expert_ids).view(L, -1)
+        n = ids.numel()
+        if n == 0:
+            return
+        self._step_rows = max(self._step_rows, expert_ids.shape[1])
+        flat = (ids + self._base[:, None]).view(-1)
+        target = self._step_counts if kind == "decode" else self._prefill_counts
+        target.index_add_(0, flat, self._ones_for(n))
+
+    def _index(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        if expert_ids.device != self.device:
+            raise ValueError(f"expert_ids: must be on {self.device}, got {expert_ids.device}")
+        if expert_ids.dtype not in (torch.int32, torch.int64):
+            if expert_ids.dtype.is_floating_point or expert_ids.dtype == torch.bool:
+                raise TypeError(f"expert_ids: must be an integer tensor, got {expert_ids.dtype}")
+            expert_ids = expert_ids.to(torch.int64)
+        return expert_ids.reshape(-1)
+
+    def _ones_for(self, n: int) -> torch.Tensor:
         if n > self._ones.numel():
             self._ones = torch.ones(max(n, 2 * self._ones.numel()), dtype=torch.float32, device=self.device)
-        rows = expert_ids.shape[0] if expert_ids.dim() > 1 else 1
-        self._step_rows = max(self._step_rows, rows)
-        ids64 = ids.to(torch.int64)
-        flat = ids64 + layer * self.config.num_experts
-        if kind == "prefill":
-            self._prefill_counts.index_add_(0, flat, self._ones[:n])
-            return
-        self._counts.index_add_(0, flat, self._ones[:n])
-        self._touched.view(-1).index_fill_(0, ids64 + self._offsets[layer], True)
-        hit = self.slot_of.view(-1).index_select(0, flat) >= 0
-        self._dev_counters[2:3].add_(hit.sum())
-        self._dev_counters[3:4].add_(n)
+        return self._ones[:n]
 
     def after_step(self) -> None:
-        """Close the step: count its distinct hits, activate finished fills, replan when due."""
+        """Close the step: fold its routing into the counters, activate finished fills, replan when due."""
         kind = self._kind
         if kind is None:
             raise RuntimeError("after_step: no step is open (call before_step first)")
         self._kind = None
         if kind == "decode":
-            L, E = self.config.num_layers, self.config.num_experts
-            row = self._touched[self._row]
-            res = (self.slot_of.view(-1) >= 0) & row
-            self._dev_counters[0:1].add_(row.sum())
-            self._dev_counters[1:2].add_(res.sum())
+            with self._on_compute():
+                sc = self._step_counts
+                row = self._touched[self._row]
+                torch.gt(sc, 0, out=row)
+                res = (self.slot_of.view(-1) >= 0).to(torch.float32)
+                acc = torch.stack([row.sum(dtype=torch.float32), (row * res).sum(), (sc * res).sum(), sc.sum()])
+                self._dev_counters.add_(acc.to(torch.int64))
+                self._counts.add_(sc)
+                sc.zero_()
             self._row += 1
-            self._offsets += L * E
         elif self._step_rows:
             self._prefill_rows += self._step_rows
         if self._cuda:
@@ -350,11 +380,9 @@ class ExpertCache:
             if self._cuda:
                 ev = torch.cuda.Event()
                 ev.record(self._compute)
-            self._touched[:n].zero_()
             self._counts.zero_()
             if pre is not None:
                 self._prefill_counts.zero_()
-            self._offsets.copy_(self._base)
         self._row = 0
         self._prefill_rows = 0
 
