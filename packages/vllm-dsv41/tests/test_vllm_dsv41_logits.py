@@ -76,7 +76,7 @@ def test_served_logprobs_equal_the_reference(client: Any, reference: ReferenceDe
         if best[1] - best[0] > ATOL:
             assert out_ids[j] == int(np.argmax(ref[pos])), f"step {j}"
         gaps.append(abs(choice.logprobs.token_logprobs[j] - ref[pos, out_ids[j]]))
-        assert len(top) >= 5
+        assert top  # keyed by decoded text: random tokens that decode alike share one entry
     gaps_arr = np.array(gaps)
     assert gaps_arr.size > 20
     assert gaps_arr.max() < ATOL, f"max |served - reference| logprob = {gaps_arr.max():.3g}"

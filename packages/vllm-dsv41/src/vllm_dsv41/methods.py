@@ -90,8 +90,9 @@ class Exl3LinearMethod(LinearMethodBase):
             if (t.k, t.n) != (k, n):
                 raise ValueError(f"{name}: EXL3 tensor is {t.k}x{t.n} (in x out), the layer needs {k}x{n}")
             weights.append(t.reconstruct().T)
-        w = np.ascontiguousarray(np.concatenate(weights, axis=0))
-        layer.register_buffer("exl3_weight", torch.from_numpy(w).to(layer.params_dtype), persistent=False)
+        w = torch.from_numpy(np.ascontiguousarray(np.concatenate(weights, axis=0)))
+        device = layer.trellis.device  # where vLLM built the layer's parameters
+        layer.register_buffer("exl3_weight", w.to(device=device, dtype=layer.params_dtype), persistent=False)
         store.clear()
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
