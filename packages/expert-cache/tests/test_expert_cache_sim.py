@@ -37,6 +37,24 @@ def test_cli_as_module(trace_path) -> None:
         check=True,
     )
     assert json.loads(r.stdout)["stats"]["num_slots"] == 16
+    assert r.stderr == ""
+
+
+def test_trace_cli(tmp_path) -> None:
+    out = tmp_path / "g.npz"
+    r = subprocess.run(
+        [sys.executable, "-m", "expert_cache.trace", "--out", str(out), "--num-layers", "2", "--num-experts", "16", "--top-k", "2", "--decode-steps", "30", "--streams", "2"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert r.stderr == "" and "L=2 E=16 K=2" in r.stdout
+    from expert_cache import load_trace
+
+    tr = load_trace(out)
+    assert tr.meta["generator"]["streams"] == 2 and int((tr.rows_per_step == 2).sum()) >= 30
+    bad = subprocess.run([sys.executable, "-m", "expert_cache.trace", "--out", str(out), "--streams", "0"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "streams: must be an int >= 1" in bad.stderr
 
 
 def test_cli_errors(trace_path, capsys) -> None:

@@ -17,20 +17,35 @@ from typing import TYPE_CHECKING, Any
 from .config import DSV41_FLASH_EXL3_3BPW, POLICIES, ExpertCacheConfig, ProjectionSpec
 from .planner import CacheController, CacheStats, Swap
 from .policies import Policy, load_profile, make_policy, save_profile
-from .sim import belady_hit_rate, belady_hits, simulate, static_oracle_hit_rate
-from .trace import SyntheticTraceConfig, Trace, TraceRecorder, generate, load_trace
 
 if TYPE_CHECKING:
     from .cache import ExpertCache
+    from .sim import belady_hit_rate, belady_hits, simulate, static_oracle_hit_rate
+    from .trace import SyntheticTraceConfig, Trace, TraceRecorder, generate, load_trace
+
+# Loaded on first use: ExpertCache needs torch (the simulator and the trace tools do not), and the modules with a
+# command line (``python -m expert_cache.sim`` / ``.trace``) must not be imported by the package itself.
+_LAZY = {
+    "ExpertCache": "cache",
+    "belady_hit_rate": "sim",
+    "belady_hits": "sim",
+    "simulate": "sim",
+    "static_oracle_hit_rate": "sim",
+    "SyntheticTraceConfig": "trace",
+    "Trace": "trace",
+    "TraceRecorder": "trace",
+    "generate": "trace",
+    "load_trace": "trace",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # ExpertCache needs torch; the simulator, the trace tools and their CLIs do not, so torch loads only here.
-    if name == "ExpertCache":
-        from .cache import ExpertCache
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'expert_cache' has no attribute {name!r}")
+    import importlib
 
-        return ExpertCache
-    raise AttributeError(f"module 'expert_cache' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{mod}", __name__), name)
 
 
 try:

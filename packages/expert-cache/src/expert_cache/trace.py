@@ -328,3 +328,28 @@ def generate(cfg: SyntheticTraceConfig) -> Trace:
                 row[a], row[b] = row[b], row[a]
     meta = {"source": "synthetic", "generator": dataclasses.asdict(cfg)}
     return Trace.create(np.concatenate(ids), np.array(rows, np.int32), np.array(toks, np.int32), E, meta, "generate")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m expert_cache.trace --out T.npz [--streams 4 --drift 5 ...]``: write a synthetic trace."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m expert_cache.trace", description="Write a synthetic routing trace (.npz).")
+    ap.add_argument("--out", required=True)
+    for f in dataclasses.fields(SyntheticTraceConfig):
+        ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    a = vars(ap.parse_args(argv))
+    out = a.pop("out")
+    try:
+        cfg = SyntheticTraceConfig(**a)
+    except ValueError as e:
+        print(f"error: {e}", file=__import__("sys").stderr)
+        return 2
+    tr = generate(cfg)
+    tr.save(out)
+    print(f"{out}: {tr.num_steps} steps ({int((tr.tokens_per_step > cfg.full_rows_below).sum())} prefill), {tr.ids.shape[0]} rows, L={tr.num_layers} E={tr.num_experts} K={tr.top_k}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
