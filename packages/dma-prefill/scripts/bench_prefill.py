@@ -137,6 +137,29 @@ def bench_chunk(store: HostExpertStore, cfg: PrefillConfig, T: int, steps: int, 
     }
 
 
+def profile_layer(store: HostExpertStore, cfg: PrefillConfig, T: int, seed: int, top: int = 14) -> list[dict]:
+    """Device time per kernel name for one layer at chunk ``T`` (after a warm-up layer), via torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pf = DmaPrefill(store, cfg)
+    x = torch.randn(T, FLASH.hidden, device="cuda").to(torch.bfloat16)
+    r0, r1 = routing(T, FLASH.num_experts, 6, seed), routing(T, FLASH.num_experts, 6, seed + 1)
+    pf.run_layer(0, x, PrefillPlan.build(*r0, FLASH.num_experts, cfg.experts_per_batch))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        pf.run_layer(1, x, PrefillPlan.build(*r1, FLASH.num_experts, cfg.experts_per_batch))
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None)
+        if us is None:
+            us = getattr(ev, "cuda_time_total", 0.0)
+        if us > 0:
+            rows.append({"name": ev.key[:60], "ms": us / 1e3, "calls": ev.count})
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:top]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", default="2048,8192,16384,32768")
@@ -145,6 +168,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--fp16-chunks", default="32768", help="chunk sizes to repeat with fp16 activations")
+    ap.add_argument("--profile-chunks", default="2048,32768", help="chunk sizes to break down per kernel")
+    ap.add_argument("--no-promote-chunks", default="32768", help="chunk sizes to repeat without GEMM promotion")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -185,13 +210,20 @@ def main() -> None:
     )
     print(f"transfer ceiling: {layer_bytes / 1e9:.3f} GB / {h2d:.1f} GB/s = {ceiling_s * 1e3:.1f} ms per layer")
 
+    from dma_prefill.compute import TritonCompute
+
     rows = []
-    cases = [(int(c), True) for c in args.chunks.split(",") if c] + [
-        (int(c), False) for c in args.fp16_chunks.split(",") if c
-    ]
-    for T, exact in cases:
+    cases = (
+        [(int(c), True, True) for c in args.chunks.split(",") if c]
+        + [(int(c), False, True) for c in args.fp16_chunks.split(",") if c]
+        + [(int(c), True, False) for c in args.no_promote_chunks.split(",") if c]
+    )
+    for T, exact, promote in cases:
+        TritonCompute.promote = promote
         r = bench_chunk(store, PrefillConfig(num_slots=args.slots, experts_per_batch=args.batch, exact=exact), T, args.steps, 7)
+        TritonCompute.promote = True
         r["exact"] = exact
+        r["promote"] = promote
         r["ceiling_tok_per_s"] = T / ceiling_s
         r["vs_ceiling"] = r["tok_per_s_layer"] / r["ceiling_tok_per_s"]
         r["copy_vs_h2d"] = r["copy_gbps_effective"] / h2d
@@ -199,16 +231,23 @@ def main() -> None:
         print(f"  done T={T} exact={exact}: {r['tok_per_s_layer']:.0f} tok/s/layer", flush=True)
 
     print(
-        f"{'case':<16}{'ms/layer':>10}{'tok/s/layer':>13}{'ceiling':>10}{'vs ceil':>9}"
+        f"{'case':<19}{'ms/layer':>10}{'tok/s/layer':>13}{'ceiling':>10}{'vs ceil':>9}"
         f"{'copy GB/s':>11}{'eff GB/s':>10}{'copy/H2D':>10}{'copy busy':>11}{'comp busy':>11}{'VRAM GiB':>10}"
     )
     for r in rows:
-        name = f"{'exact' if r['exact'] else 'fp16'} T={r['tokens']}"
+        name = f"{'exact' if r['exact'] else 'fp16'}{'' if r['promote'] else '-np'} T={r['tokens']}"
         print(
-            f"{name:<16}{r['s_per_layer'] * 1e3:>10.1f}{r['tok_per_s_layer']:>13.0f}{r['ceiling_tok_per_s']:>10.0f}"
+            f"{name:<19}{r['s_per_layer'] * 1e3:>10.1f}{r['tok_per_s_layer']:>13.0f}{r['ceiling_tok_per_s']:>10.0f}"
             f"{r['vs_ceiling']:>9.1%}{r['copy_gbps_engine']:>11.1f}{r['copy_gbps_effective']:>10.1f}"
             f"{r['copy_vs_h2d']:>10.1%}{r['copy_fraction']:>11.1%}{r['compute_fraction']:>11.1%}{r['peak_vram_gib']:>10.2f}"
         )
+    profiles = {}
+    for T in [int(c) for c in args.profile_chunks.split(",") if c]:
+        prof = profile_layer(store, cfg, T, 99)
+        profiles[T] = prof
+        print(f"per-kernel device time, one layer, T={T} (copies run on their own stream, concurrently):")
+        for p in prof:
+            print(f"  {p['name']:<60}{p['ms']:>9.2f} ms{p['calls']:>7} calls")
     if args.json:
         env = {"git": git, "gpu": dev.name, "torch": torch.__version__, "triton": triton.__version__}
         meta = {
@@ -217,7 +256,7 @@ def main() -> None:
             "slots": args.slots, "experts_per_batch": args.batch,
         }  # fmt: skip
         with open(args.json, "w") as f:
-            json.dump({"env": env, "meta": meta, "rows": rows}, f, indent=1)
+            json.dump({"env": env, "meta": meta, "rows": rows, "profiles": profiles}, f, indent=1)
     store.close()
 
 

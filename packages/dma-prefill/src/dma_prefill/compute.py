@@ -29,6 +29,7 @@ __all__ = [
     "decode_triton",
     "grouped_gemm",
     "row_hadamard",
+    "row_sumsq",
 ]
 
 
@@ -133,7 +134,7 @@ def decode_into(
         raise ValueError(f"decode out must be fp16 [>={ne}, {k}, {n}], got {out.dtype} {tuple(out.shape)}")
     if not out.is_contiguous():
         raise ValueError("decode out must be contiguous")
-    mult, add = CODEBOOK_MULT[codebook]
+    mult, add = (c - (1 << 32) if c >= 1 << 31 else c for c in CODEBOOK_MULT[codebook])  # as signed int32
     grid = (ne, k // 16, -(-(n // 16) // block_tn))
     tk.decode_kernel[grid](
         src32, expert_stride, offset, counts, out, k * n, n // 16, int(round(2 * bits)), mult, add,
@@ -155,6 +156,38 @@ def decode_triton(trellis: torch.Tensor, codebook: str) -> torch.Tensor:
     return out[0]
 
 
+def row_sumsq(
+    x: torch.Tensor,
+    n: int,
+    rows: int,
+    grp: torch.Tensor,
+    grp_base: int,
+    out: torch.Tensor,
+    *,
+    src: torch.Tensor | None = None,
+    vec: torch.Tensor | None = None,
+    vec_stride: int = 0,
+    pre_offs: tuple[int, ...] = (),
+    block_r: int = 4,
+) -> None:
+    """``out[i, r] = sum_c (x[src[r], c] * pre_i[grp[r], c])^2`` for up to two pre-vectors (or plain ``x``)."""
+    tk = _triton()
+    if rows == 0:
+        return
+    if len(pre_offs) > 2:
+        raise ValueError("row_sumsq: at most two pre-multiplier vectors")
+    if x.stride(-1) != 1:
+        raise ValueError("row_sumsq: rows must be contiguous")
+    block_n = next(b for b in (512, 256, 128) if n % b == 0)
+    offs = (*pre_offs, 0, 0)
+    tk.row_sumsq_kernel[(-(-rows // block_r),)](
+        x, x.stride(0), src if src is not None else grp, grp, grp_base,
+        vec if vec is not None else x, vec_stride, offs[0], offs[1], out, rows, n,
+        HAS_SRC=src is not None, HAS_PRE=len(pre_offs) > 0, TWO=len(pre_offs) == 2,
+        BLOCK_R=block_r, BLOCK_N=block_n, num_warps=4,
+    )  # fmt: skip
+
+
 def row_hadamard(
     x: torch.Tensor,
     n: int,
@@ -162,6 +195,7 @@ def row_hadamard(
     grp: torch.Tensor,
     grp_base: int,
     hpm: torch.Tensor,
+    ss: torch.Tensor,
     *,
     mode: int,
     src: torch.Tensor | None = None,
@@ -176,26 +210,28 @@ def row_hadamard(
     out: torch.Tensor | None = None,
     w: torch.Tensor | None = None,
     dst: torch.Tensor | None = None,
-    block_r: int = 16,
+    block_r: int = 32,
 ) -> None:
-    """Launch ``row_hadamard_kernel`` (see its docstring); unused pointers get a dummy tensor."""
+    """Launch ``row_hadamard_kernel`` (see its docstring) over ``rows x n/128`` blocks; ``ss`` holds each
+    row's sum of squares (``row_sumsq``); unused pointers get a dummy tensor."""
     tk = _triton()
     if rows == 0:
         return
-    dummy16 = hpm
     dummy32 = o_inv if o_inv is not None else out
     if dummy32 is None:
         raise ValueError("row_hadamard: needs o_inv (mode 0) or out (modes 1, 2)")
     if x.stride(-1) != 1 or (o_hi is not None and o_hi.stride(-1) != 1) or (out is not None and out.stride(-1) != 1):
         raise ValueError("row_hadamard: rows must be contiguous")
+    if n % 128:
+        raise ValueError(f"row_hadamard: n={n} is not a multiple of 128")
     stride_oa = o_hi.stride(0) if o_hi is not None else 0
-    tk.row_hadamard_kernel[(-(-rows // block_r),)](
+    tk.row_hadamard_kernel[(-(-rows // block_r), n // 128)](
         x, x.stride(0), src if src is not None else grp, grp, grp_base,
-        vec if vec is not None else dummy16, vec_stride, pre_off or 0, post_off or 0, hpm,
-        o_hi if o_hi is not None else dummy16, o_lo if o_lo is not None else dummy16, dummy32, stride_oa,
+        vec if vec is not None else hpm, vec_stride, pre_off or 0, post_off or 0, ss, hpm,
+        o_hi if o_hi is not None else hpm, o_lo if o_lo is not None else hpm, dummy32, stride_oa,
         out if out is not None else dummy32, out.stride(0) if out is not None else 0,
         w if w is not None else dummy32, dst if dst is not None else grp,
-        rows, n,
+        rows,
         HAS_SRC=src is not None, HAS_PRE=pre_off is not None, HAS_POST=post_off is not None,
         MODE=mode, SPLIT=split, BLOCK_R=block_r, num_warps=4,
     )  # fmt: skip
@@ -214,8 +250,10 @@ def grouped_gemm(
     bk: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
+    promote: bool = True,
 ) -> None:
-    """``out[rows] = (a_hi + a_lo)[rows] @ w[e] * a_inv[rows]`` per tile ``(e, row0, row1)``."""
+    """``out[rows] = (a_hi + a_lo)[rows] @ w[e] * a_inv[rows]`` per tile ``(e, row0, row1)``; ``promote`` adds
+    every BK-deep tensor-core partial sum into an fp32 register accumulator (round to nearest)."""
     tk = _triton()
     ntiles = tiles.shape[0]
     if ntiles == 0:
@@ -227,7 +265,8 @@ def grouped_gemm(
         raise ValueError(f"grouped_gemm: a {tuple(a_hi.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)} disagree")
     tk.grouped_gemm_kernel[(ntiles, -(-N // bn))](
         a_hi, a_lo if a_lo is not None else a_hi, a_inv, a_hi.stride(0), w, w.stride(0), out, out.stride(0),
-        tiles, K, N, SPLIT=a_lo is not None, BM=bm, BN=bn, BK=bk, num_warps=num_warps, num_stages=num_stages,
+        tiles, K, N, SPLIT=a_lo is not None, PROMOTE=promote, BM=bm, BN=bn, BK=bk, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
 
 
@@ -251,7 +290,11 @@ class TritonCompute(BatchCompute):
     """Per batch: decode the B experts' three projections into fp16 scratch, then for all rows of the batch
     at once: input transform (split), grouped GEMM gate and up, output transforms, SwiGLU, input transform,
     grouped GEMM down, output transform with the routing weight, atomically added into the layer output.
-    About 16 launches per batch, none per expert."""
+    About 20 launches per batch, none per expert."""
+
+    #: GEMM tile configs by BM: (BN, BK, num_warps, num_stages)
+    gemm_configs: dict[int, tuple[int, int, int, int]] = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
+    promote: bool = True
 
     def __init__(self, store: HostExpertStore, config: PrefillConfig, device: Device, torch_device: torch.device) -> None:
         super().__init__(store, config, device)
@@ -320,24 +363,38 @@ class TritonCompute(BatchCompute):
         dev = self.torch_device
         split = cfg.exact
 
-        def transform_in(inp: torch.Tensor, n: int, p: str, src: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        def gemm(hi: torch.Tensor, lo: torch.Tensor | None, inv: torch.Tensor, p: str, n: int) -> torch.Tensor:
+            t = torch.empty((R, n), dtype=torch.float32, device=dev)
+            bn, bk, nw, ns = self.gemm_configs[prep.bm]
+            grouped_gemm(
+                hi, lo, inv, self.w[p][:ne], tiles, t, bm=prep.bm, bn=bn, bk=bk, num_warps=nw, num_stages=ns,
+                promote=self.promote,
+            )  # fmt: skip
+            return t
+
+        def transform_in(inp: torch.Tensor, n: int, p: str, src: torch.Tensor | None, ss: torch.Tensor):
             hi = torch.empty((R, n), dtype=torch.float16, device=dev)
             lo = torch.empty((R, n), dtype=torch.float16, device=dev) if split else None
             inv = torch.empty(R, dtype=torch.float32, device=dev)
             row_hadamard(
-                inp, n, R, grp, st.e0, self.hpm, mode=0, src=src, vec=slot16, vec_stride=s2,
+                inp, n, R, grp, st.e0, self.hpm, ss, mode=0, src=src, vec=slot16, vec_stride=s2,
                 pre_off=layout.elem_offset(p, "suh", 2), split=split, o_hi=hi, o_lo=lo, o_inv=inv,
             )  # fmt: skip
-            return hi, lo, inv  # type: ignore[return-value]
+            return hi, lo, inv
 
+        def sumsq(inp: torch.Tensor, n: int, pres: tuple[str, ...], src: torch.Tensor | None) -> torch.Tensor:
+            ss = torch.empty((max(1, len(pres)), R), dtype=torch.float32, device=dev)
+            offs = tuple(layout.elem_offset(p, "suh", 2) for p in pres)
+            row_sumsq(inp, n, R, grp, st.e0, ss, src=src, vec=slot16, vec_stride=s2, pre_offs=offs)
+            return ss
+
+        ss_in = sumsq(x, H, ("gate", "up"), tok)
         gu = []
-        for p in ("gate", "up"):
-            hi, lo, inv = transform_in(x, H, p, tok)
-            t = torch.empty((R, I), dtype=torch.float32, device=dev)
-            grouped_gemm(hi, lo, inv, self.w[p][:ne], tiles, t, bm=prep.bm)
+        for i, p in enumerate(("gate", "up")):
+            t = gemm(*transform_in(x, H, p, tok, ss_in[i]), p, I)
             y = torch.empty((R, I), dtype=torch.float32, device=dev)
             row_hadamard(
-                t, I, R, grp, st.e0, self.hpm, mode=1, vec=slot16, vec_stride=s2,
+                t, I, R, grp, st.e0, self.hpm, sumsq(t, I, (), None)[0], mode=1, vec=slot16, vec_stride=s2,
                 post_off=layout.elem_offset(p, "svh", 2), out=y,
             )  # fmt: skip
             gu.append(y)
@@ -346,11 +403,9 @@ class TritonCompute(BatchCompute):
             g.clamp_(max=cfg.swiglu_limit)
             u.clamp_(-cfg.swiglu_limit, cfg.swiglu_limit)
         act = torch.nn.functional.silu(g, inplace=True).mul_(u)
-        hi, lo, inv = transform_in(act, I, "down", None)
-        t = torch.empty((R, H), dtype=torch.float32, device=dev)
-        grouped_gemm(hi, lo, inv, self.w["down"][:ne], tiles, t, bm=prep.bm)
+        t = gemm(*transform_in(act, I, "down", None, sumsq(act, I, ("down",), None)[0]), "down", H)
         row_hadamard(
-            t, H, R, grp, st.e0, self.hpm, mode=2, vec=slot16, vec_stride=s2,
+            t, H, R, grp, st.e0, self.hpm, sumsq(t, H, (), None)[0], mode=2, vec=slot16, vec_stride=s2,
             post_off=layout.elem_offset("down", "svh", 2), out=out, w=wts, dst=tok,
         )  # fmt: skip
         self.computed.extend((st.layer, e) for e in routed)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["decode_kernel", "grouped_gemm_kernel", "row_hadamard_kernel"]
+__all__ = ["decode_kernel", "grouped_gemm_kernel", "row_hadamard_kernel", "row_sumsq_kernel"]
 
 
 @triton.jit
@@ -28,11 +28,12 @@ def decode_kernel(
     out_expert_stride,  # elements
     TN,  # n / 16
     K2,  # 2 * bits per weight (odd: half-integer K)
-    MULT,  # codebook multiplier
-    ADD,  # codebook addend (3INST)
+    MULT,  # codebook multiplier as a signed int32 (the product wraps modulo 2^32 like the uint32 one)
+    ADD,  # codebook addend (3INST), signed int32
     MUL1: tl.constexpr,  # MUL1 byte-sum codebook, else LOP3 + half-sum (3INST/MCG)
     BLOCK_TN: tl.constexpr,
 ):
+    """One 16-row band of ``BLOCK_TN`` tiles of one expert: ``OUT[e, 16*tk + r, 16*tn + c]``."""
     e = tl.program_id(0)
     tk = tl.program_id(1)
     tnb = tl.program_id(2)
@@ -54,29 +55,79 @@ def decode_kernel(
         start = (s_end - 16 + nbits) % nbits
         i0 = start // 32
         i1 = (i0 + 1) % nwords
-        sh = (48 - start % 32).to(tl.uint64)
+        sh = (start % 32).to(tl.uint32)
         tile = (tk * TN + tn3).to(tl.int64)
         base = SRC + e.to(tl.int64) * src_expert_stride + src_offset + tile * nwords
         m = (tn3 < TN) & (r3 >= 0) & (c3 >= 0)
-        a = tl.load(base + i0, mask=m, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
-        b = tl.load(base + i1, mask=m, other=0).to(tl.uint32, bitcast=True).to(tl.uint64)
-        state = (((a << 32) | b) >> sh) & 0xFFFF
-        x = (state.to(tl.int64) * MULT + ADD) & 0xFFFFFFFF
+        a = tl.load(base + i0, mask=m, other=0).to(tl.uint32, bitcast=True)
+        b = tl.load(base + i1, mask=m, other=0).to(tl.uint32, bitcast=True)
+        # stream bits [start, start + 16): the top half of the 32-bit window (a:b) << sh (b >> 32 avoided)
+        state = ((a << sh) | ((b >> 1) >> (31 - sh))) >> 16
+        p = state.to(tl.int32, bitcast=True) * MULT + ADD  # wraps modulo 2^32
         if MUL1:
-            bs = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + ((x >> 24) & 0xFF)
+            pu = p.to(tl.uint32, bitcast=True)
+            bs = (pu & 0xFF) + ((pu >> 8) & 0xFF) + ((pu >> 16) & 0xFF) + (pu >> 24)
             # (1024 + bs) * half(0x1EEE) + half(0xC931) is exact in fp32; one rounding to fp16 as the hfma
             v = ((bs + 1024).to(tl.float32) * 0.00676727294921875 + -10.3828125).to(tl.float16)
         else:
-            x = (x & 0x8FFF8FFF) ^ 0x3B603B60
-            lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-            hi = ((x >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            x = (p & -1879076865) ^ 0x3B603B60  # LOP3: (x & 0x8FFF8FFF) ^ 0x3B603B60
+            lo = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = ((x >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             v = (lo + hi).to(tl.float16)  # both halves in [0.125, 2): exact fp32 sum, one rounding
         n = TN * 16
         dst = OUT + e.to(tl.int64) * out_expert_stride + (tk * 16 + r3).to(tl.int64) * n + tn3 * 16 + c3
         tl.store(dst, v, mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "grp_base"])
+def row_sumsq_kernel(
+    X,  # input rows (fp16/bf16/fp32)
+    stride_x,
+    SRC,  # int64*: input row of each row (HAS_SRC)
+    GRP,  # int64*: group of each row; local group = GRP[r] - grp_base
+    grp_base,
+    VEC,  # fp16*: per-group vectors (a staging slot viewed as fp16)
+    vec_stride,
+    pre_off0,  # elements: first multiplier vector inside a record (HAS_PRE)
+    pre_off1,  # elements: second multiplier vector (TWO)
+    SS,  # fp32* [1 or 2, R]: sum of squares of (X[src] * pre) per row
+    R,
+    N,
+    HAS_SRC: tl.constexpr,
+    HAS_PRE: tl.constexpr,
+    TWO: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    if HAS_SRC:
+        src = tl.load(SRC + rows, mask=rmask, other=0).to(tl.int64)
+    else:
+        src = rows.to(tl.int64)
+    grp = (tl.load(GRP + rows, mask=rmask, other=grp_base) - grp_base).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    m2 = rmask[:, None]
+    ss0 = tl.zeros([BLOCK_R], dtype=tl.float32)
+    ss1 = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for kb in range(0, N, BLOCK_N):
+        v = tl.load(X + src[:, None] * stride_x + kb + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        if HAS_PRE:
+            vrow = VEC + grp[:, None] * vec_stride + kb + cols[None, :]
+            v0 = v * tl.load(vrow + pre_off0, mask=m2, other=0.0).to(tl.float32)
+            ss0 += tl.sum(v0 * v0, axis=1)
+            if TWO:
+                v1 = v * tl.load(vrow + pre_off1, mask=m2, other=0.0).to(tl.float32)
+                ss1 += tl.sum(v1 * v1, axis=1)
+        else:
+            ss0 += tl.sum(v * v, axis=1)
+    tl.store(SS + rows, ss0, mask=rmask)
+    if TWO:
+        tl.store(SS + R + rows, ss1, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["R", "grp_base"])
 def row_hadamard_kernel(
     X,  # input rows (fp16/bf16/fp32)
     stride_x,
@@ -87,6 +138,7 @@ def row_hadamard_kernel(
     vec_stride,  # elements between consecutive groups' records
     pre_off,  # elements: the pre-multiplier (suh) inside a record
     post_off,  # elements: the post-multiplier (svh) inside a record
+    SS,  # fp32* [R]: sum of squares of each row of X[src] * pre (row_sumsq_kernel)
     HPM,  # fp16* [128, 128] +-1 Hadamard
     O_HI,  # fp16* [R, N] (MODE 0)
     O_LO,  # fp16* [R, N] (MODE 0 and SPLIT)
@@ -97,7 +149,6 @@ def row_hadamard_kernel(
     W,  # fp32* [R] (MODE 2): routing weight
     DST,  # int64* [R] (MODE 2): token of each row
     R,
-    N,
     HAS_SRC: tl.constexpr,
     HAS_PRE: tl.constexpr,
     HAS_POST: tl.constexpr,
@@ -105,9 +156,13 @@ def row_hadamard_kernel(
     SPLIT: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """Per row: ``v = X[src] * pre[grp]``; ``h = H128(v)``; then MODE 0: ``h*s`` split to fp16 hi/lo plus
-    ``1/s``; MODE 1: ``h * post[grp]``; MODE 2: ``OUT[dst] += h * post[grp] * w``."""
+    """Rows x one 128-column block: ``v = X[src] * pre[grp]``; ``h = H128(v)``; then MODE 0: ``h*s`` split to
+    fp16 hi/lo plus ``1/s``; MODE 1: ``h * post[grp]``; MODE 2: ``OUT[dst] += h * post[grp] * w``.
+
+    ``s = 2^e`` with ``sqrt(SS[r]) * s < 2^14``: the row's 2-norm bounds every Hadamard output (orthonormal),
+    so ``h*s`` and its hi part are inside fp16 range and the lo part keeps ~11 more bits."""
     pid = tl.program_id(0)
+    kb = tl.program_id(1) * 128
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     if HAS_SRC:
@@ -115,51 +170,43 @@ def row_hadamard_kernel(
     else:
         src = rows.to(tl.int64)
     grp = (tl.load(GRP + rows, mask=rmask, other=grp_base) - grp_base).to(tl.int64)
-    cols = tl.arange(0, 128)
-    xrow = X + src[:, None] * stride_x + cols[None, :]
+    cols = kb + tl.arange(0, 128)
     vrow = VEC + grp[:, None] * vec_stride + cols[None, :]
     m2 = rmask[:, None]
-    # pass 1: the row's 2-norm bounds every Hadamard output (orthonormal): pick s = 2^e with norm * s < 2^14
-    ss = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for kb in range(0, N, 128):
-        v = tl.load(xrow + kb, mask=m2, other=0.0).to(tl.float32)
-        if HAS_PRE:
-            v = v * tl.load(vrow + pre_off + kb, mask=m2, other=0.0).to(tl.float32)
-        ss += tl.sum(v * v, axis=1)
+    ss = tl.load(SS + rows, mask=rmask, other=0.0)
     e_ss = ((ss.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # ss in [2^e, 2^(e+1))
     m_exp = (e_ss + 258) // 2 - 128  # ceil((e+1)/2): norm < 2^m
     es = tl.minimum(tl.maximum(14 - m_exp, -100), 100)
     scale = ((es + 127) << 23).to(tl.float32, bitcast=True)
     inv = ((127 - es) << 23).to(tl.float32, bitcast=True)
-    hpm = tl.load(HPM + tl.arange(0, 128)[:, None] * 128 + cols[None, :])
-    for kb in range(0, N, 128):
-        v = tl.load(xrow + kb, mask=m2, other=0.0).to(tl.float32)
-        if HAS_PRE:
-            v = v * tl.load(vrow + pre_off + kb, mask=m2, other=0.0).to(tl.float32)
-        y = v * scale[:, None]
-        y_hi = y.to(tl.float16)
-        y_lo = (y - y_hi.to(tl.float32)).to(tl.float16)
-        h = tl.dot(y_hi, hpm, out_dtype=tl.float32)
-        h = tl.dot(y_lo, hpm, h, out_dtype=tl.float32)
-        h = h * 0.08838834764831845  # 1/sqrt(128); h = s * H128(v)
-        if MODE == 0:
-            a_hi = h.to(tl.float16)
-            tl.store(O_HI + rows[:, None].to(tl.int64) * stride_oa + kb + cols[None, :], a_hi, mask=m2)
-            if SPLIT:
-                a_lo = (h - a_hi.to(tl.float32)).to(tl.float16)
-                tl.store(O_LO + rows[:, None].to(tl.int64) * stride_oa + kb + cols[None, :], a_lo, mask=m2)
-        else:
-            o = h * inv[:, None]
-            if HAS_POST:
-                o = o * tl.load(vrow + post_off + kb, mask=m2, other=0.0).to(tl.float32)
-            if MODE == 1:
-                tl.store(OUT + rows[:, None].to(tl.int64) * stride_o + kb + cols[None, :], o, mask=m2)
-            else:
-                w = tl.load(W + rows, mask=rmask, other=0.0)
-                dst = tl.load(DST + rows, mask=rmask, other=0).to(tl.int64)
-                tl.atomic_add(OUT + dst[:, None] * stride_o + kb + cols[None, :], o * w[:, None], mask=m2)
+    hpm = tl.load(HPM + tl.arange(0, 128)[:, None] * 128 + tl.arange(0, 128)[None, :])
+    v = tl.load(X + src[:, None] * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+    if HAS_PRE:
+        v = v * tl.load(vrow + pre_off, mask=m2, other=0.0).to(tl.float32)
+    y = v * scale[:, None]
+    y_hi = y.to(tl.float16)
+    y_lo = (y - y_hi.to(tl.float32)).to(tl.float16)
+    # exact +-1 products; two separate fp32 sums joined by one round-to-nearest add
+    h = tl.dot(y_hi, hpm, out_dtype=tl.float32) + tl.dot(y_lo, hpm, out_dtype=tl.float32)
+    h = h * 0.08838834764831845  # 1/sqrt(128); h = s * H128(v)
     if MODE == 0:
-        tl.store(O_INV + rows, inv, mask=rmask)
+        a_hi = h.to(tl.float16)
+        tl.store(O_HI + rows[:, None].to(tl.int64) * stride_oa + cols[None, :], a_hi, mask=m2)
+        if SPLIT:
+            a_lo = (h - a_hi.to(tl.float32)).to(tl.float16)
+            tl.store(O_LO + rows[:, None].to(tl.int64) * stride_oa + cols[None, :], a_lo, mask=m2)
+        if kb == 0:
+            tl.store(O_INV + rows, inv, mask=rmask)
+    else:
+        o = h * inv[:, None]
+        if HAS_POST:
+            o = o * tl.load(vrow + post_off, mask=m2, other=0.0).to(tl.float32)
+        if MODE == 1:
+            tl.store(OUT + rows[:, None].to(tl.int64) * stride_o + cols[None, :], o, mask=m2)
+        else:
+            w = tl.load(W + rows, mask=rmask, other=0.0)
+            dst = tl.load(DST + rows, mask=rmask, other=0).to(tl.int64)
+            tl.atomic_add(OUT + dst[:, None] * stride_o + cols[None, :], o * w[:, None], mask=m2)
 
 
 @triton.jit
@@ -176,11 +223,16 @@ def grouped_gemm_kernel(
     K,
     N,
     SPLIT: tl.constexpr,
+    PROMOTE: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
 ):
-    """``OUT[rows] = (A_HI[rows] + A_LO[rows]) @ W[e] * A_INV[rows]`` for each tile of one expert's rows."""
+    """``OUT[rows] = (A_HI[rows] + A_LO[rows]) @ W[e] * A_INV[rows]`` for each tile of one expert's rows.
+
+    With PROMOTE each BK-deep tensor-core partial sum starts from zero and is added to the fp32 accumulator
+    with a round-to-nearest add: the tensor cores' own accumulation (which does not round to nearest) then
+    only ever spans BK products."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(TILES + pid_m * 3).to(tl.int64)
@@ -197,10 +249,17 @@ def grouped_gemm_kernel(
     for k0 in range(0, K, BK):
         w = tl.load(w_ptr + k0 * N, mask=cmask[None, :], other=0.0)
         a = tl.load(A_HI + a_off + k0, mask=rmask[:, None], other=0.0)
-        acc = tl.dot(a, w, acc, out_dtype=tl.float32)
+        if PROMOTE:
+            part = tl.dot(a, w, out_dtype=tl.float32)
+        else:
+            part = tl.dot(a, w, acc, out_dtype=tl.float32)
         if SPLIT:
             a2 = tl.load(A_LO + a_off + k0, mask=rmask[:, None], other=0.0)
-            acc = tl.dot(a2, w, acc, out_dtype=tl.float32)
+            part = tl.dot(a2, w, part, out_dtype=tl.float32)
+        if PROMOTE:
+            acc += part
+        else:
+            acc = part
     inv = tl.load(A_INV + rows, mask=rmask, other=1.0)
     out = acc * inv[:, None]
     tl.store(OUT + rows[:, None].to(tl.int64) * stride_o + cols[None, :], out, mask=rmask[:, None] & cmask[None, :])
