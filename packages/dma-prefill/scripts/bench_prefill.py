@@ -160,6 +160,40 @@ def profile_layer(store: HostExpertStore, cfg: PrefillConfig, T: int, seed: int,
     return rows[:top]
 
 
+def tune(store: HostExpertStore, cfg: PrefillConfig, T: int) -> dict:
+    """Greedy choice of the decode block, the row-transform block and the GEMM tile by the measured compute
+    time per layer (sum of batch compute intervals) at chunk ``T``, two layer steps per candidate."""
+    from dma_prefill.compute import TritonCompute as TC
+
+    def measure() -> float:
+        r = bench_chunk(store, cfg, T, 2, 11)
+        return r["compute_busy_s"] / r["steps"] * 1e3
+
+    log: dict = {}
+    for attr, cands in (
+        ("decode_block_tn", [16, 32, 8]),
+        ("transform_config", [(64, 4, 4), (64, 4, 8), (32, 4, 4), (64, 8, 8)]),
+    ):
+        res = {}
+        for c in cands:
+            setattr(TC, attr, c)
+            res[str(c)] = measure()
+        best = min(res, key=res.get)
+        setattr(TC, attr, next(c for c in cands if str(c) == best))
+        log[attr] = res
+        print(f"tune {attr}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in res.items()) + f" -> {best}", flush=True)
+    res = {}
+    base = dict(TC.gemm_configs)
+    for c in [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)]:
+        TC.gemm_configs = {**base, 128: c}
+        res[str(c)] = measure()
+    best = min(res, key=res.get)
+    TC.gemm_configs = {**base, 128: next(c for c in [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)] if str(c) == best)}
+    log["gemm_128"] = res
+    print("tune gemm BM=128 (BN, BK, warps, stages): " + ", ".join(f"{k} {v:.1f} ms" for k, v in res.items()) + f" -> {best}", flush=True)
+    return log
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunks", default="2048,8192,16384,32768")
@@ -170,6 +204,7 @@ def main() -> None:
     ap.add_argument("--fp16-chunks", default="32768", help="chunk sizes to repeat with fp16 activations")
     ap.add_argument("--profile-chunks", default="2048,32768", help="chunk sizes to break down per kernel")
     ap.add_argument("--no-promote-chunks", default="32768", help="chunk sizes to repeat without GEMM promotion")
+    ap.add_argument("--tune-chunk", type=int, default=32768, help="chunk size for the tile tuning (0: skip)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -212,6 +247,13 @@ def main() -> None:
 
     from dma_prefill.compute import TritonCompute
 
+    tuning = tune(store, cfg, args.tune_chunk) if args.tune_chunk else {}
+    chosen = {
+        "decode_block_tn": TritonCompute.decode_block_tn,
+        "transform_config": TritonCompute.transform_config,
+        "gemm_configs": TritonCompute.gemm_configs,
+    }
+    print(f"configs used: {chosen}")
     rows = []
     cases = (
         [(int(c), True, True) for c in args.chunks.split(",") if c]
@@ -256,7 +298,10 @@ def main() -> None:
             "slots": args.slots, "experts_per_batch": args.batch,
         }  # fmt: skip
         with open(args.json, "w") as f:
-            json.dump({"env": env, "meta": meta, "rows": rows, "profiles": profiles}, f, indent=1)
+            json.dump(
+                {"env": env, "meta": meta, "rows": rows, "profiles": profiles, "tuning": tuning, "chosen": str(chosen)},
+                f, indent=1,
+            )  # fmt: skip
     store.close()
 
 

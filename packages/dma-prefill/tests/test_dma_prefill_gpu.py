@@ -112,3 +112,17 @@ def test_ring_on_real_streams(gpu_stack: SyntheticStack) -> None:
     assert st.bytes_copied == 48 * gpu_stack.store.layout(0).stride
     assert 0 < st.copy_fraction <= 1 and 0 < st.compute_fraction <= 1
     _report("small ring copy GB/s, copy fraction, compute fraction", f"{st.copy_gbps:.1f}, {st.copy_fraction:.2f}, {st.compute_fraction:.2f}")
+
+
+def test_swiglu_limit_on_gpu(gpu_stack: SyntheticStack) -> None:
+    cfg = PrefillConfig(num_slots=2, experts_per_batch=4, backend="triton", swiglu_limit=0.3)
+    pf = DmaPrefill(gpu_stack.store, cfg)
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(200, 512, generator=g)
+    ids = torch.rand(200, 16, generator=g).argsort(1)[:, :4]
+    w = torch.rand(200, 4, generator=g)
+    out = pf.run_layer(2, x.cuda(), PrefillPlan.build(ids.cuda(), w.cuda(), 16, 4))
+    ref = reference_moe(gpu_stack.store, 2, x, ids, w, limit=0.3)
+    unclamped = reference_moe(gpu_stack.store, 2, x, ids, w)
+    assert float((ref - unclamped).abs().max()) > 1e-2  # the limit really bites
+    assert float((out.cpu().double() - ref).abs().max() / ref.abs().max()) < 5e-6

@@ -28,6 +28,7 @@ __all__ = [
     "decode_into",
     "decode_triton",
     "grouped_gemm",
+    "post_swiglu",
     "row_hadamard",
     "row_sumsq",
 ]
@@ -210,10 +211,12 @@ def row_hadamard(
     out: torch.Tensor | None = None,
     w: torch.Tensor | None = None,
     dst: torch.Tensor | None = None,
-    block_r: int = 32,
+    block_r: int = 64,
+    cpb: int = 4,
+    num_warps: int = 4,
 ) -> None:
-    """Launch ``row_hadamard_kernel`` (see its docstring) over ``rows x n/128`` blocks; ``ss`` holds each
-    row's sum of squares (``row_sumsq``); unused pointers get a dummy tensor."""
+    """Launch ``row_hadamard_kernel`` (see its docstring) over ``rows x n/128`` blocks (``cpb`` column blocks
+    per program); ``ss`` holds each row's sum of squares (``row_sumsq``); unused pointers get a dummy tensor."""
     tk = _triton()
     if rows == 0:
         return
@@ -225,15 +228,47 @@ def row_hadamard(
     if n % 128:
         raise ValueError(f"row_hadamard: n={n} is not a multiple of 128")
     stride_oa = o_hi.stride(0) if o_hi is not None else 0
-    tk.row_hadamard_kernel[(-(-rows // block_r), n // 128)](
+    tk.row_hadamard_kernel[(-(-rows // block_r), -(-(n // 128) // cpb))](
         x, x.stride(0), src if src is not None else grp, grp, grp_base,
         vec if vec is not None else hpm, vec_stride, pre_off or 0, post_off or 0, ss, hpm,
         o_hi if o_hi is not None else hpm, o_lo if o_lo is not None else hpm, dummy32, stride_oa,
         out if out is not None else dummy32, out.stride(0) if out is not None else 0,
         w if w is not None else dummy32, dst if dst is not None else grp,
-        rows,
+        rows, n,
         HAS_SRC=src is not None, HAS_PRE=pre_off is not None, HAS_POST=post_off is not None,
-        MODE=mode, SPLIT=split, BLOCK_R=block_r, num_warps=4,
+        MODE=mode, SPLIT=split, BLOCK_R=block_r, CPB=cpb, num_warps=num_warps,
+    )  # fmt: skip
+
+
+def post_swiglu(
+    tg: torch.Tensor,
+    tu: torch.Tensor,
+    ss: torch.Tensor,
+    grp: torch.Tensor,
+    grp_base: int,
+    vec: torch.Tensor,
+    vec_stride: int,
+    svh_offs: tuple[int, int],
+    hpm: torch.Tensor,
+    act: torch.Tensor,
+    limit: float | None,
+    *,
+    block_r: int = 64,
+    cpb: int = 4,
+    num_warps: int = 4,
+) -> None:
+    """``act = silu(min(g, L)) * clamp(u, -L, L)`` with ``g, u = H128(tg, tu) * svh`` (``ss``: [2, R] sums of
+    squares of ``tg`` and ``tu`` rows)."""
+    tk = _triton()
+    R, n = tg.shape
+    if R == 0:
+        return
+    if tu.shape != tg.shape or act.shape != tg.shape or tu.stride() != tg.stride():
+        raise ValueError("post_swiglu: tg, tu and act must have one shape and layout")
+    tk.post_swiglu_kernel[(-(-R // block_r), -(-(n // 128) // cpb))](
+        tg, tu, tg.stride(0), ss, grp, grp_base, vec, vec_stride, svh_offs[0], svh_offs[1], hpm, act, act.stride(0),
+        float(limit) if limit is not None else 0.0, R, n,
+        HAS_LIMIT=limit is not None, BLOCK_R=block_r, CPB=cpb, num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -295,6 +330,9 @@ class TritonCompute(BatchCompute):
     #: GEMM tile configs by BM: (BN, BK, num_warps, num_stages)
     gemm_configs: dict[int, tuple[int, int, int, int]] = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
     promote: bool = True
+    #: row transforms: (rows per program, 128-column blocks per program, num_warps)
+    transform_config: tuple[int, int, int] = (64, 4, 4)
+    decode_block_tn: int = 16
 
     def __init__(self, store: HostExpertStore, config: PrefillConfig, device: Device, torch_device: torch.device) -> None:
         super().__init__(store, config, device)
@@ -351,7 +389,10 @@ class TritonCompute(BatchCompute):
         s4, s2 = layout.stride // 4, layout.stride // 2
         for p in PROJECTIONS:
             ps = spec.proj(p)
-            decode_into(slot32, s4, layout.elem_offset(p, "trellis", 4), counts, self.w[p], ps.k, ps.n, ps.bits, ps.codebook)
+            decode_into(
+                slot32, s4, layout.elem_offset(p, "trellis", 4), counts, self.w[p], ps.k, ps.n, ps.bits, ps.codebook,
+                block_tn=self.decode_block_tn,
+            )  # fmt: skip
         r0, r1 = plan.batch_rows(st.batch)
         R = r1 - r0
         tok = plan.sorted_tokens[r0:r1]
@@ -362,6 +403,8 @@ class TritonCompute(BatchCompute):
         H, I = spec.hidden, spec.intermediate
         dev = self.torch_device
         split = cfg.exact
+        br, cpb, nw = self.transform_config
+        tcfg = {"block_r": br, "cpb": cpb, "num_warps": nw}
 
         def gemm(hi: torch.Tensor, lo: torch.Tensor | None, inv: torch.Tensor, p: str, n: int) -> torch.Tensor:
             t = torch.empty((R, n), dtype=torch.float32, device=dev)
@@ -378,7 +421,7 @@ class TritonCompute(BatchCompute):
             inv = torch.empty(R, dtype=torch.float32, device=dev)
             row_hadamard(
                 inp, n, R, grp, st.e0, self.hpm, ss, mode=0, src=src, vec=slot16, vec_stride=s2,
-                pre_off=layout.elem_offset(p, "suh", 2), split=split, o_hi=hi, o_lo=lo, o_inv=inv,
+                pre_off=layout.elem_offset(p, "suh", 2), split=split, o_hi=hi, o_lo=lo, o_inv=inv, **tcfg,
             )  # fmt: skip
             return hi, lo, inv
 
@@ -389,23 +432,17 @@ class TritonCompute(BatchCompute):
             return ss
 
         ss_in = sumsq(x, H, ("gate", "up"), tok)
-        gu = []
-        for i, p in enumerate(("gate", "up")):
-            t = gemm(*transform_in(x, H, p, tok, ss_in[i]), p, I)
-            y = torch.empty((R, I), dtype=torch.float32, device=dev)
-            row_hadamard(
-                t, I, R, grp, st.e0, self.hpm, sumsq(t, I, (), None)[0], mode=1, vec=slot16, vec_stride=s2,
-                post_off=layout.elem_offset(p, "svh", 2), out=y,
-            )  # fmt: skip
-            gu.append(y)
-        g, u = gu
-        if cfg.swiglu_limit is not None:
-            g.clamp_(max=cfg.swiglu_limit)
-            u.clamp_(-cfg.swiglu_limit, cfg.swiglu_limit)
-        act = torch.nn.functional.silu(g, inplace=True).mul_(u)
+        tg, tu = (gemm(*transform_in(x, H, p, tok, ss_in[i]), p, I) for i, p in enumerate(("gate", "up")))
+        ss_gu = torch.empty((2, R), dtype=torch.float32, device=dev)
+        row_sumsq(tg, I, R, grp, st.e0, ss_gu[0])
+        row_sumsq(tu, I, R, grp, st.e0, ss_gu[1])
+        act = torch.empty((R, I), dtype=torch.float32, device=dev)
+        svh = (layout.elem_offset("gate", "svh", 2), layout.elem_offset("up", "svh", 2))
+        post_swiglu(tg, tu, ss_gu, grp, st.e0, slot16, s2, svh, self.hpm, act, cfg.swiglu_limit, **tcfg)
+        del tg, tu
         t = gemm(*transform_in(act, I, "down", None, sumsq(act, I, ("down",), None)[0]), "down", H)
         row_hadamard(
             t, H, R, grp, st.e0, self.hpm, sumsq(t, H, (), None)[0], mode=2, vec=slot16, vec_stride=s2,
-            post_off=layout.elem_offset("down", "svh", 2), out=out, w=wts, dst=tok,
+            post_off=layout.elem_offset("down", "svh", 2), out=out, w=wts, dst=tok, **tcfg,
         )  # fmt: skip
         self.computed.extend((st.layer, e) for e in routed)

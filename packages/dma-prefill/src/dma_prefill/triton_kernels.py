@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["decode_kernel", "grouped_gemm_kernel", "row_hadamard_kernel", "row_sumsq_kernel"]
+__all__ = ["decode_kernel", "grouped_gemm_kernel", "post_swiglu_kernel", "row_hadamard_kernel", "row_sumsq_kernel"]
 
 
 @triton.jit
@@ -127,6 +127,28 @@ def row_sumsq_kernel(
         tl.store(SS + R + rows, ss1, mask=rmask)
 
 
+@triton.jit
+def _row_scale(ss):
+    """Power-of-two scale s (and 1/s) per row with ``sqrt(ss) * s < 2^14``, from the fp32 bits of ``ss``."""
+    e_ss = ((ss.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # ss in [2^e, 2^(e+1))
+    m_exp = (e_ss + 258) // 2 - 128  # ceil((e+1)/2): norm < 2^m
+    es = tl.minimum(tl.maximum(14 - m_exp, -100), 100)
+    scale = ((es + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - es) << 23).to(tl.float32, bitcast=True)
+    return scale, inv
+
+
+@triton.jit
+def _hadamard_scaled(v, scale, hpm):
+    """``s * H128(v)`` per row of a [rows, 128] fp32 block: split ``v*s`` into fp16 hi + lo, exact +-1 products,
+    two fp32 sums joined by one round-to-nearest add, one scaling by 1/sqrt(128)."""
+    y = v * scale[:, None]
+    y_hi = y.to(tl.float16)
+    y_lo = (y - y_hi.to(tl.float32)).to(tl.float16)
+    h = tl.dot(y_hi, hpm, out_dtype=tl.float32) + tl.dot(y_lo, hpm, out_dtype=tl.float32)
+    return h * 0.08838834764831845
+
+
 @triton.jit(do_not_specialize=["R", "grp_base"])
 def row_hadamard_kernel(
     X,  # input rows (fp16/bf16/fp32)
@@ -149,20 +171,21 @@ def row_hadamard_kernel(
     W,  # fp32* [R] (MODE 2): routing weight
     DST,  # int64* [R] (MODE 2): token of each row
     R,
+    N,
     HAS_SRC: tl.constexpr,
     HAS_PRE: tl.constexpr,
     HAS_POST: tl.constexpr,
     MODE: tl.constexpr,  # 0: split fp16 hi/lo for a GEMM; 1: store fp32; 2: weighted atomic add into OUT[DST]
     SPLIT: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    CPB: tl.constexpr,  # 128-column blocks per program (the Hadamard matrix is loaded once for all)
 ):
-    """Rows x one 128-column block: ``v = X[src] * pre[grp]``; ``h = H128(v)``; then MODE 0: ``h*s`` split to
+    """Rows x CPB 128-column blocks: ``v = X[src] * pre[grp]``; ``h = H128(v)``; then MODE 0: ``h*s`` split to
     fp16 hi/lo plus ``1/s``; MODE 1: ``h * post[grp]``; MODE 2: ``OUT[dst] += h * post[grp] * w``.
 
     ``s = 2^e`` with ``sqrt(SS[r]) * s < 2^14``: the row's 2-norm bounds every Hadamard output (orthonormal),
     so ``h*s`` and its hi part are inside fp16 range and the lo part keeps ~11 more bits."""
     pid = tl.program_id(0)
-    kb = tl.program_id(1) * 128
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
     if HAS_SRC:
@@ -170,43 +193,82 @@ def row_hadamard_kernel(
     else:
         src = rows.to(tl.int64)
     grp = (tl.load(GRP + rows, mask=rmask, other=grp_base) - grp_base).to(tl.int64)
-    cols = kb + tl.arange(0, 128)
-    vrow = VEC + grp[:, None] * vec_stride + cols[None, :]
-    m2 = rmask[:, None]
-    ss = tl.load(SS + rows, mask=rmask, other=0.0)
-    e_ss = ((ss.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # ss in [2^e, 2^(e+1))
-    m_exp = (e_ss + 258) // 2 - 128  # ceil((e+1)/2): norm < 2^m
-    es = tl.minimum(tl.maximum(14 - m_exp, -100), 100)
-    scale = ((es + 127) << 23).to(tl.float32, bitcast=True)
-    inv = ((127 - es) << 23).to(tl.float32, bitcast=True)
+    scale, inv = _row_scale(tl.load(SS + rows, mask=rmask, other=0.0))
     hpm = tl.load(HPM + tl.arange(0, 128)[:, None] * 128 + tl.arange(0, 128)[None, :])
-    v = tl.load(X + src[:, None] * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-    if HAS_PRE:
-        v = v * tl.load(vrow + pre_off, mask=m2, other=0.0).to(tl.float32)
-    y = v * scale[:, None]
-    y_hi = y.to(tl.float16)
-    y_lo = (y - y_hi.to(tl.float32)).to(tl.float16)
-    # exact +-1 products; two separate fp32 sums joined by one round-to-nearest add
-    h = tl.dot(y_hi, hpm, out_dtype=tl.float32) + tl.dot(y_lo, hpm, out_dtype=tl.float32)
-    h = h * 0.08838834764831845  # 1/sqrt(128); h = s * H128(v)
     if MODE == 0:
-        a_hi = h.to(tl.float16)
-        tl.store(O_HI + rows[:, None].to(tl.int64) * stride_oa + cols[None, :], a_hi, mask=m2)
-        if SPLIT:
-            a_lo = (h - a_hi.to(tl.float32)).to(tl.float16)
-            tl.store(O_LO + rows[:, None].to(tl.int64) * stride_oa + cols[None, :], a_lo, mask=m2)
-        if kb == 0:
+        if tl.program_id(1) == 0:
             tl.store(O_INV + rows, inv, mask=rmask)
-    else:
-        o = h * inv[:, None]
-        if HAS_POST:
-            o = o * tl.load(vrow + post_off, mask=m2, other=0.0).to(tl.float32)
-        if MODE == 1:
-            tl.store(OUT + rows[:, None].to(tl.int64) * stride_o + cols[None, :], o, mask=m2)
+    if MODE == 2:
+        w = tl.load(W + rows, mask=rmask, other=0.0)
+        dst = tl.load(DST + rows, mask=rmask, other=0).to(tl.int64)
+    for cb in tl.static_range(CPB):
+        cols = (tl.program_id(1) * CPB + cb) * 128 + tl.arange(0, 128)
+        m2 = rmask[:, None] & (cols < N)[None, :]
+        vrow = VEC + grp[:, None] * vec_stride + cols[None, :]
+        v = tl.load(X + src[:, None] * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        if HAS_PRE:
+            v = v * tl.load(vrow + pre_off, mask=m2, other=0.0).to(tl.float32)
+        h = _hadamard_scaled(v, scale, hpm)  # s * H128(v)
+        if MODE == 0:
+            a_hi = h.to(tl.float16)
+            tl.store(O_HI + rows[:, None].to(tl.int64) * stride_oa + cols[None, :], a_hi, mask=m2)
+            if SPLIT:
+                a_lo = (h - a_hi.to(tl.float32)).to(tl.float16)
+                tl.store(O_LO + rows[:, None].to(tl.int64) * stride_oa + cols[None, :], a_lo, mask=m2)
         else:
-            w = tl.load(W + rows, mask=rmask, other=0.0)
-            dst = tl.load(DST + rows, mask=rmask, other=0).to(tl.int64)
-            tl.atomic_add(OUT + dst[:, None] * stride_o + cols[None, :], o * w[:, None], mask=m2)
+            o = h * inv[:, None]
+            if HAS_POST:
+                o = o * tl.load(vrow + post_off, mask=m2, other=0.0).to(tl.float32)
+            if MODE == 1:
+                tl.store(OUT + rows[:, None].to(tl.int64) * stride_o + cols[None, :], o, mask=m2)
+            else:
+                tl.atomic_add(OUT + dst[:, None] * stride_o + cols[None, :], o * w[:, None], mask=m2)
+
+
+@triton.jit(do_not_specialize=["R", "grp_base"])
+def post_swiglu_kernel(
+    TG,  # fp32* [R, N]: gate GEMM output (Hadamard basis)
+    TU,  # fp32* [R, N]: up GEMM output
+    stride_t,
+    SS,  # fp32* [2, R]: row sums of squares of TG and TU
+    GRP,
+    grp_base,
+    VEC,  # fp16*: slot records
+    vec_stride,
+    svh_g,  # elements: gate svh inside a record
+    svh_u,  # elements: up svh inside a record
+    HPM,
+    ACT,  # fp32* [R, N]: silu(min(g, L)) * clamp(u, -L, L)
+    stride_a,
+    limit,
+    R,
+    N,
+    HAS_LIMIT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    CPB: tl.constexpr,
+):
+    """``g = H128(TG) * svh_g``, ``u = H128(TU) * svh_u``, ``ACT = silu(min(g, L)) * clamp(u, -L, L)``."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    grp = (tl.load(GRP + rows, mask=rmask, other=grp_base) - grp_base).to(tl.int64)
+    sg, ig = _row_scale(tl.load(SS + rows, mask=rmask, other=0.0))
+    su, iu = _row_scale(tl.load(SS + R + rows, mask=rmask, other=0.0))
+    hpm = tl.load(HPM + tl.arange(0, 128)[:, None] * 128 + tl.arange(0, 128)[None, :])
+    for cb in tl.static_range(CPB):
+        cols = (tl.program_id(1) * CPB + cb) * 128 + tl.arange(0, 128)
+        m2 = rmask[:, None] & (cols < N)[None, :]
+        off = rows[:, None].to(tl.int64) * stride_t + cols[None, :]
+        vrow = VEC + grp[:, None] * vec_stride + cols[None, :]
+        g = _hadamard_scaled(tl.load(TG + off, mask=m2, other=0.0), sg, hpm) * ig[:, None]
+        g = g * tl.load(vrow + svh_g, mask=m2, other=0.0).to(tl.float32)
+        u = _hadamard_scaled(tl.load(TU + off, mask=m2, other=0.0), su, hpm) * iu[:, None]
+        u = u * tl.load(vrow + svh_u, mask=m2, other=0.0).to(tl.float32)
+        if HAS_LIMIT:
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        a = g / (1.0 + tl.exp(-g)) * u
+        tl.store(ACT + rows[:, None].to(tl.int64) * stride_a + cols[None, :], a, mask=m2)
 
 
 @triton.jit
