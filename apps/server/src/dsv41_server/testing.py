@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-__all__ = ["TEST_API_KEY", "DemoServer", "free_port", "release_shared_demo_server", "shared_demo_server"]
+__all__ = ["TEST_API_KEY", "TEST_SERVER_ARGS", "DemoServer", "free_port", "release_shared_demo_server", "shared_demo_server"]
 
 #: The API key the shared test server requires (it binds loopback, where a key is optional: this exercises it).
 TEST_API_KEY = "dsv41-test-key-3f1c9a"
@@ -131,6 +131,10 @@ _shared: DemoServer | None = None
 _users = 0
 
 
+#: Plugin flags of the shared test server (checked end to end: they must reach the engine's expert runtime).
+TEST_SERVER_ARGS = ("--cpu-threads", "1")
+
+
 def shared_demo_server(root: Path, api_key: str | None = TEST_API_KEY) -> DemoServer:
     """The one demo server of this process, started on first use under ``root`` (later ``root``s are ignored).
 
@@ -138,7 +142,7 @@ def shared_demo_server(root: Path, api_key: str | None = TEST_API_KEY) -> DemoSe
     """
     global _shared, _users
     if _shared is None:
-        _shared = DemoServer(root, api_key=api_key).start()
+        _shared = DemoServer(root, api_key=api_key, extra_args=TEST_SERVER_ARGS).start()
     _users += 1
     return _shared
 

@@ -44,9 +44,10 @@ _QKV = {"q": 0, "k": 1, "v": 2}
 class Exl3LinearMethod(LinearMethodBase):
     """A dense EXL3 linear (plain or fused from shards), dequantized once after loading."""
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, parts: list[str]) -> None:
         super().__init__()
         self.prefix = prefix
+        self.parts = parts  # checkpoint module names, for messages
 
     def create_weights(
         self,
@@ -83,7 +84,7 @@ class Exl3LinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         k, sizes = layer.exl3_sizes
         store: TensorStore = layer.exl3_store
-        names = [self.prefix] if len(sizes) == 1 else [f"{self.prefix}[{i}]" for i in range(len(sizes))]
+        names = self.parts if len(self.parts) == len(sizes) else [f"{self.prefix}[{i}]" for i in range(len(sizes))]
         weights = []
         for part, (name, n) in enumerate(zip(names, sizes, strict=True)):
             t = store.build(part, name)

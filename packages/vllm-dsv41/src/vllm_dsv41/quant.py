@@ -22,7 +22,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from .checkpoint import exl3_modules, tensor_names
 from .config import Dsv41PluginConfig
 
-logger = init_logger(__name__)
+logger = init_logger("vllm.dsv41")  # under "vllm": printed with vLLM's own log lines
 
 QUANT_METHOD = "exl3"
 
@@ -98,7 +98,9 @@ class Exl3Config(QuantizationConfig):
                 return Exl3HostExpertsMethod(layer.moe_config, self)
             return None
         if isinstance(layer, LinearBase):
-            return Exl3LinearMethod(prefix) if self._is_exl3_linear(prefix) else UnquantizedLinearMethod()
+            if self._is_exl3_linear(prefix):
+                return Exl3LinearMethod(prefix, self._linear_parts(prefix))
+            return UnquantizedLinearMethod()
         if isinstance(layer, VocabParallelEmbedding) and prefix in modules:
             raise NotImplementedError(
                 f"{prefix}: EXL3-quantized embeddings and output heads are not supported yet "
@@ -113,10 +115,14 @@ class Exl3Config(QuantizationConfig):
             raise RuntimeError("Exl3Config: the checkpoint was not scanned (maybe_update_config not called)")
         return self.exl3_modules
 
-    def _is_exl3_linear(self, prefix: str) -> bool:
+    def _linear_parts(self, prefix: str) -> list[str]:
+        """The checkpoint modules a vLLM linear is made of (several for a fused one, in vLLM's order)."""
         parent, _, leaf = prefix.rpartition(".")
         shards = self.packed_modules_mapping.get(leaf)
-        names = [f"{parent}.{s}" if parent else s for s in shards] if shards else [prefix]
+        return [f"{parent}.{s}" if parent else s for s in shards] if shards else [prefix]
+
+    def _is_exl3_linear(self, prefix: str) -> bool:
+        names = self._linear_parts(prefix)
         flags = [n in self._modules() for n in names]
         if any(flags) and not all(flags):
             exl3 = [n for n, f in zip(names, flags, strict=True) if f]
