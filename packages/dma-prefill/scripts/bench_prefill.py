@@ -204,7 +204,7 @@ def main() -> None:
     ap.add_argument("--fp16-chunks", default="32768", help="chunk sizes to repeat with fp16 activations")
     ap.add_argument("--profile-chunks", default="2048,32768", help="chunk sizes to break down per kernel")
     ap.add_argument("--no-promote-chunks", default="32768", help="chunk sizes to repeat without GEMM promotion")
-    ap.add_argument("--tune-chunk", type=int, default=32768, help="chunk size for the tile tuning (0: skip)")
+    ap.add_argument("--tune-chunk", type=int, default=0, help="chunk size for a tile-tuning pass first (0: none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
