@@ -1,0 +1,301 @@
+// Jobs run by the pool: one EXL3 linear over m rows (exl3_matmul), and one MoE layer's routed picks.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include "kernels.h"
+#include "ops.h"
+#include "pool.h"
+
+namespace cpu_tier {
+namespace CPU_TIER_NS {
+
+// Prepared activations of one linear for up to MAXM tokens, carved out of scratch memory.
+struct ActBuf {
+    float* xf = nullptr;    // [MAXM][k]  float path
+    int16_t* xq = nullptr;  // [MAXM][k]  int path (one token)
+    float* xs = nullptr;    // [MAXM][k/128] int path scales
+    float* xsb = nullptr;   // [MAXM][k/128] per-block sums of the prepared activations
+    float xsum[MAXM] = {};
+    int k = 0;
+
+    static size_t bytes(int k) { return size_t(MAXM) * (size_t(k) * 4 + size_t(k) * 2 + size_t(k / 128) * 8) + 256; }
+    void carve(uint8_t*& p, int k_) {
+        k = k_;
+        auto take = [&](size_t n) {
+            uint8_t* r = p;
+            p += (n + 63) & ~size_t(63);
+            return r;
+        };
+        xf = reinterpret_cast<float*>(take(size_t(MAXM) * k * 4));
+        xq = reinterpret_cast<int16_t*>(take(size_t(MAXM) * k * 2));
+        xs = reinterpret_cast<float*>(take(size_t(MAXM) * (k / 128) * 4));
+        xsb = reinterpret_cast<float*>(take(size_t(MAXM) * (k / 128) * 4));
+    }
+    Acts acts(int m) const {
+        Acts a;
+        a.m = m;
+        a.xf = xf;
+        a.xf_stride = size_t(k);
+        a.xq = xq;
+        a.xq_stride = size_t(k);
+        a.xs = xs;
+        a.xs_stride = size_t(k / 128);
+        a.xsum = xsum;
+        return a;
+    }
+    // Prepare block b (128 inputs) of token slot s from x128 (input space).
+    void prep_block(int s, int b, const float* x128, const uint16_t* suh_block, bool int_path) {
+        if (int_path)
+            xsb[s * (k / 128) + b] =
+                prep_block_int(x128, suh_block, xq + size_t(s) * k + 128 * b, xs + size_t(s) * (k / 128) + b);
+        else
+            xsb[s * (k / 128) + b] = prep_block_float(x128, suh_block, xf + size_t(s) * k + 128 * b);
+    }
+    void finish_sums(int m) {
+        for (int s = 0; s < m; ++s) {
+            float t = 0.0f;
+            for (int b = 0; b < k / 128; ++b) t += xsb[s * (k / 128) + b];
+            xsum[s] = t;
+        }
+    }
+};
+
+inline size_t align64(size_t n) { return (n + 63) & ~size_t(63); }
+
+// Precision "fast": MUL1 runs the integer path (int16 activations); MCG / 3INST skip the fp16 rounding of the
+// codebook value. "exact": exact fp16 codebook values, fp32 activations.
+inline GemvMode gemv_mode(const MatRef& A, bool fast, int m) {
+    (void)m;
+    if (!fast) return GemvMode::Exact;
+    return A.codebook == CB_MUL1 ? GemvMode::Int : GemvMode::Fast;
+}
+
+// ------------------------------------------------------------------------------------------- linear job
+struct LinearJob : JobBase {
+    MatRef A;
+    const float* x = nullptr;  // [m][k]
+    float* out = nullptr;      // [m][n]
+    int m = 0;
+    bool fast = false;
+
+    void run(Pool& pool) override {
+        const int nchunks = (m + MAXM - 1) / MAXM;
+        const int nb = A.n / 128, kb = A.k / 128;
+        std::vector<ActBuf> acts(static_cast<size_t>(nchunks));
+        uint8_t* p = pool.scratch(size_t(nchunks) * ActBuf::bytes(A.k));
+        for (auto& a : acts) a.carve(p, A.k);
+        // phase 1: input transform, one unit per (row, block group of 8 blocks)
+        const int bgroups = (kb + 7) / 8;
+        pool.parallel_for(m * bgroups, [&](int u, int) {
+            const int row = u / bgroups, bg = u % bgroups;
+            ActBuf& a = acts[size_t(row / MAXM)];
+            const int mc = std::min(MAXM, m - (row / MAXM) * MAXM);
+            const bool int_path = gemv_mode(A, fast, mc) == GemvMode::Int;
+            for (int b = 8 * bg; b < std::min(kb, 8 * bg + 8); ++b)
+                a.prep_block(row % MAXM, b, x + size_t(row) * A.k + 128 * b, A.suh + 128 * b, int_path);
+        });
+        for (int c = 0; c < nchunks; ++c) acts[size_t(c)].finish_sums(std::min(MAXM, m - c * MAXM));
+        // phase 2: GEMV bands + output transform
+        pool.parallel_for(nchunks * nb, [&](int u, int) {
+            const int c = u / nb, band = u % nb;
+            const int mc = std::min(MAXM, m - c * MAXM);
+            alignas(64) float y[MAXM * 128];
+            gemv_band(A, band, acts[size_t(c)].acts(mc), gemv_mode(A, fast, mc), y);
+            for (int s = 0; s < mc; ++s) {
+                out_block(y + 128 * s, A.svh + 128 * band, A.bias ? A.bias + 128 * band : nullptr);
+                std::memcpy(out + size_t(c * MAXM + s) * A.n + 128 * band, y + 128 * s, 128 * sizeof(float));
+            }
+        });
+    }
+};
+
+// ----------------------------------------------------------------------------------------- MoE layer
+struct ExpertMats {
+    MatRef gate, up, down;
+};
+
+struct Layer {
+    int H = 0, I = 0;
+    float limit = std::numeric_limits<float>::infinity();  // SwiGLU clamp; inf = none
+    std::vector<ExpertMats> experts;
+};
+
+struct MoeJob : JobBase {
+    std::shared_ptr<const Layer> layer;
+    const float* x = nullptr;  // [T][H]
+    float* out = nullptr;      // [T][H]
+    int T = 0;
+    const int32_t* tokens = nullptr;
+    const int32_t* experts = nullptr;
+    const float* weights = nullptr;
+    int P = 0;
+    bool fast = false;
+    int wave_chunks = 64;
+    std::vector<uint8_t> computed;  // per pick: 1 when its weighted output is in `out`
+    // statistics
+    uint64_t t_start_ns = 0, t_end_ns = 0;
+
+    struct Chunk {
+        int expert = 0, m = 0;
+        int pick[MAXM];
+    };
+
+    void run(Pool& pool) override {
+        t_start_ns = now_ns();
+        const Layer& L = *layer;
+        const int H = L.H, I = L.I;
+        const int nbI = I / 128, nbH = H / 128;
+        computed.assign(size_t(P), 0);
+        // phase 0: zero the output (also for a cancelled job: rows with no computed pick are zero)
+        const int zrows = 8;
+        pool.parallel_for((T + zrows - 1) / zrows, [&](int u, int) {
+            const int r0 = u * zrows, r1 = std::min(T, r0 + zrows);
+            std::memset(out + size_t(r0) * H, 0, size_t(r1 - r0) * H * sizeof(float));
+        });
+        // Group picks by expert (stable), chunks of <= MAXM picks of one expert.
+        std::vector<int> order(static_cast<size_t>(P));
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return experts[a] < experts[b]; });
+        std::vector<Chunk> chunks;
+        for (int i = 0; i < P;) {
+            Chunk c;
+            c.expert = experts[order[size_t(i)]];
+            c.m = 0;
+            while (i < P && c.m < MAXM && experts[order[size_t(i)]] == c.expert) c.pick[c.m++] = order[size_t(i++)];
+            chunks.push_back(c);
+        }
+        const int nchunks_total = int(chunks.size());
+        // Scratch per chunk of a wave.
+        const size_t act_gu = ActBuf::bytes(H), act_d = ActBuf::bytes(I);
+        const size_t ybytes = align64(size_t(MAXM) * I * 4);
+        const size_t ydbytes = align64(size_t(MAXM) * H * 4);
+        const size_t per_chunk = 2 * act_gu + act_d + 2 * ybytes + ydbytes;
+        const int W = std::max(1, wave_chunks);
+        uint8_t* scratch = pool.scratch(size_t(std::min(W, std::max(1, nchunks_total))) * per_chunk);
+        for (int w0 = 0; w0 < nchunks_total; w0 += W) {
+            if (cancelled.load(std::memory_order_relaxed)) break;
+            const int nch = std::min(W, nchunks_total - w0);
+            const Chunk* ch = chunks.data() + w0;
+            std::vector<ActBuf> agu(static_cast<size_t>(2 * nch)), ad(static_cast<size_t>(nch));
+            std::vector<float*> yg(static_cast<size_t>(nch)), yu(static_cast<size_t>(nch)), yd(static_cast<size_t>(nch));
+            uint8_t* p = scratch;
+            for (int c = 0; c < nch; ++c) {
+                agu[size_t(2 * c)].carve(p, H);
+                agu[size_t(2 * c + 1)].carve(p, H);
+                ad[size_t(c)].carve(p, I);
+                yg[size_t(c)] = reinterpret_cast<float*>(p);
+                p += ybytes;
+                yu[size_t(c)] = reinterpret_cast<float*>(p);
+                p += ybytes;
+                yd[size_t(c)] = reinterpret_cast<float*>(p);
+                p += ydbytes;
+            }
+            std::vector<std::atomic<int>> down_done(static_cast<size_t>(nch));
+            for (auto& d : down_done) d.store(0);
+            auto mats = [&](int c) -> const ExpertMats& { return L.experts[size_t(ch[c].expert)]; };
+            auto is_int = [&](const MatRef& A, int c) { return gemv_mode(A, fast, ch[c].m) == GemvMode::Int; };
+
+            // phase 1: gate/up input transforms; unit = (chunk, proj, slot, group of 8 blocks)
+            const int kbH = H / 128, bgH = (kbH + 7) / 8;
+            pool.parallel_for(nch * 2 * MAXM * bgH, [&](int u, int) {
+                if (cancelled.load(std::memory_order_relaxed)) return;
+                const int bg = u % bgH;
+                const int s = (u / bgH) % MAXM;
+                const int proj = (u / bgH / MAXM) % 2;
+                const int c = u / bgH / MAXM / 2;
+                if (s >= ch[c].m) return;
+                const MatRef& A = proj == 0 ? mats(c).gate : mats(c).up;
+                const float* xr = x + size_t(tokens[ch[c].pick[s]]) * H;
+                ActBuf& a = agu[size_t(2 * c + proj)];
+                for (int b = 8 * bg; b < std::min(kbH, 8 * bg + 8); ++b)
+                    a.prep_block(s, b, xr + 128 * b, A.suh + 128 * b, is_int(A, c));
+            });
+            for (int c = 0; c < nch; ++c) {
+                agu[size_t(2 * c)].finish_sums(ch[c].m);
+                agu[size_t(2 * c + 1)].finish_sums(ch[c].m);
+            }
+            // phase 2: gate and up GEMV bands + output transforms
+            pool.parallel_for(nch * 2 * nbI, [&](int u, int) {
+                if (cancelled.load(std::memory_order_relaxed)) return;
+                const int band = u % nbI, proj = (u / nbI) % 2, c = u / nbI / 2;
+                const MatRef& A = proj == 0 ? mats(c).gate : mats(c).up;
+                const int m = ch[c].m;
+                alignas(64) float y[MAXM * 128];
+                gemv_band(A, band, agu[size_t(2 * c + proj)].acts(m), gemv_mode(A, fast, m), y);
+                float* dst = proj == 0 ? yg[size_t(c)] : yu[size_t(c)];
+                for (int s = 0; s < m; ++s) {
+                    out_block(y + 128 * s, A.svh + 128 * band, A.bias ? A.bias + 128 * band : nullptr);
+                    std::memcpy(dst + size_t(s) * I + 128 * band, y + 128 * s, 128 * sizeof(float));
+                }
+            });
+            // phase 3: clamped SwiGLU + down input transform, unit = (chunk, block of I)
+            pool.parallel_for(nch * nbI, [&](int u, int) {
+                if (cancelled.load(std::memory_order_relaxed)) return;
+                const int b = u % nbI, c = u / nbI;
+                const MatRef& D = mats(c).down;
+                alignas(64) float a[128];
+                for (int s = 0; s < ch[c].m; ++s) {
+                    swiglu(yg[size_t(c)] + size_t(s) * I + 128 * b, yu[size_t(c)] + size_t(s) * I + 128 * b, a, 128,
+                           L.limit);
+                    ad[size_t(c)].prep_block(s, b, a, D.suh + 128 * b, is_int(D, c));
+                }
+            });
+            for (int c = 0; c < nch; ++c) ad[size_t(c)].finish_sums(ch[c].m);
+            // phase 4: down GEMV bands + output transform
+            pool.parallel_for(nch * nbH, [&](int u, int) {
+                if (cancelled.load(std::memory_order_relaxed)) return;
+                const int band = u % nbH, c = u / nbH;
+                const MatRef& D = mats(c).down;
+                const int m = ch[c].m;
+                alignas(64) float y[MAXM * 128];
+                gemv_band(D, band, ad[size_t(c)].acts(m), gemv_mode(D, fast, m), y);
+                for (int s = 0; s < m; ++s) {
+                    out_block(y + 128 * s, D.svh + 128 * band, D.bias ? D.bias + 128 * band : nullptr);
+                    std::memcpy(yd[size_t(c)] + size_t(s) * H + 128 * band, y + 128 * s, 128 * sizeof(float));
+                }
+                down_done[size_t(c)].fetch_add(1, std::memory_order_acq_rel);
+            });
+            // phase 5: weighted sum into out for the complete chunks; unit = (token, column chunk of 512)
+            struct Entry {
+                int token, c, s;
+                float w;
+            };
+            std::vector<Entry> ent;
+            for (int c = 0; c < nch; ++c) {
+                if (down_done[size_t(c)].load() != nbH) continue;
+                for (int s = 0; s < ch[c].m; ++s) {
+                    const int pk = ch[c].pick[s];
+                    ent.push_back({tokens[pk], c, s, weights[pk]});
+                    computed[size_t(pk)] = 1;
+                }
+            }
+            std::stable_sort(ent.begin(), ent.end(), [](const Entry& a, const Entry& b) { return a.token < b.token; });
+            std::vector<int> starts;
+            for (size_t i = 0; i < ent.size(); ++i)
+                if (i == 0 || ent[i].token != ent[i - 1].token) starts.push_back(int(i));
+            starts.push_back(int(ent.size()));
+            const int ntok = int(starts.size()) - 1;
+            const int cc = 512, ncc = (H + cc - 1) / cc;
+            pool.parallel_for(ntok * ncc, [&](int u, int) {
+                const int ti = u / ncc, col0 = (u % ncc) * cc, col1 = std::min(H, col0 + cc);
+                float* o = out + size_t(ent[size_t(starts[size_t(ti)])].token) * H;
+                for (int e = starts[size_t(ti)]; e < starts[size_t(ti) + 1]; ++e) {
+                    const Entry& en = ent[size_t(e)];
+                    const float* src = yd[size_t(en.c)] + size_t(en.s) * H;
+                    const float w = en.w;
+                    for (int i = col0; i < col1; ++i) o[i] += w * src[i];
+                }
+            });
+        }
+        t_end_ns = now_ns();
+    }
+};
+
+}  // namespace CPU_TIER_NS
+}  // namespace cpu_tier

@@ -1,0 +1,876 @@
+// EXL3 GEMV kernels over one band of 8 output tiles (128 columns), for one ISA variant.
+//
+//   y[m, c] = sum_k xh[m, k] * W_inner[k, c]      for the 128 columns c of the band, all k (k-major stream)
+//
+// Two paths:
+//  * float path (every codebook): each group of 8 states is decoded once to fp32 values (optionally rounded to
+//    the exact fp16 codebook value) and FMA'd into the accumulators of all m tokens;
+//  * integer path (MUL1, "fast"): weights stay byte sums bs of state * 0x83DCD12D (value ~ bs * K_INV + K_AFF);
+//    activations are int16 per tile row (16 k values) with scale amax / 32767, so
+//    y = K_INV * sum_rows scale_r * sum(bs * xq) + K_AFF * sum(x^), summed exactly in int32 within a tile.
+//
+// Activation layouts (prepared by ops.h): per token, per tile row r, 16 values in "q order": position 4q + i holds
+// k = 16r + 2q + (i & 1) + 8 (i >> 1), the 4 rows that the 8 lanes of group q (of any column pair) multiply.
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+#include <type_traits>
+#include <utility>
+
+#include "common.h"
+#include "tables.h"
+
+namespace cpu_tier {
+namespace CPU_TIER_NS {
+
+struct MatRef {
+    const uint8_t* trellis = nullptr;  // [k/16][n/16][32K bytes]
+    const uint16_t* suh = nullptr;     // fp16 [k]
+    const uint16_t* svh = nullptr;     // fp16 [n]
+    const uint16_t* bias = nullptr;    // fp16 [n] or null
+    int k = 0, n = 0, bits2 = 0, codebook = 0;
+    const TrellisTables* tb = nullptr;
+};
+
+struct Acts {
+    int m = 0;
+    const float* xf = nullptr;  // float path: [m][k] q order
+    size_t xf_stride = 0;
+    const int16_t* xq = nullptr;  // int path: [m][k] q order
+    size_t xq_stride = 0;
+    const float* xs = nullptr;  // [m][k/128] scales (int path)
+    size_t xs_stride = 0;
+    const float* xsum = nullptr;  // [m] sum of the activations (quantised ones on the int path)
+};
+
+constexpr int MAXM = 8;
+
+// How a band is computed:
+//  Exact : float path, exact fp16 codebook values, fp32 activations (every codebook);
+//  Fast  : float path without the fp16 rounding of the codebook value (MCG / 3INST);
+//  Int   : MUL1, int16 activations (one scale per 128-block per token), exact int32 sums per block,
+//          y = K_INV * sum_blocks scale_b * sum(bs * xq) + K_AFF * sum(x^).
+enum class GemvMode { Exact, Fast, Int };
+
+#define CT_LAMBDA_INLINE __attribute__((always_inline))
+
+template <class F, int... I>
+CT_INLINE void static_for_impl(F&& f, std::integer_sequence<int, I...>) {
+    (f(std::integral_constant<int, I>{}), ...);
+}
+// f(std::integral_constant<int, 0>{}), ..., f(std::integral_constant<int, N - 1>{}): a compile-time unrolled loop.
+template <int N, class F>
+CT_INLINE void static_for(F&& f) {
+    static_for_impl(f, std::make_integer_sequence<int, N>{});
+}
+constexpr int PREFETCH_ROWS = 6;
+
+// Row (k offset inside a tile row) of q-order position p.
+CT_INLINE int qorder_row(int p) { return 2 * (p >> 2) + (p & 1) + 8 * ((p >> 1) & 1); }
+
+// Scalar state of element t of a tile (reference decode, used by the scalar variant and the tests).
+CT_INLINE uint32_t tile_state(const uint8_t* tile, const TrellisTables& tb, int t) {
+    const int nwords = tb.tile_bytes / 4;
+    const int s = tb.start[t];
+    const int i0 = s >> 5;
+    const int i1 = (i0 + 1) % nwords;
+    uint32_t w0, w1;
+    std::memcpy(&w0, tile + 4 * i0, 4);
+    std::memcpy(&w1, tile + 4 * i1, 4);
+    const uint64_t pair = (uint64_t(w0) << 32) | w1;
+    return uint32_t(pair >> (48 - (s & 31))) & 0xFFFFu;
+}
+
+CT_INLINE uint32_t mul1_bytesum(uint32_t state) {
+    const uint32_t p = state * MUL1_MULT;
+    return (p & 0xFF) + ((p >> 8) & 0xFF) + ((p >> 16) & 0xFF) + (p >> 24);
+}
+
+// Codebook value as fp32; round=true gives the exact fp16 codebook value (bit-exact with the GPU).
+CT_INLINE float codebook_value(uint32_t state, int cb, bool round) {
+    if (cb == CB_MUL1) {
+        const float v = float(mul1_bytesum(state)) * MUL1_K_INV + MUL1_K_AFF;
+        return round ? round_to_half(v) : v;
+    }
+    uint32_t x = cb == CB_MCG ? state * MCG_MULT : state * INST3_MULT + INST3_ADD;
+    x = (x & LOP3_AND) ^ LOP3_XOR;
+    const float v = half_to_float(uint16_t(x & 0xFFFF)) + half_to_float(uint16_t(x >> 16));
+    return round ? round_to_half(v) : v;
+}
+
+#if defined(CPU_TIER_ISA_SCALAR)
+// =============================================================================================== scalar
+constexpr const char* ISA_NAME = "scalar";
+
+// Row-major position of trellis element t inside its 16x16 tile.
+CT_INLINE int elem_row(int t) { return 2 * ((t >> 3) & 3) + (t & 1) + 8 * ((t >> 1) & 1); }
+CT_INLINE int elem_col(int t) { return (t >> 5) + 8 * ((t >> 2) & 1); }
+
+static void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, float* y) {
+    const TrellisTables& tb = *A.tb;
+    const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const size_t row_stride = size_t(tiles_n) * tb.tile_bytes;
+    const uint8_t* base = A.trellis + size_t(band) * 8 * tb.tile_bytes;
+    const int m = X.m;
+    std::fill(y, y + size_t(m) * 128, 0.0f);
+    float w[256];
+    int32_t bs[256];
+    std::vector<int64_t> iacc(size_t(m) * 128, 0);
+    for (int r = 0; r < tiles_k; ++r) {
+        const uint8_t* row = base + r * row_stride;
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t* tile = row + j * tb.tile_bytes;
+            for (int t = 0; t < 256; ++t) {
+                const uint32_t st = tile_state(tile, tb, t);
+                const int pos = elem_row(t) * 16 + elem_col(t);
+                if (mode == GemvMode::Int)
+                    bs[pos] = int32_t(mul1_bytesum(st));
+                else
+                    w[pos] = codebook_value(st, A.codebook, mode == GemvMode::Exact);
+            }
+            for (int t = 0; t < m; ++t)
+                for (int c = 0; c < 16; ++c) {
+                    if (mode == GemvMode::Int) {
+                        const int16_t* xq = X.xq + t * X.xq_stride + 16 * r;
+                        int64_t acc = 0;
+                        for (int p = 0; p < 16; ++p) acc += bs[qorder_row(p) * 16 + c] * int32_t(xq[p]);
+                        iacc[size_t(t) * 128 + 16 * j + c] += acc;
+                    } else {
+                        const float* xf = X.xf + t * X.xf_stride + 16 * r;
+                        float acc = 0.0f;
+                        for (int p = 0; p < 16; ++p)
+                            acc += w[qorder_row(p) * 16 + c] * xf[p];
+                        y[t * 128 + 16 * j + c] += acc;
+                    }
+                }
+        }
+        if (mode == GemvMode::Int && (r % 8 == 7 || r == tiles_k - 1)) {
+            for (int t = 0; t < m; ++t) {
+                const float sc = X.xs[t * X.xs_stride + r / 8];
+                for (int c = 0; c < 128; ++c) {
+                    y[t * 128 + c] += float(iacc[size_t(t) * 128 + c]) * sc;
+                    iacc[size_t(t) * 128 + c] = 0;
+                }
+            }
+        }
+    }
+    if (mode == GemvMode::Int)
+        for (int t = 0; t < m; ++t)
+            for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + MUL1_K_AFF * X.xsum[t];
+}
+
+#elif defined(CPU_TIER_ISA_AVX2) || defined(CPU_TIER_ISA_AVX512)
+// ======================================================================================= AVX2 and AVX-512
+#if defined(CPU_TIER_ISA_AVX512)
+constexpr const char* ISA_NAME = "avx512";
+#else
+constexpr const char* ISA_NAME = "avx2";
+#endif
+
+CT_INLINE void prefetch_row(const uint8_t* p, int bytes) {
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+}
+
+// The tile's wrapped 16-byte window [last 4 bytes, first 12 bytes].
+CT_INLINE __m128i wrap_window(const uint8_t* tile, int tile_bytes) {
+    return _mm_alignr_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tile)),
+                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + tile_bytes - 16)), 12);
+}
+
+constexpr int EXT_STRIDE = 272;  // >= 4 + 256 (largest tile), multiple of 16
+
+// Generic K: copy a row's 8 tiles to ext = [last 4 bytes | tile] per tile, so every window (base >= -4) is
+// ext + 4 + base. Reads exactly the tiles' bytes.
+CT_INLINE void copy_row_ext(const uint8_t* row, int tbytes, uint8_t* ext) {
+    for (int j = 0; j < 8; ++j) {
+        const uint8_t* tile = row + j * tbytes;
+        uint8_t* e = ext + j * EXT_STRIDE;
+        std::memcpy(e, tile + tbytes - 4, 4);
+        for (int o = 0; o < tbytes; o += 16)
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(e + 4 + o), _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + o)));
+    }
+}
+
+// 32-byte register of slot S: [window of gA | window of gB].
+template <int BITS2, int S>
+CT_INLINE __m256i slot_window(const uint8_t* tile, const uint8_t* ext, __m128i wrapv, const TrellisTables& tb) {
+    if constexpr (BITS2 != 0) {
+        constexpr CtSlot sl = ct_slot(BITS2, S);
+        if constexpr (sl.single) {
+            return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + sl.baseA));
+        } else {
+            __m128i lo, hi;
+            if constexpr (sl.baseA < 0) lo = wrapv;
+            else lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + sl.baseA));
+            if constexpr (sl.baseB < 0) hi = wrapv;
+            else hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + sl.baseB));
+            return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+        }
+    } else {
+        (void)tile;
+        (void)wrapv;
+        return _mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ext + 4 + tb.baseA[S]))),
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(ext + 4 + tb.baseB[S])), 1);
+    }
+}
+
+template <int BITS2>
+constexpr bool ct_needs_wrap() {
+    if constexpr (BITS2 == 0) {
+        return false;
+    } else {
+        bool any = false;
+        for (int s = 0; s < 16; ++s) {
+            const CtSlot sl = ct_slot(BITS2, s);
+            any = any || (!sl.single && (sl.baseA < 0 || sl.baseB < 0));
+        }
+        return any;
+    }
+}
+
+// facc [8 j][4 a][2 h][L lanes] (L = 8: AVX2 registers per half; 16: AVX-512 holds both halves, same memory
+// layout). Half h, lanes 0-3 -> column 16j + 2a + 8h, lanes 4-7 -> column 16j + 2a + 1 + 8h.
+CT_INLINE void reduce_tile_acc(const float* facc, float* y) {
+    for (int j = 0; j < 8; ++j)
+        for (int a = 0; a < 4; ++a)
+            for (int h = 0; h < 2; ++h) {
+                const float* v = facc + ((j * 4 + a) * 2 + h) * 8;
+                y[16 * j + 2 * a + 8 * h] = (v[0] + v[1]) + (v[2] + v[3]);
+                y[16 * j + 2 * a + 1 + 8 * h] = (v[4] + v[5]) + (v[6] + v[7]);
+            }
+}
+
+CT_INLINE __m256 round_half(__m256 f) {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// Float values of 8 masked states. MUL1 without rounding: the byte sum itself (the caller applies the affine map).
+template <int CB, bool ROUND>
+CT_INLINE __m256 decode_values(__m256i s) {
+    if constexpr (CB == CB_MUL1) {
+        __m256i p = _mm256_mullo_epi32(s, _mm256_set1_epi32(int32_t(MUL1_MULT)));
+        p = _mm256_madd_epi16(_mm256_maddubs_epi16(p, _mm256_set1_epi8(1)), _mm256_set1_epi16(1));
+        if constexpr (ROUND)
+            return round_half(_mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(MUL1_K_INV), _mm256_set1_ps(MUL1_K_AFF)));
+        else
+            return _mm256_cvtepi32_ps(p);
+    } else {
+        __m256i x = CB == CB_MCG ? _mm256_mullo_epi32(s, _mm256_set1_epi32(int32_t(MCG_MULT)))
+                                 : _mm256_add_epi32(_mm256_mullo_epi32(s, _mm256_set1_epi32(int32_t(INST3_MULT))),
+                                                    _mm256_set1_epi32(int32_t(INST3_ADD)));
+        x = _mm256_xor_si256(_mm256_and_si256(x, _mm256_set1_epi32(int32_t(LOP3_AND))),
+                             _mm256_set1_epi32(int32_t(LOP3_XOR)));
+        // Both fp16 halves to fp32 by moving their bits (all values are normal, exponent 12..15), * 2^112.
+        const __m256i sign = _mm256_set1_epi32(int32_t(0x80000000u));
+        const __m256i manexp = _mm256_set1_epi32(0x0FFFE000);
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(x, sign), _mm256_and_si256(_mm256_srli_epi32(x, 3), manexp));
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(x, 16), sign),
+                                           _mm256_and_si256(_mm256_slli_epi32(x, 13), manexp));
+        const __m256 f = _mm256_mul_ps(_mm256_add_ps(_mm256_castsi256_ps(hi), _mm256_castsi256_ps(lo)),
+                                       _mm256_set1_ps(5.192296858534828e33f));  // 2^112
+        return ROUND ? round_half(f) : f;
+    }
+}
+
+#if defined(CPU_TIER_ISA_AVX2)
+// -------------------------------------------------------------------------------------------- AVX2 bodies
+
+// 8 masked states of (slot S, half H) from the slot register.
+template <bool UNIFORM, int S, int H>
+CT_INLINE __m256i slot_states(__m256i L, const TrellisTables& tb, __m256i sh, __m256i mask16) {
+    __m256i v = _mm256_shuffle_epi8(L, _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.ctrl[S][H])));
+    v = _mm256_srlv_epi32(v, UNIFORM ? sh : _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[S][H])));
+    return _mm256_and_si256(v, mask16);
+}
+
+// One token, MUL1, int16 activations (per 128-block scale), int32 sums per block.
+template <int BITS2, bool UNIFORM>
+static void band_int1(const MatRef& A, int band, const Acts& X, float* y) {
+    const TrellisTables& tb = *A.tb;
+    const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
+    const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const size_t row_stride = size_t(tiles_n) * tbytes;
+    const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
+    alignas(64) float facc[8 * 4 * 2 * 8];
+    alignas(64) int32_t iacc[8 * 4 * 2 * 8];
+    alignas(64) uint8_t ext[BITS2 == 0 ? 8 * EXT_STRIDE : 16];
+    std::memset(facc, 0, sizeof(facc));
+    std::memset(iacc, 0, sizeof(iacc));
+    const __m256i mask16 = _mm256_set1_epi32(0xFFFF);
+    const __m256i mult = _mm256_set1_epi32(int32_t(MUL1_MULT));
+    const __m256i ones8 = _mm256_set1_epi8(1);
+    const __m256i sh0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][0]));
+    const __m256i sh1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][1]));
+    auto flush = [&](int blk) {
+        const __m256 sc = _mm256_set1_ps(X.xs[blk]);
+        for (int i = 0; i < 8 * 4 * 2 * 8; i += 8) {
+            const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(iacc + i));
+            _mm256_store_ps(facc + i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), sc, _mm256_load_ps(facc + i)));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(iacc + i), _mm256_setzero_si256());
+        }
+    };
+    for (int r = 0; r < std::min(PREFETCH_ROWS, tiles_k); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    for (int r = 0; r < tiles_k; ++r) {
+        if (r > 0 && r % 8 == 0) flush(r / 8 - 1);
+        const uint8_t* row = base + r * row_stride;
+        if (r + PREFETCH_ROWS < tiles_k) prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
+        if constexpr (BITS2 == 0) copy_row_ext(row, tbytes, ext);
+        __m256i xp[4];
+        for (int q = 0; q < 4; ++q) {
+            int64_t v;
+            std::memcpy(&v, X.xq + 16 * r + 4 * q, 8);
+            const __m256i b = _mm256_set1_epi64x(v);
+            xp[q] = _mm256_unpacklo_epi16(b, b);
+        }
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t* tile = row + j * tbytes;
+            const uint8_t* e = ext + (BITS2 == 0 ? j * EXT_STRIDE : 0);
+            __m128i wrapv = _mm_setzero_si128();
+            if constexpr (ct_needs_wrap<BITS2>()) wrapv = wrap_window(tile, tbytes);
+            int32_t* ia = iacc + j * 64;
+            static_for<4>([&](auto AA) CT_LAMBDA_INLINE {
+                constexpr int a = decltype(AA)::value;
+                __m256i acc0, acc1;
+                static_for<4>([&](auto QQ) CT_LAMBDA_INLINE {
+                    constexpr int q = decltype(QQ)::value;
+                    const __m256i L = slot_window<BITS2, 4 * a + q>(tile, e, wrapv, tb);
+                    __m256i v0 = slot_states<UNIFORM, 4 * a + q, 0>(L, tb, sh0, mask16);
+                    __m256i v1 = slot_states<UNIFORM, 4 * a + q, 1>(L, tb, sh1, mask16);
+                    v0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_mullo_epi32(v0, mult), ones8), xp[q]);
+                    v1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_mullo_epi32(v1, mult), ones8), xp[q]);
+                    acc0 = q == 0 ? v0 : _mm256_add_epi32(acc0, v0);
+                    acc1 = q == 0 ? v1 : _mm256_add_epi32(acc1, v1);
+                });
+                __m256i* p0 = reinterpret_cast<__m256i*>(ia + a * 16);
+                _mm256_store_si256(p0, _mm256_add_epi32(_mm256_load_si256(p0), acc0));
+                _mm256_store_si256(p0 + 1, _mm256_add_epi32(_mm256_load_si256(p0 + 1), acc1));
+            });
+        }
+    }
+    flush((tiles_k - 1) / 8);
+    reduce_tile_acc(facc, y);
+    const float s = MUL1_K_AFF * X.xsum[0];
+    for (int c = 0; c < 128; ++c) y[c] = y[c] * MUL1_K_INV + s;
+}
+
+// One (tile j, column pair a, half h) of a block: 8 rows x 2 packed pairs, M token accumulators in registers.
+struct IntConsts {
+    __m256i mask16, mult, ones8, ones16, sh0, sh1;
+};
+
+template <int M, int BITS2, bool UNIFORM, int A, int H>
+CT_INLINE void intm_cell_t(const uint8_t* brow, size_t row_stride, int j, int tbytes, const uint8_t* ext,
+                           const TrellisTables& tb, const __m256i (*xpp)[M][2], const __m256* sc, float* facc0,
+                           const IntConsts& K) {
+    __m256i acc[M];
+    for (int t = 0; t < M; ++t) acc[t] = _mm256_setzero_si256();
+    for (int rr = 0; rr < 8; ++rr) {
+        const uint8_t* tile = brow + rr * row_stride + j * tbytes;
+        const uint8_t* e = ext + (BITS2 == 0 ? (rr * 8 + j) * EXT_STRIDE : 0);
+        __m128i wrapv = _mm_setzero_si128();
+        if constexpr (ct_needs_wrap<BITS2>()) wrapv = wrap_window(tile, tbytes);
+        {
+            constexpr int s0 = 4 * A, s1 = s0 + 1;
+            __m256i b0 = slot_states<UNIFORM, s0, H>(slot_window<BITS2, s0>(tile, e, wrapv, tb), tb, H ? K.sh1 : K.sh0, K.mask16);
+            __m256i b1 = slot_states<UNIFORM, s1, H>(slot_window<BITS2, s1>(tile, e, wrapv, tb), tb, H ? K.sh1 : K.sh0, K.mask16);
+            b0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_mullo_epi32(b0, K.mult), K.ones8), K.ones16);
+            b1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_mullo_epi32(b1, K.mult), K.ones8), K.ones16);
+            const __m256i w = _mm256_or_si256(b0, _mm256_slli_epi32(b1, 16));
+            for (int t = 0; t < M; ++t) acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(w, xpp[rr][t][0]));
+        }
+        {
+            constexpr int s0 = 4 * A + 2, s1 = s0 + 1;
+            __m256i b0 = slot_states<UNIFORM, s0, H>(slot_window<BITS2, s0>(tile, e, wrapv, tb), tb, H ? K.sh1 : K.sh0, K.mask16);
+            __m256i b1 = slot_states<UNIFORM, s1, H>(slot_window<BITS2, s1>(tile, e, wrapv, tb), tb, H ? K.sh1 : K.sh0, K.mask16);
+            b0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_mullo_epi32(b0, K.mult), K.ones8), K.ones16);
+            b1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_mullo_epi32(b1, K.mult), K.ones8), K.ones16);
+            const __m256i w = _mm256_or_si256(b0, _mm256_slli_epi32(b1, 16));
+            for (int t = 0; t < M; ++t) acc[t] = _mm256_add_epi32(acc[t], _mm256_madd_epi16(w, xpp[rr][t][1]));
+        }
+    }
+    for (int t = 0; t < M; ++t) {
+        float* f = facc0 + t * (8 * 4 * 2 * 8) + ((j * 4 + A) * 2 + H) * 8;
+        _mm256_store_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[t]), sc[t], _mm256_load_ps(f)));
+    }
+}
+
+template <int M, int BITS2, bool UNIFORM>
+static void intm_cell(const uint8_t* brow, size_t row_stride, int j, int ah, int tbytes, const uint8_t* ext,
+                      const TrellisTables& tb, const __m256i (*xpp)[M][2], const __m256* sc, float* facc0,
+                      const IntConsts& K) {
+    switch (ah) {
+        case 0: return intm_cell_t<M, BITS2, UNIFORM, 0, 0>(brow, row_stride, j, tbytes, ext, tb, xpp, sc, facc0, K);
+        case 1: return intm_cell_t<M, BITS2, UNIFORM, 0, 1>(brow, row_stride, j, tbytes, ext, tb, xpp, sc, facc0, K);
+        case 2: return intm_cell_t<M, BITS2, UNIFORM, 1, 0>(brow, row_stride, j, tbytes, ext, tb, xpp, sc, facc0, K);
+        case 3: return intm_cell_t<M, BITS2, UNIFORM, 1, 1>(brow, row_stride, j, tbytes, ext, tb, xpp, sc, facc0, K);
+        case 4: return intm_cell_t<M, BITS2, UNIFORM, 2, 0>(brow, row_stride, j, tbytes, ext, tb, xpp, sc, facc0, K);
+        case 5: return intm_cell_t<M, BITS2, UNIFORM, 2, 1>(brow, row_stride, j, tbytes, ext, tb, xpp, sc, facc0, K);
+        case 6: return intm_cell_t<M, BITS2, UNIFORM, 3, 0>(brow, row_stride, j, tbytes, ext, tb, xpp, sc, facc0, K);
+        default: return intm_cell_t<M, BITS2, UNIFORM, 3, 1>(brow, row_stride, j, tbytes, ext, tb, xpp, sc, facc0, K);
+    }
+}
+
+// M >= 2 tokens, MUL1, int16 activations. Two groups (q = 2p, 2p + 1) of a column pair are packed into one
+// register of int16 pairs [bs(q0), bs(q1)], so each token costs one vpmaddwd per two groups. Block order: for
+// each 128-row block (8 tile rows, L1 resident), every (tile, column pair, half) accumulates its 8 rows in
+// registers and is flushed once with the block's per-token scale.
+template <int M, int BITS2, bool UNIFORM>
+static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
+    const TrellisTables& tb = *A.tb;
+    const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
+    const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const size_t row_stride = size_t(tiles_n) * tbytes;
+    const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
+    constexpr int NACC = 8 * 4 * 2 * 8;  // [j][a][h][8 lanes]
+    alignas(64) float facc[M][NACC];
+    alignas(64) uint8_t ext[BITS2 == 0 ? 8 * 8 * EXT_STRIDE : 16];
+    alignas(64) __m256i xpp[8][M][2];
+    std::memset(facc, 0, sizeof(facc));
+    IntConsts K;
+    K.mask16 = _mm256_set1_epi32(0xFFFF);
+    K.mult = _mm256_set1_epi32(int32_t(MUL1_MULT));
+    K.ones8 = _mm256_set1_epi8(1);
+    K.ones16 = _mm256_set1_epi16(1);
+    K.sh0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][0]));
+    K.sh1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][1]));
+    const int nblk = tiles_k / 8;
+    for (int r = 0; r < std::min(8, tiles_k); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    for (int blk = 0; blk < nblk; ++blk) {
+        const uint8_t* brow = base + size_t(8 * blk) * row_stride;
+        for (int rr = 0; rr < 8; ++rr) {
+            if (8 * (blk + 1) + rr < tiles_k) prefetch_row(brow + (8 + rr) * row_stride, 8 * tbytes);
+            if constexpr (BITS2 == 0) copy_row_ext(brow + rr * row_stride, tbytes, ext + rr * 8 * EXT_STRIDE);
+            for (int t = 0; t < M; ++t)
+                for (int pq = 0; pq < 2; ++pq) {
+                    int64_t v0, v1;
+                    const int16_t* xr = X.xq + t * X.xq_stride + 16 * (8 * blk + rr) + 8 * pq;
+                    std::memcpy(&v0, xr, 8);
+                    std::memcpy(&v1, xr + 4, 8);
+                    xpp[rr][t][pq] = _mm256_unpacklo_epi16(_mm256_set1_epi64x(v0), _mm256_set1_epi64x(v1));
+                }
+        }
+        __m256 sc[M];
+        for (int t = 0; t < M; ++t) sc[t] = _mm256_set1_ps(X.xs[t * X.xs_stride + blk]);
+        for (int j = 0; j < 8; ++j)
+            for (int ah = 0; ah < 8; ++ah) intm_cell<M, BITS2, UNIFORM>(brow, row_stride, j, ah, tbytes, ext, tb, xpp, sc, facc[0], K);
+    }
+    for (int t = 0; t < M; ++t) {
+        reduce_tile_acc(facc[t], y + 128 * t);
+        const float s = MUL1_K_AFF * X.xsum[t];
+        for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
+    }
+}
+
+// M tokens, float activations, values decoded once per group (exact fp16 values, or without the final fp16
+// rounding for MCG / 3INST "fast"). Block order as band_intm: accumulators stay in registers over 8 tile rows.
+template <int CB, int M, bool ROUND, int BITS2, bool UNIFORM>
+static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
+    const TrellisTables& tb = *A.tb;
+    const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
+    const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const size_t row_stride = size_t(tiles_n) * tbytes;
+    const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
+    alignas(64) float facc[M][8 * 4 * 2 * 8];
+    alignas(64) uint8_t ext[BITS2 == 0 ? 8 * 8 * EXT_STRIDE : 16];
+    alignas(64) __m256 xp[8][M][4];
+    std::memset(facc, 0, sizeof(facc));
+    const __m256i mask16 = _mm256_set1_epi32(0xFFFF);
+    const __m256i sh0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][0]));
+    const __m256i sh1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][1]));
+    const int nblk = tiles_k / 8;
+    for (int r = 0; r < std::min(8, tiles_k); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    for (int blk = 0; blk < nblk; ++blk) {
+        const uint8_t* brow = base + size_t(8 * blk) * row_stride;
+        for (int rr = 0; rr < 8; ++rr) {
+            if (8 * (blk + 1) + rr < tiles_k) prefetch_row(brow + (8 + rr) * row_stride, 8 * tbytes);
+            if constexpr (BITS2 == 0) copy_row_ext(brow + rr * row_stride, tbytes, ext + rr * 8 * EXT_STRIDE);
+            for (int t = 0; t < M; ++t)
+                for (int q = 0; q < 4; ++q)
+                    xp[rr][t][q] = _mm256_broadcast_ps(
+                        reinterpret_cast<const __m128*>(X.xf + t * X.xf_stride + 16 * (8 * blk + rr) + 4 * q));
+        }
+        for (int j = 0; j < 8; ++j) {
+            static_for<4>([&](auto AA) CT_LAMBDA_INLINE {
+                constexpr int a = decltype(AA)::value;
+                if constexpr (M <= 3) {
+                    __m256 acc0[M], acc1[M];
+                    for (int rr = 0; rr < 8; ++rr) {
+                        const uint8_t* tile = brow + rr * row_stride + j * tbytes;
+                        const uint8_t* e = ext + (BITS2 == 0 ? (rr * 8 + j) * EXT_STRIDE : 0);
+                        __m128i wrapv = _mm_setzero_si128();
+                        if constexpr (ct_needs_wrap<BITS2>()) wrapv = wrap_window(tile, tbytes);
+                        static_for<4>([&](auto QQ) CT_LAMBDA_INLINE {
+                            constexpr int q = decltype(QQ)::value;
+                            const __m256i L = slot_window<BITS2, 4 * a + q>(tile, e, wrapv, tb);
+                            const __m256 v0 = decode_values<CB, ROUND>(slot_states<UNIFORM, 4 * a + q, 0>(L, tb, sh0, mask16));
+                            const __m256 v1 = decode_values<CB, ROUND>(slot_states<UNIFORM, 4 * a + q, 1>(L, tb, sh1, mask16));
+                            for (int t = 0; t < M; ++t) {
+                                const bool first = rr == 0 && q == 0;
+                                acc0[t] = first ? _mm256_mul_ps(v0, xp[rr][t][q]) : _mm256_fmadd_ps(v0, xp[rr][t][q], acc0[t]);
+                                acc1[t] = first ? _mm256_mul_ps(v1, xp[rr][t][q]) : _mm256_fmadd_ps(v1, xp[rr][t][q], acc1[t]);
+                            }
+                        });
+                    }
+                    for (int t = 0; t < M; ++t) {
+                        float* f = facc[t] + (j * 4 + a) * 16;
+                        _mm256_store_ps(f, _mm256_add_ps(_mm256_load_ps(f), acc0[t]));
+                        _mm256_store_ps(f + 8, _mm256_add_ps(_mm256_load_ps(f + 8), acc1[t]));
+                    }
+                } else {
+                    static_for<2>([&](auto HH) CT_LAMBDA_INLINE {
+                        constexpr int h = decltype(HH)::value;
+                        __m256 acc[M];
+                        for (int rr = 0; rr < 8; ++rr) {
+                            const uint8_t* tile = brow + rr * row_stride + j * tbytes;
+                            const uint8_t* e = ext + (BITS2 == 0 ? (rr * 8 + j) * EXT_STRIDE : 0);
+                            __m128i wrapv = _mm_setzero_si128();
+                            if constexpr (ct_needs_wrap<BITS2>()) wrapv = wrap_window(tile, tbytes);
+                            static_for<4>([&](auto QQ) CT_LAMBDA_INLINE {
+                                constexpr int q = decltype(QQ)::value;
+                                const __m256i L = slot_window<BITS2, 4 * a + q>(tile, e, wrapv, tb);
+                                const __m256 v =
+                                    decode_values<CB, ROUND>(slot_states<UNIFORM, 4 * a + q, h>(L, tb, h ? sh1 : sh0, mask16));
+                                for (int t = 0; t < M; ++t)
+                                    acc[t] = (rr == 0 && q == 0) ? _mm256_mul_ps(v, xp[rr][t][q])
+                                                                 : _mm256_fmadd_ps(v, xp[rr][t][q], acc[t]);
+                            });
+                        }
+                        for (int t = 0; t < M; ++t) {
+                            float* f = facc[t] + (j * 4 + a) * 16 + 8 * h;
+                            _mm256_store_ps(f, _mm256_add_ps(_mm256_load_ps(f), acc[t]));
+                        }
+                    });
+                }
+            });
+        }
+    }
+    for (int t = 0; t < M; ++t) reduce_tile_acc(facc[t], y + 128 * t);
+}
+
+#else
+// ----------------------------------------------------------------------------------------- AVX-512 bodies
+// One zmm per slot: [half 0 (8 lanes) | half 1 (8 lanes)], both from the slot's 32-byte register broadcast to
+// the two 256-bit halves. Same tables and accumulator memory layout as AVX2.
+
+template <bool UNIFORM, int S>
+CT_INLINE __m512i slot_states16(__m512i L2, const TrellisTables& tb, __m512i sh, __m512i mask16) {
+    __m512i v = _mm512_shuffle_epi8(L2, _mm512_load_si512(tb.ctrl[S]));
+    v = _mm512_srlv_epi32(v, UNIFORM ? sh : _mm512_load_si512(tb.shift[S]));
+    return _mm512_and_si512(v, mask16);
+}
+
+template <int BITS2, int S>
+CT_INLINE __m512i slot_window2(const uint8_t* tile, const uint8_t* ext, __m128i wrapv, const TrellisTables& tb) {
+    if constexpr (BITS2 != 0) {
+        constexpr CtSlot sl = ct_slot(BITS2, S);
+        if constexpr (sl.single)
+            return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + sl.baseA)));
+        else
+            return _mm512_broadcast_i64x4(slot_window<BITS2, S>(tile, ext, wrapv, tb));
+    } else {
+        return _mm512_broadcast_i64x4(slot_window<BITS2, S>(tile, ext, wrapv, tb));
+    }
+}
+
+template <int CB, bool ROUND>
+CT_INLINE __m512 decode_values16(__m512i s) {
+    if constexpr (CB == CB_MUL1) {
+        __m512i p = _mm512_mullo_epi32(s, _mm512_set1_epi32(int32_t(MUL1_MULT)));
+        p = _mm512_madd_epi16(_mm512_maddubs_epi16(p, _mm512_set1_epi8(1)), _mm512_set1_epi16(1));
+        if constexpr (ROUND) {
+            const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_set1_ps(MUL1_K_INV), _mm512_set1_ps(MUL1_K_AFF));
+            return _mm512_cvtph_ps(_mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        } else {
+            return _mm512_cvtepi32_ps(p);
+        }
+    } else {
+        __m512i x = CB == CB_MCG ? _mm512_mullo_epi32(s, _mm512_set1_epi32(int32_t(MCG_MULT)))
+                                 : _mm512_add_epi32(_mm512_mullo_epi32(s, _mm512_set1_epi32(int32_t(INST3_MULT))),
+                                                    _mm512_set1_epi32(int32_t(INST3_ADD)));
+        // (x & AND) ^ XOR in one ternary-logic op: imm = (A & B) ^ C = 0x6A
+        x = _mm512_ternarylogic_epi32(x, _mm512_set1_epi32(int32_t(LOP3_AND)), _mm512_set1_epi32(int32_t(LOP3_XOR)), 0x6A);
+        const __m512i sign = _mm512_set1_epi32(int32_t(0x80000000u));
+        // bit select (A & C) | (B & ~C) with C = sign: ternary-logic imm 0xE4; then keep sign | exponent | mantissa
+        const __m512i hi = _mm512_ternarylogic_epi32(x, _mm512_srli_epi32(x, 3), sign, 0xE4);
+        const __m512i lo = _mm512_ternarylogic_epi32(_mm512_slli_epi32(x, 16), _mm512_slli_epi32(x, 13), sign, 0xE4);
+        const __m512i manexp_or_sign = _mm512_set1_epi32(int32_t(0x8FFFE000u));
+        const __m512 f = _mm512_mul_ps(
+            _mm512_add_ps(_mm512_castsi512_ps(_mm512_and_si512(hi, manexp_or_sign)),
+                          _mm512_castsi512_ps(_mm512_and_si512(lo, manexp_or_sign))),
+            _mm512_set1_ps(5.192296858534828e33f));  // 2^112
+        if constexpr (ROUND) return _mm512_cvtph_ps(_mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        else return f;
+    }
+}
+
+template <int BITS2, bool UNIFORM>
+static void band_int1(const MatRef& A, int band, const Acts& X, float* y) {
+    const TrellisTables& tb = *A.tb;
+    const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
+    const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const size_t row_stride = size_t(tiles_n) * tbytes;
+    const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
+    alignas(64) float facc[8 * 4 * 16];
+    alignas(64) int32_t iacc[8 * 4 * 16];
+    alignas(64) uint8_t ext[BITS2 == 0 ? 8 * EXT_STRIDE : 16];
+    std::memset(facc, 0, sizeof(facc));
+    std::memset(iacc, 0, sizeof(iacc));
+    const __m512i mask16 = _mm512_set1_epi32(0xFFFF);
+    const __m512i mult = _mm512_set1_epi32(int32_t(MUL1_MULT));
+    const __m512i ones8 = _mm512_set1_epi8(1);
+    const __m512i sh = _mm512_load_si512(tb.shift[0]);
+    auto flush = [&](int blk) {
+        const __m512 sc = _mm512_set1_ps(X.xs[blk]);
+        for (int i = 0; i < 8 * 4 * 16; i += 16) {
+            const __m512i v = _mm512_load_si512(iacc + i);
+            _mm512_store_ps(facc + i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), sc, _mm512_load_ps(facc + i)));
+            _mm512_store_si512(iacc + i, _mm512_setzero_si512());
+        }
+    };
+    for (int r = 0; r < std::min(PREFETCH_ROWS, tiles_k); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    for (int r = 0; r < tiles_k; ++r) {
+        if (r > 0 && r % 8 == 0) flush(r / 8 - 1);
+        const uint8_t* row = base + r * row_stride;
+        if (r + PREFETCH_ROWS < tiles_k) prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
+        if constexpr (BITS2 == 0) copy_row_ext(row, tbytes, ext);
+        __m512i xp[4];
+        for (int q = 0; q < 4; ++q) {
+            int64_t v;
+            std::memcpy(&v, X.xq + 16 * r + 4 * q, 8);
+            const __m512i b = _mm512_set1_epi64(v);
+            xp[q] = _mm512_unpacklo_epi16(b, b);
+        }
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t* tile = row + j * tbytes;
+            const uint8_t* e = ext + (BITS2 == 0 ? j * EXT_STRIDE : 0);
+            __m128i wrapv = _mm_setzero_si128();
+            if constexpr (ct_needs_wrap<BITS2>()) wrapv = wrap_window(tile, tbytes);
+            int32_t* ia = iacc + j * 64;
+            static_for<4>([&](auto AA) CT_LAMBDA_INLINE {
+                constexpr int a = decltype(AA)::value;
+                __m512i acc;
+                static_for<4>([&](auto QQ) CT_LAMBDA_INLINE {
+                    constexpr int q = decltype(QQ)::value;
+                    const __m512i L2 = slot_window2<BITS2, 4 * a + q>(tile, e, wrapv, tb);
+                    __m512i v = slot_states16<UNIFORM, 4 * a + q>(L2, tb, sh, mask16);
+                    v = _mm512_maddubs_epi16(_mm512_mullo_epi32(v, mult), ones8);
+                    acc = q == 0 ? _mm512_madd_epi16(v, xp[q]) : _mm512_dpwssd_epi32(acc, v, xp[q]);
+                });
+                _mm512_store_si512(ia + a * 16, _mm512_add_epi32(_mm512_load_si512(ia + a * 16), acc));
+            });
+        }
+    }
+    flush((tiles_k - 1) / 8);
+    reduce_tile_acc(facc, y);
+    const float s = MUL1_K_AFF * X.xsum[0];
+    for (int c = 0; c < 128; ++c) y[c] = y[c] * MUL1_K_INV + s;
+}
+
+template <int M, int BITS2, bool UNIFORM>
+static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
+    const TrellisTables& tb = *A.tb;
+    const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
+    const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const size_t row_stride = size_t(tiles_n) * tbytes;
+    const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
+    constexpr int NACC = 8 * 4 * 16;  // [j][a][16 lanes = 2 halves x 8]
+    alignas(64) float facc[M][NACC];
+    alignas(64) int32_t iacc[M][NACC];
+    alignas(64) uint8_t ext[BITS2 == 0 ? 8 * EXT_STRIDE : 16];
+    alignas(64) __m512i xpp[M][2];
+    std::memset(facc, 0, sizeof(facc));
+    std::memset(iacc, 0, sizeof(iacc));
+    const __m512i mask16 = _mm512_set1_epi32(0xFFFF);
+    const __m512i mult = _mm512_set1_epi32(int32_t(MUL1_MULT));
+    const __m512i ones8 = _mm512_set1_epi8(1);
+    const __m512i ones16 = _mm512_set1_epi16(1);
+    const __m512i sh = _mm512_load_si512(tb.shift[0]);
+    auto flush = [&](int blk) {
+        for (int t = 0; t < M; ++t) {
+            const __m512 sc = _mm512_set1_ps(X.xs[t * X.xs_stride + blk]);
+            for (int i = 0; i < NACC; i += 16) {
+                const __m512i v = _mm512_load_si512(iacc[t] + i);
+                _mm512_store_ps(facc[t] + i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), sc, _mm512_load_ps(facc[t] + i)));
+                _mm512_store_si512(iacc[t] + i, _mm512_setzero_si512());
+            }
+        }
+    };
+    for (int r = 0; r < std::min(PREFETCH_ROWS, tiles_k); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    for (int r = 0; r < tiles_k; ++r) {
+        if (r > 0 && r % 8 == 0) flush(r / 8 - 1);
+        const uint8_t* row = base + r * row_stride;
+        if (r + PREFETCH_ROWS < tiles_k) prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
+        if constexpr (BITS2 == 0) copy_row_ext(row, tbytes, ext);
+        for (int t = 0; t < M; ++t)
+            for (int pq = 0; pq < 2; ++pq) {
+                int64_t v0, v1;
+                std::memcpy(&v0, X.xq + t * X.xq_stride + 16 * r + 8 * pq, 8);
+                std::memcpy(&v1, X.xq + t * X.xq_stride + 16 * r + 8 * pq + 4, 8);
+                xpp[t][pq] = _mm512_unpacklo_epi16(_mm512_set1_epi64(v0), _mm512_set1_epi64(v1));
+            }
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t* tile = row + j * tbytes;
+            const uint8_t* e = ext + (BITS2 == 0 ? j * EXT_STRIDE : 0);
+            __m128i wrapv = _mm_setzero_si128();
+            if constexpr (ct_needs_wrap<BITS2>()) wrapv = wrap_window(tile, tbytes);
+            static_for<4>([&](auto AA) CT_LAMBDA_INLINE {
+                constexpr int a = decltype(AA)::value;
+                __m512i acc[M];
+                static_for<2>([&](auto PP) CT_LAMBDA_INLINE {
+                    constexpr int pq = decltype(PP)::value;
+                    constexpr int s0 = 4 * a + 2 * pq, s1 = s0 + 1;
+                    __m512i b0 = slot_states16<UNIFORM, s0>(slot_window2<BITS2, s0>(tile, e, wrapv, tb), tb, sh, mask16);
+                    __m512i b1 = slot_states16<UNIFORM, s1>(slot_window2<BITS2, s1>(tile, e, wrapv, tb), tb, sh, mask16);
+                    b0 = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_mullo_epi32(b0, mult), ones8), ones16);
+                    b1 = _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_mullo_epi32(b1, mult), ones8), ones16);
+                    const __m512i w = _mm512_or_si512(b0, _mm512_slli_epi32(b1, 16));
+                    for (int t = 0; t < M; ++t)
+                        acc[t] = pq == 0 ? _mm512_madd_epi16(w, xpp[t][0]) : _mm512_dpwssd_epi32(acc[t], w, xpp[t][1]);
+                });
+                for (int t = 0; t < M; ++t) {
+                    int32_t* pi = iacc[t] + (j * 4 + a) * 16;
+                    _mm512_store_si512(pi, _mm512_add_epi32(_mm512_load_si512(pi), acc[t]));
+                }
+            });
+        }
+    }
+    flush((tiles_k - 1) / 8);
+    for (int t = 0; t < M; ++t) {
+        reduce_tile_acc(facc[t], y + 128 * t);
+        const float s = MUL1_K_AFF * X.xsum[t];
+        for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
+    }
+}
+
+template <int CB, int M, bool ROUND, int BITS2, bool UNIFORM>
+static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
+    const TrellisTables& tb = *A.tb;
+    const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
+    const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const size_t row_stride = size_t(tiles_n) * tbytes;
+    const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
+    alignas(64) float facc[M][8 * 4 * 16];
+    alignas(64) uint8_t ext[BITS2 == 0 ? 8 * EXT_STRIDE : 16];
+    alignas(64) __m512 xp[M][4];
+    std::memset(facc, 0, sizeof(facc));
+    const __m512i mask16 = _mm512_set1_epi32(0xFFFF);
+    const __m512i sh = _mm512_load_si512(tb.shift[0]);
+    for (int r = 0; r < std::min(PREFETCH_ROWS, tiles_k); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    for (int r = 0; r < tiles_k; ++r) {
+        const uint8_t* row = base + r * row_stride;
+        if (r + PREFETCH_ROWS < tiles_k) prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
+        if constexpr (BITS2 == 0) copy_row_ext(row, tbytes, ext);
+        for (int t = 0; t < M; ++t)
+            for (int q = 0; q < 4; ++q)
+                xp[t][q] = _mm512_broadcast_f32x4(_mm_loadu_ps(X.xf + t * X.xf_stride + 16 * r + 4 * q));
+        for (int j = 0; j < 8; ++j) {
+            const uint8_t* tile = row + j * tbytes;
+            const uint8_t* e = ext + (BITS2 == 0 ? j * EXT_STRIDE : 0);
+            __m128i wrapv = _mm_setzero_si128();
+            if constexpr (ct_needs_wrap<BITS2>()) wrapv = wrap_window(tile, tbytes);
+            static_for<4>([&](auto AA) CT_LAMBDA_INLINE {
+                constexpr int a = decltype(AA)::value;
+                __m512 acc[M];
+                static_for<4>([&](auto QQ) CT_LAMBDA_INLINE {
+                    constexpr int q = decltype(QQ)::value;
+                    const __m512i L2 = slot_window2<BITS2, 4 * a + q>(tile, e, wrapv, tb);
+                    const __m512 v = decode_values16<CB, ROUND>(slot_states16<UNIFORM, 4 * a + q>(L2, tb, sh, mask16));
+                    for (int t = 0; t < M; ++t)
+                        acc[t] = q == 0 ? _mm512_mul_ps(v, xp[t][0]) : _mm512_fmadd_ps(v, xp[t][q], acc[t]);
+                });
+                for (int t = 0; t < M; ++t) {
+                    float* f = facc[t] + (j * 4 + a) * 16;
+                    _mm512_store_ps(f, _mm512_add_ps(_mm512_load_ps(f), acc[t]));
+                }
+            });
+        }
+    }
+    for (int t = 0; t < M; ++t) reduce_tile_acc(facc[t], y + 128 * t);
+    if constexpr (CB == CB_MUL1 && !ROUND)
+        for (int t = 0; t < M; ++t) {
+            const float s = MUL1_K_AFF * X.xsum[t];
+            for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
+        }
+}
+#endif
+
+#else
+#error "define one of CPU_TIER_ISA_SCALAR, CPU_TIER_ISA_AVX2, CPU_TIER_ISA_AVX512"
+#endif
+
+#if !defined(CPU_TIER_ISA_SCALAR)
+// ---------------------------------------------------------------------------------- template dispatch
+// K = 3 (DeepSeek-V4.1's) is compiled with compile-time window offsets for every path; K = 2 and 4 for the
+// one-token integer path; every other K runs the generic (table-driven) kernels.
+template <int M, int CB, bool ROUND>
+static void float_dispatch_k(const MatRef& A, int band, const Acts& X, float* y) {
+    if (A.bits2 == 6) return band_float<CB, M, ROUND, 6, true>(A, band, X, y);
+    if constexpr (CB == CB_MUL1)
+        if (!A.tb->uniform_shift) return band_float<CB, M, ROUND, 0, false>(A, band, X, y);
+    band_float<CB, M, ROUND, 0, true>(A, band, X, y);
+}
+
+template <int M>
+static void float_dispatch(const MatRef& A, int band, const Acts& X, bool round, float* y) {
+    switch (A.codebook) {
+        case CB_MUL1:  // fast MUL1 runs the integer path
+            (void)round;
+            return float_dispatch_k<M, CB_MUL1, true>(A, band, X, y);
+        case CB_MCG:
+            return round ? float_dispatch_k<M, CB_MCG, true>(A, band, X, y) : float_dispatch_k<M, CB_MCG, false>(A, band, X, y);
+        default:
+            return round ? float_dispatch_k<M, CB_3INST, true>(A, band, X, y) : float_dispatch_k<M, CB_3INST, false>(A, band, X, y);
+    }
+}
+
+template <int M>
+static void intm_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
+    if (A.bits2 == 6) return band_intm<M, 6, true>(A, band, X, y);
+    if (A.tb->uniform_shift) return band_intm<M, 0, true>(A, band, X, y);
+    band_intm<M, 0, false>(A, band, X, y);
+}
+
+// y: [m][128] (row stride 128), the band's outputs in the Hadamard basis, before the output transform.
+static void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, float* y) {
+    if (mode == GemvMode::Int) {  // MUL1
+        if (X.m == 1) {
+            switch (A.bits2) {
+                case 4: return band_int1<4, true>(A, band, X, y);
+                case 6: return band_int1<6, true>(A, band, X, y);
+                case 8: return band_int1<8, true>(A, band, X, y);
+                default:
+                    if (A.tb->uniform_shift) return band_int1<0, true>(A, band, X, y);
+                    return band_int1<0, false>(A, band, X, y);
+            }
+        }
+        switch (X.m) {
+            case 2: return intm_dispatch<2>(A, band, X, y);
+            case 3: return intm_dispatch<3>(A, band, X, y);
+            case 4: return intm_dispatch<4>(A, band, X, y);
+            case 5: return intm_dispatch<5>(A, band, X, y);
+            case 6: return intm_dispatch<6>(A, band, X, y);
+            case 7: return intm_dispatch<7>(A, band, X, y);
+            case 8: return intm_dispatch<8>(A, band, X, y);
+            default: return;
+        }
+    }
+    const bool round = mode == GemvMode::Exact;
+    switch (X.m) {
+        case 1: return float_dispatch<1>(A, band, X, round, y);
+        case 2: return float_dispatch<2>(A, band, X, round, y);
+        case 3: return float_dispatch<3>(A, band, X, round, y);
+        case 4: return float_dispatch<4>(A, band, X, round, y);
+        case 5: return float_dispatch<5>(A, band, X, round, y);
+        case 6: return float_dispatch<6>(A, band, X, round, y);
+        case 7: return float_dispatch<7>(A, band, X, round, y);
+        case 8: return float_dispatch<8>(A, band, X, round, y);
+        default: return;
+    }
+}
+#endif
+
+}  // namespace CPU_TIER_NS
+}  // namespace cpu_tier

@@ -1,0 +1,298 @@
+// nanobind module of one ISA variant: _native_scalar, _native_avx2 or _native_avx512 (CPU_TIER_MODULE).
+// Arrays cross as nb::ndarray (numpy, or anything DLPack on the CPU); every wait and every blocking compute runs
+// with the GIL released. Validation with clear messages happens in Python (cpu_tier/tier.py); the checks here
+// guard the native invariants.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "jobs.h"
+#include "kernels.h"
+#include "pool.h"
+#include "tables.h"
+
+namespace nb = nanobind;
+
+namespace cpu_tier {
+namespace CPU_TIER_NS {
+
+using F32_2D = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using F32_1D = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using I32_1D = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using U16_1D = nb::ndarray<const uint16_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using I16_3D = nb::ndarray<const int16_t, nb::ndim<3>, nb::c_contig, nb::device::cpu>;
+
+static MatRef make_mat(const I16_3D& trellis, const U16_1D& suh, const U16_1D& svh, nb::object bias, int codebook,
+                       const char* what) {
+    MatRef A;
+    const size_t tk = trellis.shape(0), tn = trellis.shape(1), words = trellis.shape(2);
+    A.k = int(tk * 16);
+    A.n = int(tn * 16);
+    if (A.k % 128 || A.n % 128 || A.k == 0 || A.n == 0)
+        throw std::invalid_argument(std::string(what) + ": k and n must be positive multiples of 128");
+    if (words % 8) throw std::invalid_argument(std::string(what) + ": trellis last dimension must be 16*K");
+    A.bits2 = int(words / 8);
+    A.tb = &trellis_tables(A.bits2);
+    if (codebook < 0 || codebook > 2) throw std::invalid_argument(std::string(what) + ": bad codebook");
+    if (codebook != CB_MUL1 && (A.bits2 & 1))
+        throw std::invalid_argument(std::string(what) + ": half-integer K is MUL1 only");
+    A.codebook = codebook;
+    if (suh.shape(0) != size_t(A.k) || svh.shape(0) != size_t(A.n))
+        throw std::invalid_argument(std::string(what) + ": suh/svh length mismatch");
+    A.trellis = reinterpret_cast<const uint8_t*>(trellis.data());
+    A.suh = suh.data();
+    A.svh = svh.data();
+    if (!bias.is_none()) {
+        U16_1D b = nb::cast<U16_1D>(bias);
+        if (b.shape(0) != size_t(A.n)) throw std::invalid_argument(std::string(what) + ": bias length mismatch");
+        A.bias = b.data();
+    }
+    return A;
+}
+
+struct BandwidthJob : JobBase {
+    const uint8_t* buf = nullptr;
+    size_t bytes = 0;
+    double checksum = 0;
+    void run(Pool& pool) override {
+        const size_t piece = size_t(1) << 22;  // 4 MiB per unit
+        const int units = int((bytes + piece - 1) / piece);
+        std::vector<double> part(size_t(units), 0.0);
+        pool.parallel_for(units, [&](int u, int) {
+            const uint8_t* p = buf + size_t(u) * piece;
+            const size_t n = std::min(piece, bytes - size_t(u) * piece);
+#if defined(CPU_TIER_ISA_SCALAR)
+            uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+            for (size_t i = 0; i + 32 <= n; i += 32) {
+                uint64_t v[4];
+                std::memcpy(v, p + i, 32);
+                a0 += v[0];
+                a1 ^= v[1];
+                a2 += v[2];
+                a3 ^= v[3];
+            }
+            part[size_t(u)] = double((a0 + a1 + a2 + a3) & 0xFFFF);
+#else
+            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+            for (size_t i = 0; i + 128 <= n; i += 128) {
+                a0 = _mm256_add_epi64(a0, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i)));
+                a1 = _mm256_xor_si256(a1, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
+                a2 = _mm256_add_epi64(a2, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
+                a3 = _mm256_xor_si256(a3, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
+            }
+            alignas(32) uint64_t v[4];
+            _mm256_store_si256(reinterpret_cast<__m256i*>(v),
+                               _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3)));
+            part[size_t(u)] = double((v[0] + v[1] + v[2] + v[3]) & 0xFFFF);
+#endif
+        });
+        checksum = 0;
+        for (double d : part) checksum += d;
+    }
+};
+
+class Runtime {
+   public:
+    Runtime(int threads, std::vector<int> cpus, int spin_us) : pool_(std::make_unique<Pool>(threads, std::move(cpus), spin_us)) {}
+    ~Runtime() { close(); }
+    void close() {
+        if (pool_) {
+            nb::gil_scoped_release nogil;
+            pool_->shutdown();
+        }
+    }
+    Pool& pool() {
+        if (!pool_ || pool_->stopping()) throw std::runtime_error("cpu_tier runtime is closed");
+        return *pool_;
+    }
+    int threads() { return pool().threads(); }
+    std::vector<int> cpus() { return pool().cpus(); }
+
+    void matmul(F32_2D x, const I16_3D& trellis, const U16_1D& suh, const U16_1D& svh, nb::object bias, int codebook,
+                bool fast, F32_2D out) {
+        auto job = std::make_shared<LinearJob>();
+        job->A = make_mat(trellis, suh, svh, bias, codebook, "tensor");
+        if (x.shape(1) != size_t(job->A.k)) throw std::invalid_argument("x: wrong number of columns");
+        if (out.shape(0) != x.shape(0) || out.shape(1) != size_t(job->A.n)) throw std::invalid_argument("out: wrong shape");
+        job->x = x.data();
+        job->out = out.data();
+        job->m = int(x.shape(0));
+        job->fast = fast;
+        Pool& p = pool();
+        {
+            nb::gil_scoped_release nogil;
+            p.submit(job);
+            job->wait(-1);
+        }
+        if (!job->error.empty()) throw std::runtime_error(job->error);
+    }
+
+    double read_bandwidth(size_t bytes, int iters) {
+        Pool& p = pool();
+        nb::gil_scoped_release nogil;
+        bytes &= ~size_t(127);
+        void* mem = nullptr;
+        if (posix_memalign(&mem, 4096, bytes) != 0) throw std::bad_alloc();
+        std::unique_ptr<void, void (*)(void*)> hold(mem, std::free);
+        // Touch with all threads, nonzero data.
+        {
+            struct Fill : JobBase {
+                uint8_t* buf;
+                size_t bytes;
+                void run(Pool& pool) override {
+                    const size_t piece = size_t(1) << 22;
+                    const int units = int((bytes + piece - 1) / piece);
+                    pool.parallel_for(units, [&](int u, int) {
+                        const size_t o = size_t(u) * piece;
+                        std::memset(buf + o, 0x5A ^ (u & 0xFF), std::min(piece, bytes - o));
+                    });
+                }
+            };
+            auto f = std::make_shared<Fill>();
+            f->buf = static_cast<uint8_t*>(mem);
+            f->bytes = bytes;
+            p.submit(f);
+            f->wait(-1);
+        }
+        double best = 0;
+        for (int it = 0; it < std::max(1, iters); ++it) {
+            auto job = std::make_shared<BandwidthJob>();
+            job->buf = static_cast<const uint8_t*>(mem);
+            job->bytes = bytes;
+            const uint64_t t0 = now_ns();
+            p.submit(job);
+            job->wait(-1);
+            const double s = double(now_ns() - t0) * 1e-9;
+            best = std::max(best, double(bytes) / s);
+        }
+        return best;  // bytes per second, best of iters
+    }
+
+    std::unique_ptr<Pool> pool_;
+};
+
+class NativeLayer {
+   public:
+    NativeLayer(int H, int I, float limit) : layer_(std::make_shared<Layer>()) {
+        if (H <= 0 || I <= 0 || H % 128 || I % 128) throw std::invalid_argument("H and I must be positive multiples of 128");
+        layer_->H = H;
+        layer_->I = I;
+        layer_->limit = std::isnan(limit) ? std::numeric_limits<float>::infinity() : limit;
+    }
+    void add_expert(const I16_3D& gt, const U16_1D& gs, const U16_1D& gv, nb::object gb, int gcb,   //
+                    const I16_3D& ut, const U16_1D& us, const U16_1D& uv, nb::object ub, int ucb,   //
+                    const I16_3D& dt, const U16_1D& ds, const U16_1D& dv, nb::object db, int dcb) {
+        ExpertMats e;
+        e.gate = make_mat(gt, gs, gv, gb, gcb, "gate");
+        e.up = make_mat(ut, us, uv, ub, ucb, "up");
+        e.down = make_mat(dt, ds, dv, db, dcb, "down");
+        const int H = layer_->H, I = layer_->I;
+        if (e.gate.k != H || e.gate.n != I || e.up.k != H || e.up.n != I || e.down.k != I || e.down.n != H)
+            throw std::invalid_argument("expert shapes do not match the layer's H and I");
+        layer_->experts.push_back(e);
+    }
+    int num_experts() const { return int(layer_->experts.size()); }
+    std::shared_ptr<Layer> layer_;
+};
+
+class NativeJob {
+   public:
+    std::shared_ptr<MoeJob> job;
+    bool done() const { return job->done(); }
+    bool wait(double timeout_s) { return job->wait(timeout_s); }
+    void cancel() { job->cancelled.store(true); }
+    std::string error() const { return job->done() ? job->error : std::string(); }
+    // Per pick: 1 when included in out. Only meaningful once done.
+    nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> computed() const {
+        if (!job->done()) throw std::runtime_error("job is not done");
+        auto* data = new std::vector<uint8_t>(job->computed);
+        nb::capsule owner(data, [](void* p) noexcept { delete static_cast<std::vector<uint8_t>*>(p); });
+        return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(data->data(), {data->size()}, owner);
+    }
+    double elapsed_s() const { return job->done() ? double(job->t_end_ns - job->t_start_ns) * 1e-9 : 0.0; }
+};
+
+}  // namespace CPU_TIER_NS
+}  // namespace cpu_tier
+
+using namespace cpu_tier::CPU_TIER_NS;
+
+NB_MODULE(CPU_TIER_MODULE, m) {
+    m.doc() = "cpu_tier native EXL3 kernels, one ISA variant";
+    m.def("isa", [] { return std::string(ISA_NAME); });
+    m.def("max_tokens_per_chunk", [] { return MAXM; });
+
+    nb::class_<Runtime>(m, "Runtime")
+        .def(nb::init<int, std::vector<int>, int>(), nb::arg("threads"), nb::arg("cpus"), nb::arg("spin_us"))
+        .def_prop_ro("threads", &Runtime::threads)
+        .def_prop_ro("cpus", &Runtime::cpus)
+        .def("close", &Runtime::close)
+        .def("matmul", &Runtime::matmul, nb::arg("x"), nb::arg("trellis"), nb::arg("suh"), nb::arg("svh"),
+             nb::arg("bias").none(), nb::arg("codebook"), nb::arg("fast"), nb::arg("out"))
+        .def("read_bandwidth", &Runtime::read_bandwidth, nb::arg("bytes"), nb::arg("iters"))
+        .def(
+            "submit_moe",
+            [](Runtime& rt, NativeLayer& layer, F32_2D x, I32_1D tokens, I32_1D experts, F32_1D weights, F32_2D out,
+               bool fast, int wave_chunks) {
+                auto job = std::make_shared<MoeJob>();
+                job->layer = layer.layer_;
+                const int H = layer.layer_->H;
+                if (x.shape(1) != size_t(H)) throw std::invalid_argument("x: wrong hidden size");
+                if (out.shape(0) != x.shape(0) || out.shape(1) != size_t(H)) throw std::invalid_argument("out: wrong shape");
+                const size_t P = tokens.shape(0);
+                if (experts.shape(0) != P || weights.shape(0) != P) throw std::invalid_argument("picks: length mismatch");
+                const int T = int(x.shape(0));
+                const int E = layer.num_experts();
+                for (size_t i = 0; i < P; ++i) {
+                    if (tokens.data()[i] < 0 || tokens.data()[i] >= T) throw std::invalid_argument("picks: token out of range");
+                    if (experts.data()[i] < 0 || experts.data()[i] >= E) throw std::invalid_argument("picks: expert out of range");
+                }
+                job->x = x.data();
+                job->out = out.data();
+                job->T = T;
+                job->tokens = tokens.data();
+                job->experts = experts.data();
+                job->weights = weights.data();
+                job->P = int(P);
+                job->fast = fast;
+                job->wave_chunks = wave_chunks;
+                rt.pool().submit(job);
+                NativeJob nj;
+                nj.job = job;
+                return nj;
+            },
+            nb::arg("layer"), nb::arg("x"), nb::arg("tokens"), nb::arg("experts"), nb::arg("weights"), nb::arg("out"),
+            nb::arg("fast"), nb::arg("wave_chunks"));
+
+    nb::class_<NativeLayer>(m, "Layer")
+        .def(nb::init<int, int, float>(), nb::arg("hidden"), nb::arg("intermediate"), nb::arg("limit"))
+        .def("add_expert", &NativeLayer::add_expert)
+        .def_prop_ro("num_experts", &NativeLayer::num_experts);
+
+    nb::class_<NativeJob>(m, "Job")
+        .def("done", &NativeJob::done)
+        .def("wait", &NativeJob::wait, nb::arg("timeout_s"), nb::call_guard<nb::gil_scoped_release>())
+        .def("cancel", &NativeJob::cancel)
+        .def("error", &NativeJob::error)
+        .def("computed", &NativeJob::computed)
+        .def("elapsed_s", &NativeJob::elapsed_s);
+
+    // Test hooks: the decoded tile of the kernels' own state extraction (scalar path) for cross-checks.
+    m.def("tile_states", [](nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> tile, int bits2) {
+        const cpu_tier::TrellisTables& tb = cpu_tier::trellis_tables(bits2);
+        if (tile.shape(0) != size_t(tb.tile_bytes)) throw std::invalid_argument("tile: wrong size");
+        auto* data = new std::vector<uint16_t>(256);
+        for (int t = 0; t < 256; ++t) (*data)[size_t(t)] = uint16_t(tile_state(tile.data(), tb, t));
+        nb::capsule owner(data, [](void* p) noexcept { delete static_cast<std::vector<uint16_t>*>(p); });
+        return nb::ndarray<nb::numpy, uint16_t, nb::ndim<1>>(data->data(), {data->size()}, owner);
+    });
+}

@@ -1,0 +1,165 @@
+// Bit-extraction tables for the EXL3 trellis: where each element's 16-bit state lies in a tile.
+//
+// A tile is 256 elements (trellis order) packed in 256*K bits = 32*K bytes, read as little-endian uint32 words,
+// MSB first inside each word. Element t's state is the 16 stream bits ending at end(t) (tail-biting: the window of
+// the first elements wraps to the end of the tile). Stream byte q lives at memory byte 4*(q/4) + 3 - q%4.
+//
+// The SIMD kernels decode 8 consecutive elements (one "group" g, t = 8g..8g+7) per 256-bit vector: they load a
+// 16-byte window of the tile (word aligned, never past the tile's end), gather 4 bytes per 32-bit lane with a
+// byte shuffle, shift each lane right and mask 16 bits. Group 0's window wraps: [last 4 bytes, first 12 bytes].
+// The AVX-512 kernels decode two groups per 512-bit vector from a 32-byte window (pair 0 wraps likewise).
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace cpu_tier {
+
+// Window end of element t (stream bits), integer or half-integer K (exllamav3 quant/frac.cu for the latter).
+constexpr int ct_end(int bits2, int t) {
+    if (bits2 % 2 == 0) return (t + 1) * (bits2 / 2);
+    const int ka = (bits2 - 1) / 2;
+    int s = 0;
+    for (int i = 0; i <= (t & 15); ++i) s += ka + ((0xAAAA >> i) & 1);
+    return (t >> 4) * (16 * ka + 8) + s;
+}
+
+constexpr int ct_floordiv(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+// First and last stream byte needed by the 8 elements of group g.
+constexpr int ct_group_lo(int bits2, int g) { return ct_floordiv(ct_end(bits2, 8 * g) - 16, 8); }
+constexpr int ct_group_hi(int bits2, int g) {
+    int hi = -100;
+    for (int j = 0; j < 8; ++j) {
+        const int st = ct_end(bits2, 8 * g + j) - 16;
+        const int b = ct_floordiv(st, 8);
+        const int top = b + (st - 8 * b + 15) / 8;
+        hi = top > hi ? top : hi;
+    }
+    return hi;
+}
+
+// The 16-byte window of one group: word aligned, never past the tile's end; -4 = wrapped.
+constexpr int ct_window16(int bits2, int g) {
+    const int lo = ct_group_lo(bits2, g);
+    if (lo < 0) return -4;
+    int w = 4 * ct_floordiv(lo, 4);
+    if (w + 16 > 16 * bits2) w = 16 * bits2 - 16;
+    return w;
+}
+
+struct CtSlot {
+    int baseA, baseB;
+    bool single;
+};
+
+// Slot s = 4a + q: groups gA = 8a + q and gB = gA + 4. Prefer one 32-byte load [gA window | gB window].
+constexpr CtSlot ct_slot(int bits2, int s) {
+    const int gA = 8 * (s / 4) + s % 4, gB = gA + 4;
+    const int tbytes = 16 * bits2;
+    const int loA = ct_group_lo(bits2, gA), hiA = ct_group_hi(bits2, gA);
+    const int loB = ct_group_lo(bits2, gB), hiB = ct_group_hi(bits2, gB);
+    for (int a = 0; a + 32 <= tbytes; a += 4)
+        if (a <= loA && a + 16 > hiA && a + 16 <= loB && a + 32 > hiB) return CtSlot{a, a + 16, true};
+    return CtSlot{ct_window16(bits2, gA), ct_window16(bits2, gB), false};
+}
+
+template <int BITS2>
+struct CtTables {
+    static constexpr CtSlot slot(int s) { return ct_slot(BITS2, s); }
+};
+
+struct TrellisTables {
+    int bits2 = 0;       // 2 * K (K = bits per weight; 3, 5, 7 = the half-integer K 1.5, 2.5, 3.5)
+    int tile_bytes = 0;  // 32 * K
+    bool uniform_shift = true;  // the shifts depend on the half h only (integer K)
+    int32_t start[256];         // first stream bit of each element's window, in [0, 256*K)
+    // Slots s = 4a + q (a = 0..3, q = 0..3) pair group gA = 8a + q (column 2a) with gB = gA + 4 (column 2a + 1).
+    // A slot's 32-byte register holds [16-byte window of gA | 16-byte window of gB]; window bases are byte offsets
+    // in the tile, -4 = the wrapped window [last 4 bytes, first 12 bytes]. single: baseB == baseA + 16, one load.
+    int32_t baseA[16];
+    int32_t baseB[16];
+    uint8_t single[16];
+    // Half h of a slot: lanes 0-3 = elements 4h..4h+3 of gA, lanes 4-7 = elements 4h..4h+3 of gB.
+    alignas(64) uint8_t ctrl[16][2][32];  // pshufb control per (slot, half); 0x80 = zero
+    alignas(64) uint32_t shift[16][2][8];  // right shift per lane
+};
+
+namespace detail {
+
+inline int floordiv(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+// Window position of stream byte q in a 16-byte window whose first stream byte is w (word aligned, may be -4).
+inline int window_pos(int q, int w) {
+    const int d = q - w;
+    if (d < 0 || d >= 16) throw std::logic_error("trellis table: byte outside its window");
+    return 4 * (d / 4) + 3 - d % 4;
+}
+
+struct Span {
+    int lo, hi;  // first and last stream byte any element of a group needs
+};
+
+inline void build(TrellisTables& tb, int bits2) {
+    const bool half = (bits2 & 1) != 0;
+    const int nbits = 128 * bits2;  // 256 * K
+    tb.bits2 = bits2;
+    tb.tile_bytes = nbits / 8;
+    tb.uniform_shift = !half;
+    int end[256];
+    for (int t = 0; t < 256; ++t) end[t] = ct_end(bits2, t);
+    if (end[255] != nbits) throw std::logic_error("trellis table: code lengths do not fill the tile");
+    int st[256];  // unwrapped window start (negative for the first elements: tail-biting wrap)
+    for (int t = 0; t < 256; ++t) {
+        st[t] = end[t] - 16;
+        tb.start[t] = ((st[t] % nbits) + nbits) % nbits;
+    }
+    const int tbytes = tb.tile_bytes;
+    for (int s = 0; s < 16; ++s) {
+        const CtSlot sl = ct_slot(bits2, s);
+        tb.baseA[s] = sl.baseA;
+        tb.baseB[s] = sl.baseB;
+        tb.single[s] = sl.single;
+        const int gA = 8 * (s / 4) + s % 4, gB = gA + 4;
+        for (int h = 0; h < 2; ++h)
+            for (int l = 0; l < 8; ++l) {
+                const int g = l < 4 ? gA : gB;
+                const int w = l < 4 ? sl.baseA : sl.baseB;
+                const int t = 8 * g + 4 * h + (l & 3);
+                const int b = floordiv(st[t], 8);
+                const int o = st[t] - 8 * b;
+                const int needed = (o + 15) / 8;  // bytes b .. b + needed
+                for (int i = 0; i < 4; ++i) {
+                    uint8_t c = 0x80;
+                    if (i <= needed) c = uint8_t(window_pos(b + i, w));
+                    tb.ctrl[s][h][16 * (l / 4) + 4 * (l & 3) + 3 - i] = c;
+                }
+                tb.shift[s][h][l] = uint32_t(16 - o);
+                if (w >= 0 && w + 16 > tbytes) throw std::logic_error("trellis table: window past the tile");
+            }
+    }
+    if (!half)
+        for (int s = 0; s < 16; ++s)
+            for (int h = 0; h < 2; ++h)
+                for (int l = 0; l < 8; ++l)
+                    if (tb.shift[s][h][l] != tb.shift[0][h][l]) throw std::logic_error("trellis table: shift not uniform");
+}
+
+}  // namespace detail
+
+// Tables for bits2 in {2..16} (integer K = bits2/2) and {3, 5, 7} (K = 1.5, 2.5, 3.5).
+inline const TrellisTables& trellis_tables(int bits2) {
+    static TrellisTables all[17];
+    static bool ready = [] {
+        for (int b2 = 2; b2 <= 16; ++b2)
+            if (b2 % 2 == 0 || b2 == 3 || b2 == 5 || b2 == 7) detail::build(all[b2], b2);
+        return true;
+    }();
+    (void)ready;
+    if (bits2 < 2 || bits2 > 16 || all[bits2].bits2 != bits2)
+        throw std::invalid_argument("unsupported bits per weight K=" + std::to_string(bits2 / 2.0));
+    return all[bits2];
+}
+
+}  // namespace cpu_tier
