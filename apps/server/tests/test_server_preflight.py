@@ -18,11 +18,13 @@ from dsv41_server.packs import DEMO, V41, ensure_demo_pack, pack_kind
 from dsv41_server.preflight import (
     GiB,
     check_api_key,
+    check_cpu,
     check_gpu,
     check_host_ram,
     check_memlock,
     check_pack,
     check_port,
+    plugin_config,
     preflight,
 )
 from dsv41_server.serve import vllm_argv, vllm_env
@@ -93,6 +95,7 @@ def test_vllm_arguments_per_pack_kind(tmp_path: Path) -> None:
     assert demo[demo.index("--reasoning-parser") + 1] == "qwen3"
     assert demo[demo.index("--dtype") + 1] == "float32" and "--enforce-eager" in demo
     assert json.loads(demo[demo.index("--additional-config") + 1]) == {"dsv41": {"cpu_threads": 2}}
+    assert "--cpu-threads" not in demo  # plugin settings travel in vLLM's additional_config only
     v41 = vllm_argv(cfg, tmp_path, V41)
     assert v41[v41.index("--tool-call-parser") + 1] == "deepseek_v41"
     assert v41[v41.index("--reasoning-parser") + 1] == "deepseek_v41"
@@ -147,6 +150,21 @@ def test_resource_checks() -> None:
     assert "needs about 8.0 GiB and 4.0 GiB is available" in check_host_ram(8 * GiB, available=4 * GiB)[0]
     assert check_memlock(10 * GiB, limit=resource.RLIM_INFINITY) == []
     assert "ulimit -l unlimited" in check_memlock(10 * GiB, limit=64 << 20)[0]
+
+
+def test_plugin_settings_merge_and_cpu_checks(demo_pack: Path) -> None:
+    from cpu_tier import runnable_isas
+
+    merged = plugin_config(demo_pack, {"spin_us": 5})
+    assert (merged.precision, merged.spin_us) == ("exact", 5)  # pack default + flag
+    assert check_cpu(merged, require_simd=False) == []
+    assert "scalar" in runnable_isas()
+    assert check_cpu(plugin_config(demo_pack, {"cpu_isa": "scalar"}), require_simd=False) == []
+    if "avx512" not in runnable_isas():
+        assert "this CPU runs only" in check_cpu(plugin_config(demo_pack, {"cpu_isa": "avx512"}), False)[0]
+    assert "cpus" in check_cpu(plugin_config(demo_pack, {"cpu_cores": (4095,)}), False)[0]
+    with pytest.raises(ValueError, match="cpu_threads"):
+        plugin_config(demo_pack, {"cpu_threads": -3})
 
 
 def test_gpu_check_on_this_machine() -> None:

@@ -11,6 +11,7 @@ import errno
 import resource
 import socket
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "check_memlock",
     "check_pack",
     "check_port",
+    "plugin_config",
     "preflight",
 ]
 
@@ -34,7 +36,7 @@ GiB = 1 << 30
 #: Host memory vLLM itself needs beside the pack (engine, API server, tokenizer, activations): measured about
 #: 3 GB resident for the tiny demo on CPU; GPU serving adds the CUDA context and pinned staging buffers.
 RUNTIME_OVERHEAD = {"cpu": 3 * GiB, "cuda": 8 * GiB}
-#: The CPU expert tier's minimum instruction set.
+#: What the CPU expert tier's SIMD kernels need (a V4.1 pack on scalar kernels would be unusably slow).
 REQUIRED_CPU_FEATURES = ("avx2", "fma", "f16c")
 MAX_PACK_LINES = 5
 
@@ -64,17 +66,41 @@ def check_pack(pack: Path) -> list[str]:
     return shown
 
 
-def check_cpu() -> list[str]:
-    """The CPU runs the CPU expert tier's kernels."""
-    try:
-        from cpu_tier import cpu_features
+def plugin_config(pack: Path, overrides: Mapping[str, Any]) -> Any:
+    """The ``Dsv41PluginConfig`` the engine will build: the pack's ``config.json`` ``dsv41`` plus ``overrides``."""
+    import json
 
+    from vllm_dsv41 import CONFIG_KEY, Dsv41PluginConfig
+
+    try:
+        pack_defaults = json.loads((pack / "config.json").read_text()).get(CONFIG_KEY) or {}
+    except (OSError, ValueError, AttributeError):
+        pack_defaults = {}  # reported by the pack verification
+    Dsv41PluginConfig.from_mapping(pack_defaults, f"{pack / 'config.json'} {CONFIG_KEY!r}")
+    return Dsv41PluginConfig.from_mapping({**pack_defaults, **overrides}, "plugin settings")
+
+
+def check_cpu(plugin: Any, require_simd: bool) -> list[str]:
+    """The CPU expert tier can start as configured, with a SIMD kernel variant when ``require_simd``."""
+    try:
+        from cpu_tier import CpuTierConfig, cpu_features, runnable_isas
+
+        CpuTierConfig(threads=plugin.cpu_threads, cpus=plugin.cpu_cores, isa=plugin.cpu_isa,
+                      precision=plugin.precision, spin_us=plugin.spin_us)  # fmt: skip
+        isas = runnable_isas()
         features = cpu_features()
+    except ValueError as e:
+        return [f"CPU expert tier settings: {e}"]
     except Exception as e:  # the native probe is missing or broken: cpu-tier is not built
-        return [f"cannot query the CPU's features through cpu-tier ({type(e).__name__}: {e}); is cpu-tier built?"]
-    missing = [f for f in REQUIRED_CPU_FEATURES if not features.get(f)]
-    if missing:
-        return [f"this CPU lacks {', '.join(missing)}, which the CPU expert tier needs ({'+'.join(REQUIRED_CPU_FEATURES)})"]
+        return [f"cannot query the CPU through cpu-tier ({type(e).__name__}: {e}); is cpu-tier built?"]
+    if plugin.cpu_isa != "auto" and plugin.cpu_isa not in isas:
+        return [f"--cpu-isa {plugin.cpu_isa}: this CPU runs only {', '.join(isas)}"]
+    if require_simd and plugin.cpu_isa in ("auto", "scalar") and isas[0] == "scalar":
+        missing = [f for f in REQUIRED_CPU_FEATURES if not features.get(f)]
+        return [
+            f"this CPU lacks {', '.join(missing) or 'the SIMD features'} that the CPU expert tier's fast kernels "
+            f"need ({'+'.join(REQUIRED_CPU_FEATURES)}); only the scalar kernels would run"
+        ]
     return []
 
 
@@ -187,7 +213,12 @@ def preflight(cfg: ServerConfig, pack: Path, kind: PackKind) -> PreflightResult:
             info = inspect_pack(pack)
         except PackError as e:
             problems.append(f"cannot inspect pack {pack}: {e}")
-    problems += check_cpu()
+    try:
+        plugin = plugin_config(pack, cfg.plugin_overrides)
+    except ValueError as e:
+        problems.append(str(e))
+    else:
+        problems += check_cpu(plugin, require_simd=kind.device == "cuda")
     if info:
         host = int(info["host_ram_bytes"])
         vram = int(info["vram_bytes"])

@@ -20,9 +20,9 @@ from typing import Any, Literal
 #: The key under which the plugin's settings live in ``config.json`` and in vLLM's ``additional_config``.
 CONFIG_KEY = "dsv41"
 
-Isa = Literal["auto", "avx2", "avx512"]
+Isa = Literal["auto", "scalar", "avx2", "avx512"]
 Precision = Literal["exact", "fast"]
-_ISAS: tuple[str, ...] = ("auto", "avx2", "avx512")
+_ISAS: tuple[str, ...] = ("auto", "scalar", "avx2", "avx512")
 _PRECISIONS: tuple[str, ...] = ("exact", "fast")
 
 
@@ -34,8 +34,10 @@ class Dsv41PluginConfig:
     ----------
     cpu_threads : worker threads of the CPU expert tier; 0 means one per CPU this process may run on.
     cpu_cores : CPUs to pin those threads to (empty: no pinning).
-    cpu_isa : kernel variant of the CPU expert tier: "auto" picks the best one the CPU runs.
-    precision : "exact" (float32 accumulation, matches the numpy reference to float32 rounding) or "fast".
+    cpu_isa : kernel variant of the CPU expert tier: "auto" picks the best one the CPU runs ("scalar" is the
+        portable fallback).
+    precision : "exact" (float32 activations; relative error <= 1e-5 against the numpy reference) or "fast"
+        (integer activations on the MUL1 path; relative RMS error <= 5e-3, see cpu-tier's README).
     spin_us : how long idle CPU workers spin before sleeping, in microseconds.
     """
 

@@ -58,25 +58,21 @@ class CpuExpertRuntime:
     """
 
     def __init__(self, config: Dsv41PluginConfig) -> None:
-        self.config = config
-        try:
-            from cpu_tier import CpuTierConfig, ExpertTier, Picks
-        except ImportError:  # DEV-ONLY fallback until cpu_tier.ExpertTier lands; removed before done
-            self._picks = None
-            from .reference import ReferenceExperts
+        from cpu_tier import CpuTierConfig, ExpertTier, Picks
 
-            self._tier = ReferenceExperts()
-        else:
-            self._picks = Picks
-            self._tier = ExpertTier(
-                CpuTierConfig(
-                    threads=config.cpu_threads,
-                    cpus=config.cpu_cores,
-                    isa=config.cpu_isa,
-                    precision=config.precision,
-                    spin_us=config.spin_us,
-                )
+        self.config = config
+        self._picks = Picks
+        self._tier = ExpertTier(
+            CpuTierConfig(
+                threads=config.cpu_threads,
+                cpus=config.cpu_cores,
+                isa=config.cpu_isa,
+                precision=config.precision,
+                spin_us=config.spin_us,
             )
+        )
+        #: The kernel variant the tier runs (e.g. "avx2").
+        self.isa: str = self._tier.isa
         self._hidden: dict[int, int] = {}
         self._lock = threading.Lock()
 
@@ -103,16 +99,11 @@ class CpuExpertRuntime:
             ids = topk_ids.detach().to(device="cpu", dtype=torch.int32).contiguous().numpy()
             wts = topk_weights.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
             with self._lock:  # one forward at a time: the tier owns one worker pool
-                if self._picks is None:  # DEV-ONLY
-                    out.copy_(torch.from_numpy(self._tier.forward(layer, xs.numpy(), ids, wts)))
-                else:
-                    self._tier.forward(layer, xs.numpy(), self._picks.from_topk(ids, wts), out=out.numpy())
+                self._tier.forward(layer, xs.numpy(), self._picks.from_topk(ids, wts), out=out.numpy())
         return out.to(device=x.device, dtype=x.dtype)
 
     def close(self) -> None:
-        close = getattr(self._tier, "close", None)
-        if close is not None:
-            close()
+        self._tier.close()
 
 
 # ------------------------------------------------------------------------------------------ custom op
