@@ -137,6 +137,8 @@ struct MoeJob : JobBase {
     int P = 0;
     bool fast = false;
     int wave_chunks = 64;
+    int cancel_after_chunks = -1;  // test hook: cancel once this many chunks are complete (< 0: never)
+    std::atomic<int> chunks_done{0};
     std::vector<uint8_t> computed;  // per pick: 1 when its weighted output is in `out`
     // statistics
     uint64_t t_start_ns = 0, t_end_ns = 0;
@@ -259,7 +261,9 @@ struct MoeJob : JobBase {
                     out_block(y + 128 * s, D.svh + 128 * band, D.bias ? D.bias + 128 * band : nullptr);
                     std::memcpy(yd[size_t(c)] + size_t(s) * H + 128 * band, y + 128 * s, 128 * sizeof(float));
                 }
-                down_done[size_t(c)].fetch_add(1, std::memory_order_acq_rel);
+                if (down_done[size_t(c)].fetch_add(1, std::memory_order_acq_rel) + 1 == nbH && cancel_after_chunks >= 0 &&
+                    chunks_done.fetch_add(1) + 1 >= cancel_after_chunks)
+                    cancelled.store(true);
             });
             // phase 5: weighted sum into out for the complete chunks; unit = (token, column chunk of 512)
             struct Entry {

@@ -65,7 +65,10 @@ template <int N, class F>
 CT_INLINE void static_for(F&& f) {
     static_for_impl(f, std::make_integer_sequence<int, N>{});
 }
-constexpr int PREFETCH_ROWS = 6;
+#ifndef CT_PREFETCH_ROWS
+#define CT_PREFETCH_ROWS 6
+#endif
+constexpr int PREFETCH_ROWS = CT_PREFETCH_ROWS;
 
 // Row (k offset inside a tile row) of q-order position p.
 CT_INLINE int qorder_row(int p) { return 2 * (p >> 2) + (p & 1) + 8 * ((p >> 1) & 1); }
@@ -170,7 +173,10 @@ constexpr const char* ISA_NAME = "avx2";
 #endif
 
 CT_INLINE void prefetch_row(const uint8_t* p, int bytes) {
-    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+#ifndef CT_PF_HINT
+#define CT_PF_HINT _MM_HINT_T0
+#endif
+    for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), CT_PF_HINT);
 }
 
 // The tile's wrapped 16-byte window [last 4 bytes, first 12 bytes].

@@ -242,7 +242,7 @@ NB_MODULE(CPU_TIER_MODULE, m) {
         .def(
             "submit_moe",
             [](Runtime& rt, NativeLayer& layer, F32_2D x, I32_1D tokens, I32_1D experts, F32_1D weights, F32_2D out,
-               bool fast, int wave_chunks) {
+               bool fast, int wave_chunks, int cancel_after_chunks) {
                 auto job = std::make_shared<MoeJob>();
                 job->layer = layer.layer_;
                 const int H = layer.layer_->H;
@@ -265,17 +265,21 @@ NB_MODULE(CPU_TIER_MODULE, m) {
                 job->P = int(P);
                 job->fast = fast;
                 job->wave_chunks = wave_chunks;
+                job->cancel_after_chunks = cancel_after_chunks;
                 rt.pool().submit(job);
                 NativeJob nj;
                 nj.job = job;
                 return nj;
             },
             nb::arg("layer"), nb::arg("x"), nb::arg("tokens"), nb::arg("experts"), nb::arg("weights"), nb::arg("out"),
-            nb::arg("fast"), nb::arg("wave_chunks"));
+            nb::arg("fast"), nb::arg("wave_chunks"), nb::arg("cancel_after_chunks") = -1);
 
     nb::class_<NativeLayer>(m, "Layer")
         .def(nb::init<int, int, float>(), nb::arg("hidden"), nb::arg("intermediate"), nb::arg("limit"))
-        .def("add_expert", &NativeLayer::add_expert)
+        .def("add_expert", &NativeLayer::add_expert, nb::arg("gate_trellis"), nb::arg("gate_suh"), nb::arg("gate_svh"),
+             nb::arg("gate_bias").none(), nb::arg("gate_codebook"), nb::arg("up_trellis"), nb::arg("up_suh"),
+             nb::arg("up_svh"), nb::arg("up_bias").none(), nb::arg("up_codebook"), nb::arg("down_trellis"),
+             nb::arg("down_suh"), nb::arg("down_svh"), nb::arg("down_bias").none(), nb::arg("down_codebook"))
         .def_prop_ro("num_experts", &NativeLayer::num_experts);
 
     nb::class_<NativeJob>(m, "Job")

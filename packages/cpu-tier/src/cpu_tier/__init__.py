@@ -1,6 +1,7 @@
 """cpu-tier: EXL3 expert weights on the CPU.
 
-``cpu_tier.exl3`` is the pure-numpy reference of the EXL3 format; the native kernels are checked against it.
+``cpu_tier.exl3`` is the pure-numpy reference of the EXL3 format; the native kernels (``exl3_matmul``,
+``ExpertTier``) are checked against it. Native variants load lazily, on first use.
 """
 
 from __future__ import annotations
@@ -8,7 +9,9 @@ from __future__ import annotations
 from importlib.metadata import version as _version
 
 from . import exl3
+from .config import CpuTierConfig
 from .exl3 import Exl3Tensor, random_tensor
+from .tier import ExpertTier, Job, Picks, exl3_matmul, selected_isa
 
 __version__ = _version("cpu-tier")
 
@@ -20,4 +23,24 @@ def cpu_features() -> dict[str, bool]:
     return dict(_probe())
 
 
-__all__ = ["Exl3Tensor", "__version__", "cpu_features", "exl3", "random_tensor"]
+def runnable_isas() -> list[str]:
+    """The native kernel variants this host can run, best first."""
+    from ._loader import runnable_isas as _r
+
+    return _r()
+
+
+__all__ = [
+    "CpuTierConfig",
+    "ExpertTier",
+    "Exl3Tensor",
+    "Job",
+    "Picks",
+    "__version__",
+    "cpu_features",
+    "exl3",
+    "exl3_matmul",
+    "random_tensor",
+    "runnable_isas",
+    "selected_isa",
+]

@@ -1,0 +1,63 @@
+"""Pick and load the native kernel variant: the best one the host runs (CPUID + XGETBV), or the one asked for.
+
+A variant's module is imported only after the feature probe (``_cpu_features``, built without ISA flags) says the
+host executes its instructions, so a variant the host cannot run is never loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from types import ModuleType
+
+#: Features (as named by ``cpu_features()``) each variant is compiled for.
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "scalar": (),
+    "avx2": ("avx2", "fma", "f16c"),
+    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx512vbmi"),
+}
+PREFERENCE: tuple[str, ...] = ("avx512", "avx2", "scalar")
+
+_lock = threading.Lock()
+_modules: dict[str, ModuleType] = {}
+
+
+def missing_features(isa: str) -> list[str]:
+    """Features ``isa`` needs that this host lacks (CPU or OS support)."""
+    from . import cpu_features
+
+    if isa not in REQUIRED:
+        raise ValueError(f"isa: unknown kernel variant {isa!r}; expected one of {('auto', *REQUIRED)}")
+    feats = cpu_features()
+    return [f for f in REQUIRED[isa] if not feats.get(f, False)]
+
+
+def runnable_isas() -> list[str]:
+    """The variants this host can run, best first."""
+    return [isa for isa in PREFERENCE if not missing_features(isa)]
+
+
+def resolve_isa(isa: str = "auto") -> str:
+    """``isa`` itself if the host runs it (else ValueError naming the missing features); "auto" = the best."""
+    if isa == "auto":
+        return runnable_isas()[0]
+    missing = missing_features(isa)
+    if missing:
+        raise ValueError(
+            f"isa: this host cannot run the {isa!r} kernels (missing CPU/OS features: {', '.join(missing)}); "
+            f"runnable: {runnable_isas()}"
+        )
+    return isa
+
+
+def load(isa: str = "auto") -> ModuleType:
+    """The native module of a runnable variant (imported once)."""
+    name = resolve_isa(isa)
+    with _lock:
+        mod = _modules.get(name)
+        if mod is None:
+            mod = importlib.import_module(f"cpu_tier._native_{name}")
+            if mod.isa() != name:
+                raise RuntimeError(f"cpu_tier._native_{name} reports ISA {mod.isa()!r}")
+            _modules[name] = mod
+    return mod

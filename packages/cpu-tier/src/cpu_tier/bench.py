@@ -1,0 +1,163 @@
+"""Benchmark of the native expert kernels: ``python -m cpu_tier.bench [--json FILE]``.
+
+In one run: the host's streaming read bandwidth (its own probe: every worker sums its part of a large buffer),
+then DeepSeek-V4.1 experts (H=5120, I=2304, MUL1 K=3: 13,271,040 bytes of trellis per expert) through
+``ExpertTier`` with 1, 2, 4 and 8 tokens per expert, per ISA, on one core and on all cores. Each job runs every
+expert of a pool larger than the last-level cache, so weights come from DRAM. Reported: ms per expert, weights/s,
+trellis GB/s, per core, and the ratio of trellis GB/s to the probe's GB/s for the same thread count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import CpuTierConfig, ExpertTier, Picks, cpu_features, exl3, runnable_isas
+from .config import usable_cpus
+
+H, I, K = 5120, 2304, 3
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _git() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
+        ).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def _experts(n: int, hidden: int, inter: int, codebook: str, seed: int) -> tuple[list, list, list]:
+    """n distinct experts (separate memory); the trellis content repeats from 3 random templates."""
+    rng = np.random.default_rng(seed)
+    tmpl = [
+        (exl3.random_tensor(hidden, inter, K, codebook, seed=rng), exl3.random_tensor(hidden, inter, K, codebook, seed=rng),
+         exl3.random_tensor(inter, hidden, K, codebook, seed=rng))
+        for _ in range(3)
+    ]
+    gate, up, down = [], [], []
+    for e in range(n):
+        g, u, d = tmpl[e % 3]
+        for src, dst in ((g, gate), (u, up), (d, down)):
+            dst.append(exl3.Exl3Tensor.from_arrays(src.trellis.copy(), src.suh, src.svh, codebook))
+    return gate, up, down
+
+
+def _stats(ts: list[float]) -> tuple[float, float, float]:
+    a = np.sort(np.asarray(ts))
+    return float(np.median(a)), float(np.percentile(a, 10)), float(np.percentile(a, 90))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cpu_tier.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help="also write the rows and the environment to this file")
+    p.add_argument("--isa", action="append", help="ISA to run (repeatable); default: every runnable one")
+    p.add_argument("--threads", type=int, default=0, help="'all cores' thread count (default: every usable core)")
+    p.add_argument("--experts", type=int, default=0, help="experts per job (default: enough to exceed the LLC)")
+    p.add_argument("--tokens", default="1,2,4,8", help="tokens per expert, comma separated")
+    p.add_argument("--iters", type=int, default=5, help="timed jobs per case (after one warm-up)")
+    p.add_argument("--probe-mib", type=int, default=1024, help="size of the bandwidth probe's buffer")
+    p.add_argument("--quick", action="store_true", help="small shapes, few experts: a smoke test of the CLI")
+    args = p.parse_args(argv)
+
+    hidden, inter = (512, 384) if args.quick else (H, I)
+    isas = args.isa or runnable_isas()
+    for isa in isas:
+        if isa not in runnable_isas():
+            p.error(f"--isa {isa}: not runnable here (runnable: {runnable_isas()})")
+    all_threads = args.threads or len(usable_cpus())
+    thread_counts = sorted({1, all_threads})
+    tokens = [int(t) for t in args.tokens.split(",")]
+    expert_bytes = 3 * hidden * inter * K // 8
+    weights_per_expert = 3 * hidden * inter
+    n_exp = args.experts or (4 if args.quick else max(16, 4 * all_threads))
+    probe_bytes = (4 if args.quick else args.probe_mib) << 20
+
+    feats = [f for f in ("avx2", "avx512f", "avx512bw", "avx512vnni", "avx512vbmi") if cpu_features().get(f)]
+    print(
+        f"# cpu-tier bench | git {_git()} | {_cpu_model()} | {len(usable_cpus())} cores | {' '.join(feats)} | "
+        f"expert H={hidden} I={inter} MUL1 K={K} ({expert_bytes / 1e6:.2f} MB) x {n_exp} per job | "
+        f"warmup=1 iters={args.iters}",
+        flush=True,
+    )
+    t0 = time.perf_counter()
+    gate, up, down = _experts(n_exp, hidden, inter, "mul1", seed=1)
+    mcg = _experts(min(n_exp, 8), hidden, inter, "mcg", seed=2) if not args.quick else None
+    print(f"# built {n_exp} experts in {time.perf_counter() - t0:.1f} s", flush=True)
+    hdr = (f"{'case':<26}{'isa':>8}{'thr':>5}{'m':>3}{'prec':>7}{'ms/exp':>9}{'p10':>8}{'p90':>8}"
+           f"{'Gw/s':>8}{'GB/s':>8}{'GB/s/core':>10}{'probe':>8}{'ratio':>7}")
+    print(hdr, flush=True)
+    rows: list[dict[str, Any]] = []
+    rng = np.random.default_rng(0)
+    for isa in isas:
+        for thr in thread_counts:
+            cfg = CpuTierConfig(threads=thr, isa=isa)  # type: ignore[arg-type]
+            with ExpertTier(cfg) as probe_tier:
+                bw = probe_tier._rt.read_bandwidth(probe_bytes, 3) / 1e9
+            row = {"case": "probe/stream-read", "isa": isa, "threads": thr, "GBps": bw, "GBps_per_core": bw / thr,
+                   "bytes": probe_bytes}
+            rows.append(row)
+            print(f"{'probe/stream-read':<26}{isa:>8}{thr:>5}{'':>3}{'':>7}{'':>9}{'':>8}{'':>8}{'':>8}"
+                  f"{bw:8.2f}{bw / thr:10.2f}{bw:8.2f}{'':>7}", flush=True)
+            cases = [(m, "fast", "mul1") for m in tokens] + [(1, "exact", "mul1")]
+            if mcg is not None:
+                cases.append((1, "fast", "mcg"))
+            if isa == "scalar":
+                cases = [c for c in cases if c[0] == 1][:2]
+            for m, prec, cb in cases:
+                experts = (gate, up, down) if cb == "mul1" else mcg
+                ne = len(experts[0])
+                tier = ExpertTier(CpuTierConfig(threads=thr, isa=isa, precision=prec))  # type: ignore[arg-type]
+                tier.add_layer(0, *experts)
+                x = rng.standard_normal((m, hidden)).astype(np.float32)
+                picks = Picks(np.repeat(np.arange(m, dtype=np.int32), ne), np.tile(np.arange(ne, dtype=np.int32), m),
+                              np.full(m * ne, 0.5, np.float32))
+                out = np.empty((m, hidden), np.float32)
+                iters = max(1, args.iters if isa != "scalar" else 1)
+                times = []
+                for it in range(iters + 1):
+                    t1 = time.perf_counter()
+                    tier.forward(0, x, picks, out)
+                    dt = time.perf_counter() - t1
+                    if it:
+                        times.append(dt / ne)
+                tier.close()
+                med, p10, p90 = _stats(times)
+                gbps = expert_bytes / med / 1e9
+                gw = weights_per_expert / med / 1e9
+                case = f"expert/{cb} K={K} {'fast' if prec == 'fast' else 'exact'}"
+                rows.append({"case": case, "isa": isa, "threads": thr, "tokens": m, "precision": prec, "codebook": cb,
+                             "ms_per_expert": med * 1e3, "p10_ms": p10 * 1e3, "p90_ms": p90 * 1e3,
+                             "Gweights_per_s": gw, "GBps": gbps, "GBps_per_core": gbps / thr, "probe_GBps": bw,
+                             "ratio_to_probe": gbps / bw})
+                print(f"{case:<26}{isa:>8}{thr:>5}{m:>3}{prec:>7}{med * 1e3:9.3f}{p10 * 1e3:8.3f}{p90 * 1e3:8.3f}"
+                      f"{gw:8.2f}{gbps:8.2f}{gbps / thr:10.2f}{bw:8.2f}{gbps / bw:7.2f}", flush=True)
+    if args.json:
+        env = {"cpu": _cpu_model(), "cores": len(usable_cpus()), "features": cpu_features(), "git": _git(),
+               "python": sys.version.split()[0], "numpy": np.__version__, "experts_per_job": n_exp,
+               "expert_bytes": expert_bytes, "hidden": hidden, "intermediate": inter, "bits": K}
+        Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

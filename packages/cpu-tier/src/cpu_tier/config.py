@@ -1,0 +1,78 @@
+"""The one configuration object of cpu_tier (frozen; validated on construction)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+ISAS: tuple[str, ...] = ("auto", "scalar", "avx2", "avx512")
+PRECISIONS: tuple[str, ...] = ("exact", "fast")
+
+
+def usable_cpus() -> tuple[int, ...]:
+    """The cores this process may run on (``os.sched_getaffinity``)."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return tuple(range(os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class CpuTierConfig:
+    """Configuration of the CPU expert tier.
+
+    Attributes
+    ----------
+    threads : worker threads; 0 = one per core in ``cpus``, or per usable core when ``cpus`` is empty.
+    cpus : cores to pin the workers to (worker w -> ``cpus[w % len(cpus)]``); () = no pinning.
+    isa : kernel variant: "auto" (the best the host runs), "scalar", "avx2" or "avx512".
+    precision : "exact" (fp32 activations, exact fp16 codebook values; max relative error <= 1e-5 against
+        ``cpu_tier.exl3.linear``) or "fast" (MUL1: int16 activations and the integer byte-sum path; MCG/3INST:
+        no fp16 rounding of the codebook value; relative RMS error <= 5e-3, see the README's error model).
+    swiglu_limit : default SwiGLU clamp of ``ExpertTier.add_layer`` (10.0 for DeepSeek-V4.1's routed experts);
+        None = no clamp (shared experts).
+    spin_us : microseconds an idle worker spins before it parks.
+    """
+
+    threads: int = 0
+    cpus: tuple[int, ...] = ()
+    isa: Literal["auto", "scalar", "avx2", "avx512"] = "auto"
+    precision: Literal["exact", "fast"] = "exact"
+    swiglu_limit: float | None = 10.0
+    spin_us: int = 50
+
+    def __post_init__(self) -> None:
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+            raise ValueError(f"threads: must be an int >= 0 (0 = all usable cores), got {self.threads!r}")
+        if self.threads > 1024:
+            raise ValueError(f"threads: {self.threads} is more than 1024")
+        cpus = self.cpus
+        if isinstance(cpus, (list, range)):
+            cpus = tuple(cpus)
+            object.__setattr__(self, "cpus", cpus)
+        if not isinstance(cpus, tuple) or any(isinstance(c, bool) or not isinstance(c, int) for c in cpus):
+            raise ValueError(f"cpus: must be a tuple of core numbers, got {self.cpus!r}")
+        if len(set(cpus)) != len(cpus):
+            raise ValueError(f"cpus: duplicate cores in {cpus}")
+        usable = set(usable_cpus())
+        bad = [c for c in cpus if c not in usable]
+        if bad:
+            raise ValueError(f"cpus: cores {bad} are not usable by this process (usable: {sorted(usable)})")
+        if self.isa not in ISAS:
+            raise ValueError(f"isa: must be one of {ISAS}, got {self.isa!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision: must be one of {PRECISIONS}, got {self.precision!r}")
+        lim = self.swiglu_limit
+        if lim is not None:
+            if isinstance(lim, bool) or not isinstance(lim, (int, float)) or not math.isfinite(lim) or lim <= 0:
+                raise ValueError(f"swiglu_limit: must be a finite number > 0 or None, got {lim!r}")
+        if isinstance(self.spin_us, bool) or not isinstance(self.spin_us, int) or not 0 <= self.spin_us <= 10_000_000:
+            raise ValueError(f"spin_us: must be an int in [0, 10000000], got {self.spin_us!r}")
+
+    def resolved_threads(self) -> int:
+        """The number of worker threads this configuration starts."""
+        if self.threads:
+            return self.threads
+        return len(self.cpus) if self.cpus else len(usable_cpus())

@@ -1,0 +1,43 @@
+"""CpuTierConfig validation: every bad field raises ValueError naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpu_tier import CpuTierConfig
+from cpu_tier.config import usable_cpus
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"threads": -1}, "threads"),
+        ({"threads": 1.5}, "threads"),
+        ({"threads": True}, "threads"),
+        ({"cpus": (0, 0)}, "cpus"),
+        ({"cpus": (10_000,)}, "cpus"),
+        ({"cpus": "0,1"}, "cpus"),
+        ({"isa": "sse"}, "isa"),
+        ({"precision": "bf16"}, "precision"),
+        ({"swiglu_limit": 0.0}, "swiglu_limit"),
+        ({"swiglu_limit": float("inf")}, "swiglu_limit"),
+        ({"swiglu_limit": "10"}, "swiglu_limit"),
+        ({"spin_us": -5}, "spin_us"),
+    ],
+)
+def test_bad_fields(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        CpuTierConfig(**kwargs)
+
+
+def test_defaults_and_resolution() -> None:
+    c = CpuTierConfig()
+    assert (c.threads, c.cpus, c.isa, c.precision, c.swiglu_limit, c.spin_us) == (0, (), "auto", "exact", 10.0, 50)
+    assert c.resolved_threads() == len(usable_cpus())
+    cores = usable_cpus()[:1]
+    assert CpuTierConfig(cpus=list(cores)).cpus == cores  # lists are frozen into tuples
+    assert CpuTierConfig(cpus=cores).resolved_threads() == 1
+    assert CpuTierConfig(threads=3, cpus=cores).resolved_threads() == 3
+    assert CpuTierConfig(swiglu_limit=None).swiglu_limit is None
+    with pytest.raises(AttributeError):
+        c.threads = 2  # type: ignore[misc]

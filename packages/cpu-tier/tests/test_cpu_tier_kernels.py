@@ -1,0 +1,124 @@
+"""exl3_matmul (the native kernels) against cpu_tier.exl3 on fresh random tensors, for every ISA variant the host
+runs: every codebook and supported K, m = 1..16, shapes whose k and n are multiples of 128 but not of 256."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from cpu_tier.testing import rel_max, rel_rms
+
+from cpu_tier import CpuTierConfig, exl3, exl3_matmul, runnable_isas, selected_isa
+from cpu_tier._loader import REQUIRED, missing_features
+
+ISAS = runnable_isas()
+CASES = [(cb, b) for cb in exl3.CODEBOOKS for b in exl3.SUPPORTED_BITS[cb]]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("codebook", "bits"), CASES)
+def test_every_codebook_and_k(isa: str, codebook: str, bits: float) -> None:
+    rng = np.random.default_rng(abs(hash((isa, codebook, bits))) % 2**32)
+    t = exl3.random_tensor(384, 640, bits, codebook, seed=rng, bias=bits == 3)  # type: ignore[arg-type]
+    for m in (1, 3):
+        x = (rng.standard_normal((m, 384)) * rng.uniform(0.1, 10)).astype(np.float32)
+        ref = x.astype(np.float64) @ t.reconstruct().astype(np.float64)
+        if t.bias is not None:
+            ref = ref + t.bias.astype(np.float64)
+        cfg = CpuTierConfig(threads=1, isa=isa)  # type: ignore[arg-type]
+        exact = exl3_matmul(x, t, precision="exact", config=cfg)
+        assert exact.dtype == np.float32 and exact.shape == (m, 640)
+        assert rel_max(exact, ref) <= 1e-5, (m, rel_max(exact, ref))
+        fast = exl3_matmul(x, t, precision="fast", config=cfg)
+        assert rel_rms(fast, ref) <= 5e-3, (m, rel_rms(fast, ref))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("codebook", "bits"), [("mul1", 3), ("mul1", 2.5), ("mcg", 3), ("3inst", 2), ("mul1", 5)])
+def test_tokens_1_to_16(isa: str, codebook: str, bits: float) -> None:
+    rng = np.random.default_rng(5)
+    t = exl3.random_tensor(640, 384, bits, codebook, seed=rng)  # type: ignore[arg-type]
+    w = t.reconstruct().astype(np.float64)
+    x = rng.standard_normal((16, 640)).astype(np.float32)
+    x[3] *= 100.0  # rows of very different scales in one chunk
+    x[5] *= 1e-3
+    cfg = CpuTierConfig(threads=2, isa=isa)  # type: ignore[arg-type]
+    for m in range(1, 17):
+        ref = x[:m].astype(np.float64) @ w
+        exact = exl3_matmul(x[:m], t, config=cfg)
+        fast = exl3_matmul(x[:m], t, precision="fast", config=cfg)
+        for i in range(m):  # each row on its own scale
+            assert rel_max(exact[i : i + 1], ref[i : i + 1]) <= 1e-5, (m, i)
+            assert rel_rms(fast[i : i + 1], ref[i : i + 1]) <= 5e-3, (m, i)
+
+
+def test_variants_agree_bit_for_bit_where_exact_arithmetic_allows() -> None:
+    # The integer path sums exactly; all variants quantise identically, so their "fast" MUL1 results differ
+    # only by fp32 summation order. Exact mode likewise.
+    if len(ISAS) < 2:
+        pytest.skip("one ISA variant on this host")
+    rng = np.random.default_rng(9)
+    t = exl3.random_tensor(512, 256, 3, "mul1", seed=rng)
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    outs = [exl3_matmul(x, t, precision="fast", config=CpuTierConfig(threads=1, isa=i)) for i in ISAS]  # type: ignore[arg-type]
+    for o in outs[1:]:
+        assert rel_max(o, outs[0].astype(np.float64)) <= 2e-6
+
+
+def test_isa_selection() -> None:
+    runnable = runnable_isas()
+    assert runnable[-1] == "scalar"
+    assert selected_isa() == runnable[0] == selected_isa(CpuTierConfig(isa="auto"))
+    for isa in REQUIRED:
+        missing = missing_features(isa)
+        if missing:
+            with pytest.raises(ValueError, match=f"cannot run the '{isa}' kernels.*{missing[0]}"):
+                selected_isa(CpuTierConfig(isa=isa))  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match=missing[0]):
+                exl3_matmul(np.zeros((1, 128), np.float32), exl3.random_tensor(128, 128, 2, "mul1"),
+                            config=CpuTierConfig(isa=isa))  # type: ignore[arg-type]
+            assert f"cpu_tier._native_{isa}" not in sys.modules  # never loaded
+        else:
+            assert selected_isa(CpuTierConfig(isa=isa)) == isa  # type: ignore[arg-type]
+
+
+def test_matmul_bad_input() -> None:
+    t = exl3.random_tensor(256, 128, 3, "mul1", seed=1)
+    x = np.ones((2, 256), np.float32)
+    with pytest.raises(ValueError, match="x: dtype must be float32, got float64"):
+        exl3_matmul(x.astype(np.float64), t)
+    with pytest.raises(ValueError, match=r"x: shape must be \(T, 256\), got \(2, 128\)"):
+        exl3_matmul(x[:, :128].copy(), t)
+    with pytest.raises(ValueError, match="x: must be C-contiguous"):
+        exl3_matmul(np.ones((256, 2), np.float32).T, t)
+    with pytest.raises(ValueError, match="precision"):
+        exl3_matmul(x, t, precision="medium")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="tensor: expected an Exl3Tensor"):
+        exl3_matmul(x, t.trellis)  # type: ignore[arg-type]
+    assert exl3_matmul(np.zeros((0, 256), np.float32), t).shape == (0, 128)
+
+
+def test_matmul_accepts_torch() -> None:
+    torch = pytest.importorskip("torch")
+    t = exl3.random_tensor(256, 128, 4, "mcg", seed=2)
+    x = torch.randn(3, 256)
+    y = exl3_matmul(x, t)
+    assert rel_max(y, x.numpy().astype(np.float64) @ t.reconstruct().astype(np.float64)) <= 1e-5
+    with pytest.raises(ValueError, match="x: dtype must be float32"):
+        exl3_matmul(x.double(), t)
+    with pytest.raises(ValueError, match="x: cannot view"):
+        exl3_matmul(x.bfloat16(), t)
+
+
+def test_native_state_extraction_matches_reference() -> None:
+    # The kernels' scalar state extraction (tables.h) against the numpy bit-level reference, every K.
+    from cpu_tier import _loader
+
+    mod = _loader.load("scalar")
+    rng = np.random.default_rng(3)
+    for bits in exl3.SUPPORTED_BITS["mul1"]:
+        tile = rng.integers(-32768, 32768, size=(int(16 * bits),), dtype=np.int16)
+        want = exl3.trellis_states(tile[None, :])[0]
+        got = mod.tile_states(tile.view(np.uint8), int(2 * bits))
+        assert np.array_equal(got, want), bits
