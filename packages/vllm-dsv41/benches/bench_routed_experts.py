@@ -27,15 +27,18 @@ def _git() -> str:
         return "?"
 
 
-def _times(fn, warmup: int, iters: int) -> np.ndarray:  # noqa: ANN001
+def _times(fns: list, warmup: int, iters: int) -> list[np.ndarray]:  # noqa: ANN001
+    """Microseconds per call of each function, interleaved call by call so that drift hits all alike."""
     for _ in range(warmup):
-        fn()
-    out = np.empty(iters)
+        for fn in fns:
+            fn()
+    out = np.empty((len(fns), iters))
     for i in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        out[i] = time.perf_counter() - t0
-    return out * 1e6
+        for j, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            out[j, i] = time.perf_counter() - t0
+    return list(out * 1e6)
 
 
 def main() -> None:
@@ -81,8 +84,11 @@ def main() -> None:
         w = torch.from_numpy(rng.uniform(0.1, 1, (t, a.top_k)).astype(np.float32))
         xn, out = x.numpy(), np.empty((t, h), np.float32)
         picks = Picks.from_topk(ids.numpy(), w.numpy())
-        op = _times(lambda: routed_experts(x, ids, w, handle, 0), a.warmup, a.iters)  # noqa: B023
-        ceil = _times(lambda: tier.forward(0, xn, picks, out=out), a.warmup, a.iters)  # noqa: B023
+        op, ceil = _times(
+            [lambda: routed_experts(x, ids, w, handle, 0), lambda: tier.forward(0, xn, picks, out=out)],  # noqa: B023
+            a.warmup,
+            a.iters,
+        )
         med, med_c = float(np.median(op)), float(np.median(ceil))
         row = {"tokens": t, "median_us": med, "p10_us": float(np.percentile(op, 10)),
                "p90_us": float(np.percentile(op, 90)), "tier_median_us": med_c, "overhead": med / med_c - 1}  # fmt: skip
