@@ -21,6 +21,9 @@
 
 #include "common.h"
 #include "tables.h"
+#if defined(CPU_TIER_ISA_AVX512) && defined(CT_EMU512)
+#include "emu512.h"
+#endif
 
 namespace cpu_tier {
 namespace CPU_TIER_NS {
@@ -166,7 +169,9 @@ static void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, f
 
 #elif defined(CPU_TIER_ISA_AVX2) || defined(CPU_TIER_ISA_AVX512)
 // ======================================================================================= AVX2 and AVX-512
-#if defined(CPU_TIER_ISA_AVX512)
+#if defined(CPU_TIER_ISA_AVX512) && defined(CT_EMU512)
+constexpr const char* ISA_NAME = "avx512emu";
+#elif defined(CPU_TIER_ISA_AVX512)
 constexpr const char* ISA_NAME = "avx512";
 #else
 constexpr const char* ISA_NAME = "avx2";
@@ -612,6 +617,87 @@ CT_INLINE __m512 decode_values16(__m512i s) {
     }
 }
 
+// MUL1 integer path on 16-bit lanes (K <= 4: the whole tile fits two zmm registers). Per 32 weights (one column
+// pair c0 of a tile): vpermt2b + vpmultishiftqb extract 32 states; s * 0x83DCD12D mod 2^32 from three 16-bit
+// multiplies (low half: lo16(s * 0xD12D); high half: hi16(s * 0xD12D) + lo16(s * 0x83DC)); two vpmaddubsw give
+// the byte sums bs (int16); one vpdpwssd per token multiplies adjacent lanes (two rows of one column) by their
+// int16 activations. Block order: 8 tile rows accumulate in registers, then one flush with the block's scale.
+template <int M>
+static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
+    const TrellisTables& tb = *A.tb;
+    const int tbytes = tb.tile_bytes;
+    const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const size_t row_stride = size_t(tiles_n) * tbytes;
+    const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
+    const __mmask64 m0 = tbytes >= 64 ? ~__mmask64(0) : ((__mmask64(1) << tbytes) - 1);
+    const __mmask64 m1 = tbytes <= 64 ? __mmask64(0) : (tbytes >= 128 ? ~__mmask64(0) : ((__mmask64(1) << (tbytes - 64)) - 1));
+    constexpr int NACC = 8 * 8 * 16;  // [j][c0][16 dword lanes]
+    alignas(64) float facc[M][NACC];
+    alignas(64) __m512i xpat[8][M];
+    std::memset(facc, 0, sizeof(facc));
+    const __m512i ml = _mm512_set1_epi16(short(MUL1_MULT & 0xFFFF));
+    const __m512i mh = _mm512_set1_epi16(short(MUL1_MULT >> 16));
+    const __m512i ones8 = _mm512_set1_epi8(1);
+    // activation word of lane L: q-order position 4 (L / 8) + L % 4 of the tile row
+    alignas(64) static const uint16_t xidx_tab[32] = {0,  1,  2,  3,  0,  1,  2,  3,  4,  5,  6,  7,  4,  5,  6,  7,
+                                                      8,  9,  10, 11, 8,  9,  10, 11, 12, 13, 14, 15, 12, 13, 14, 15};
+    const __m512i xidx = _mm512_load_si512(xidx_tab);
+    const int nblk = tiles_k / 8;
+    for (int r = 0; r < std::min(8, tiles_k); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    for (int blk = 0; blk < nblk; ++blk) {
+        const uint8_t* brow = base + size_t(8 * blk) * row_stride;
+        for (int rr = 0; rr < 8; ++rr) {
+            if (8 * (blk + 1) + rr < tiles_k) prefetch_row(brow + (8 + rr) * row_stride, 8 * tbytes);
+            for (int t = 0; t < M; ++t) {
+                const int16_t* xr = X.xq + t * X.xq_stride + 16 * (8 * blk + rr);
+                xpat[rr][t] = _mm512_permutexvar_epi16(
+                    xidx, _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr))));
+            }
+        }
+        __m512 sc[M];
+        for (int t = 0; t < M; ++t) sc[t] = _mm512_set1_ps(X.xs[t * X.xs_stride + blk]);
+        for (int j = 0; j < 8; ++j) {
+            for (int c0 = 0; c0 < 8; ++c0) {
+                const __m512i perm = _mm512_load_si512(tb.perm16[c0]);
+                const __m512i msh = _mm512_load_si512(tb.mshift16[c0]);
+                __m512i acc[M];
+                for (int t = 0; t < M; ++t) acc[t] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int rr = 0; rr < 8; ++rr) {
+                    const uint8_t* tile = brow + rr * row_stride + j * tbytes;
+                    const __m512i z0 = _mm512_maskz_loadu_epi8(m0, tile);
+                    const __m512i z1 = _mm512_maskz_loadu_epi8(m1, tile + 64);
+                    const __m512i st = _mm512_multishift_epi64_epi8(msh, _mm512_permutex2var_epi8(z0, perm, z1));
+                    const __m512i plo = _mm512_mullo_epi16(st, ml);
+                    const __m512i phi = _mm512_add_epi16(_mm512_mulhi_epu16(st, ml), _mm512_mullo_epi16(st, mh));
+                    const __m512i bs = _mm512_add_epi16(_mm512_maddubs_epi16(plo, ones8), _mm512_maddubs_epi16(phi, ones8));
+                    for (int t = 0; t < M; ++t) acc[t] = _mm512_dpwssd_epi32(acc[t], bs, xpat[rr][t]);
+                }
+                for (int t = 0; t < M; ++t) {
+                    float* f = facc[t] + (j * 8 + c0) * 16;
+                    _mm512_store_ps(f, _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[t]), sc[t], _mm512_load_ps(f)));
+                }
+            }
+        }
+    }
+    for (int t = 0; t < M; ++t) {
+        // dword lane D of (j, c0): D % 4 in {0, 1} -> column c0, {2, 3} -> column c0 + 8
+        for (int j = 0; j < 8; ++j)
+            for (int c0 = 0; c0 < 8; ++c0) {
+                const float* v = facc[t] + (j * 8 + c0) * 16;
+                float lo = 0.0f, hi = 0.0f;
+                for (int q = 0; q < 4; ++q) {
+                    lo += v[4 * q] + v[4 * q + 1];
+                    hi += v[4 * q + 2] + v[4 * q + 3];
+                }
+                y[t * 128 + 16 * j + c0] = lo;
+                y[t * 128 + 16 * j + c0 + 8] = hi;
+            }
+        const float s = MUL1_K_AFF * X.xsum[t];
+        for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
+    }
+}
+
 template <int BITS2, bool UNIFORM>
 static void band_int1(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
@@ -832,16 +918,45 @@ static void float_dispatch(const MatRef& A, int band, const Acts& X, bool round,
     }
 }
 
+#if !defined(CPU_TIER_ISA_AVX512)
 template <int M>
 static void intm_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
     if (A.bits2 == 6) return band_intm<M, 6, true>(A, band, X, y);
     if (A.tb->uniform_shift) return band_intm<M, 0, true>(A, band, X, y);
     band_intm<M, 0, false>(A, band, X, y);
 }
+#endif
 
 // y: [m][128] (row stride 128), the band's outputs in the Hadamard basis, before the output transform.
 static void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, float* y) {
     if (mode == GemvMode::Int) {  // MUL1
+#if defined(CPU_TIER_ISA_AVX512)
+        // K <= 4 (every half-integer K too): the 16-bit path; K = 5..8 (integer, uniform shifts): 32-bit lanes.
+        if (A.tb->has16) {
+            switch (X.m) {
+                case 1: return band_int16<1>(A, band, X, y);
+                case 2: return band_int16<2>(A, band, X, y);
+                case 3: return band_int16<3>(A, band, X, y);
+                case 4: return band_int16<4>(A, band, X, y);
+                case 5: return band_int16<5>(A, band, X, y);
+                case 6: return band_int16<6>(A, band, X, y);
+                case 7: return band_int16<7>(A, band, X, y);
+                case 8: return band_int16<8>(A, band, X, y);
+                default: return;
+            }
+        }
+        switch (X.m) {
+            case 1: return band_int1<0, true>(A, band, X, y);
+            case 2: return band_intm<2, 0, true>(A, band, X, y);
+            case 3: return band_intm<3, 0, true>(A, band, X, y);
+            case 4: return band_intm<4, 0, true>(A, band, X, y);
+            case 5: return band_intm<5, 0, true>(A, band, X, y);
+            case 6: return band_intm<6, 0, true>(A, band, X, y);
+            case 7: return band_intm<7, 0, true>(A, band, X, y);
+            case 8: return band_intm<8, 0, true>(A, band, X, y);
+            default: return;
+        }
+#else
         if (X.m == 1) {
             switch (A.bits2) {
                 case 4: return band_int1<4, true>(A, band, X, y);
@@ -862,18 +977,25 @@ static void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, f
             case 8: return intm_dispatch<8>(A, band, X, y);
             default: return;
         }
+#endif
     }
+    // Float path: M in {1, 2, 4, 8} are compiled; other token counts run as a sum of those (3 = 2 + 1, ...).
     const bool round = mode == GemvMode::Exact;
-    switch (X.m) {
-        case 1: return float_dispatch<1>(A, band, X, round, y);
-        case 2: return float_dispatch<2>(A, band, X, round, y);
-        case 3: return float_dispatch<3>(A, band, X, round, y);
-        case 4: return float_dispatch<4>(A, band, X, round, y);
-        case 5: return float_dispatch<5>(A, band, X, round, y);
-        case 6: return float_dispatch<6>(A, band, X, round, y);
-        case 7: return float_dispatch<7>(A, band, X, round, y);
-        case 8: return float_dispatch<8>(A, band, X, round, y);
-        default: return;
+    int done = 0;
+    while (done < X.m) {
+        const int left = X.m - done;
+        const int mm = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        Acts S = X;
+        S.m = mm;
+        S.xf = X.xf + size_t(done) * X.xf_stride;
+        float* ys = y + size_t(done) * 128;
+        switch (mm) {
+            case 1: float_dispatch<1>(A, band, S, round, ys); break;
+            case 2: float_dispatch<2>(A, band, S, round, ys); break;
+            case 4: float_dispatch<4>(A, band, S, round, ys); break;
+            default: float_dispatch<8>(A, band, S, round, ys); break;
+        }
+        done += mm;
     }
 }
 #endif

@@ -84,6 +84,13 @@ struct TrellisTables {
     // Half h of a slot: lanes 0-3 = elements 4h..4h+3 of gA, lanes 4-7 = elements 4h..4h+3 of gB.
     alignas(64) uint8_t ctrl[16][2][32];  // pshufb control per (slot, half); 0x80 = zero
     alignas(64) uint32_t shift[16][2][8];  // right shift per lane
+    // AVX-512 16-bit path (tiles <= 128 bytes, K <= 4): states of the 32 elements 32c + L (L = 0..31) in 16-bit
+    // lanes. perm16[c]: vpermt2b indices (tile bytes, 0..127) filling each qword k with the 8 stream bytes from
+    // the first byte of element 32c + 4k on, most significant first; mshift16[c]: vpmultishiftqb bit offsets of
+    // each state's low and high byte in its qword.
+    bool has16 = false;
+    alignas(64) uint8_t perm16[8][64];
+    alignas(64) uint8_t mshift16[8][64];
 };
 
 namespace detail {
@@ -137,6 +144,24 @@ inline void build(TrellisTables& tb, int bits2) {
                 }
                 tb.shift[s][h][l] = uint32_t(16 - o);
                 if (w >= 0 && w + 16 > tbytes) throw std::logic_error("trellis table: window past the tile");
+            }
+    }
+    tb.has16 = tbytes <= 128;
+    if (tb.has16) {
+        for (int c = 0; c < 8; ++c)
+            for (int k = 0; k < 8; ++k) {
+                const int e0 = 32 * c + 4 * k;
+                const int b = floordiv(st[e0], 8);
+                for (int i = 0; i < 8; ++i) {
+                    const int q = (((b + 7 - i) % tbytes) + tbytes) % tbytes;
+                    tb.perm16[c][8 * k + i] = uint8_t(4 * (q / 4) + 3 - q % 4);
+                }
+                for (int l = 0; l < 4; ++l) {
+                    const int pbit = st[e0 + l] - 8 * b;
+                    if (pbit < 0 || pbit + 16 > 64) throw std::logic_error("trellis table: state outside its qword");
+                    tb.mshift16[c][8 * k + 2 * l] = uint8_t(48 - pbit);
+                    tb.mshift16[c][8 * k + 2 * l + 1] = uint8_t(56 - pbit);
+                }
             }
     }
     if (!half)

@@ -61,3 +61,19 @@ def load(isa: str = "auto") -> ModuleType:
                 raise RuntimeError(f"cpu_tier._native_{name} reports ISA {mod.isa()!r}")
             _modules[name] = mod
     return mod
+
+
+def load_emulated() -> ModuleType | None:
+    """Test-only: the avx512 variant's kernels with emulated AVX-512 intrinsics (``_native_avx512emu``, built for
+    AVX2 hosts), or None when it is not built or the host lacks AVX2. Never used for computing."""
+    if missing_features("avx2"):
+        return None
+    with _lock:
+        mod = _modules.get("avx512emu")
+        if mod is None:
+            try:
+                mod = importlib.import_module("cpu_tier._native_avx512emu")
+            except ImportError:
+                return None
+            _modules["avx512emu"] = mod
+    return mod

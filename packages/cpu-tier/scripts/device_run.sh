@@ -1,0 +1,25 @@
+#!/bin/bash
+# cpu-tier on the lent device machine (16-core H200 host), in ONE call: build the native variants there
+# (scalar/avx2/avx512), run the package's non-gpu tests (this exercises the real AVX-512 kernels), then the
+# benchmark on one core and on all cores. Logs go to $OUT.
+#   run(command="bash packages/cpu-tier/scripts/device_run.sh", carry=[".whl"])
+# .whl must hold nanobind and scikit-build-core wheels for CPython 3.12 (see the package README).
+set -o pipefail
+cd "$(dirname "$0")/../../.."
+OUT=${OUT:-/tmp/cpu_tier_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+{
+  echo "== host"; nproc; lscpu | grep -E "Model name|Socket|Core|Thread|L3|NUMA node0|Flags" | cut -c1-400
+  python3 -c "import sys, numpy; print(sys.version.split()[0], 'numpy', numpy.__version__)"
+} 2>&1 | tee "$OUT/host.txt"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/nanobind-*.whl .whl/scikit_build_core-*.whl || exit 1
+export PYTHONPATH=/tmp/site
+t0=$(date +%s)
+CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-index --no-deps --no-build-isolation --no-compile \
+  --config-settings=cmake.define.CPU_TIER_WITH_AVX512_EMULATION=OFF --config-settings=build-dir=/tmp/ctbuild \
+  packages/cpu-tier > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+echo "== built in $(( $(date +%s) - t0 )) s"
+python3 -c "import cpu_tier; print('runnable', cpu_tier.runnable_isas(), 'selected', cpu_tier.selected_isa())"
+python3 -m pytest packages/cpu-tier/tests -m "not gpu" -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -15
+python3 -m cpu_tier.bench --isa avx512 --isa avx2 --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"

@@ -1,0 +1,78 @@
+"""The avx512 variant's kernel code, run with its AVX-512 intrinsics emulated in scalar C++ (csrc/emu512.h), so
+hosts without AVX-512 (this project's CI) check its logic; on AVX-512 hosts the real variant runs every test of
+test_cpu_tier_kernels.py and test_cpu_tier_moe.py as well."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cpu_tier import Picks, exl3
+from cpu_tier._loader import load_emulated
+from cpu_tier.testing import make_experts, ref_moe, rel_max, rel_rms
+
+EMU = load_emulated()
+pytestmark = pytest.mark.skipif(EMU is None, reason="_native_avx512emu not built (or no AVX2 on this host)")
+CB_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
+
+
+@pytest.fixture(scope="module")
+def rt():
+    r = EMU.Runtime(2, [], 50)
+    yield r
+    r.close()
+
+
+def _matmul(rt, x: np.ndarray, t: exl3.Exl3Tensor, fast: bool) -> np.ndarray:
+    out = np.full((x.shape[0], t.n), np.nan, np.float32)
+    bias = None if t.bias is None else t.bias.view(np.uint16)
+    rt.matmul(x, t.trellis, t.suh.view(np.uint16), t.svh.view(np.uint16), bias, CB_ID[t.codebook], fast, out)
+    return out
+
+
+def test_is_the_emulated_avx512_code() -> None:
+    assert EMU.isa() == "avx512emu"
+
+
+@pytest.mark.parametrize(("codebook", "bits"), [(cb, b) for cb in exl3.CODEBOOKS for b in exl3.SUPPORTED_BITS[cb]])
+def test_matmul(rt, codebook: str, bits: float) -> None:
+    rng = np.random.default_rng(int(bits * 100) + len(codebook))
+    t = exl3.random_tensor(384, 384, bits, codebook, seed=rng, bias=bits == 2)  # type: ignore[arg-type]
+    w = t.reconstruct().astype(np.float64)
+    for m in (1, 3):
+        x = rng.standard_normal((m, 384)).astype(np.float32)
+        ref = x.astype(np.float64) @ w + (0 if t.bias is None else t.bias.astype(np.float64))
+        assert rel_max(_matmul(rt, x, t, False), ref) <= 1e-5
+        assert rel_rms(_matmul(rt, x, t, True), ref) <= 5e-3
+
+
+def test_tokens_1_to_9(rt) -> None:
+    rng = np.random.default_rng(1)
+    for bits in (3, 1.5, 4, 5):
+        t = exl3.random_tensor(256, 384, bits, "mul1", seed=rng)
+        w = t.reconstruct().astype(np.float64)
+        x = rng.standard_normal((9, 256)).astype(np.float32)
+        for m in range(1, 10):
+            ref = x[:m].astype(np.float64) @ w
+            assert rel_rms(_matmul(rt, x[:m], t, True), ref) <= 5e-3, (bits, m)
+            assert rel_max(_matmul(rt, x[:m], t, False), ref) <= 1e-5, (bits, m)
+
+
+def test_moe(rt) -> None:
+    experts = make_experts(3, 128, 256, 3, "mul1", seed=2)
+    layer = EMU.Layer(128, 256, 10.0)
+    for g, u, d in zip(*experts, strict=True):
+        layer.add_expert(*(a for t in (g, u, d) for a in (t.trellis, t.suh.view(np.uint16), t.svh.view(np.uint16), None, 2)))
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, 128)).astype(np.float32)
+    picks = Picks.from_topk(rng.integers(0, 3, (6, 2)), rng.random((6, 2)).astype(np.float32))
+    ref = ref_moe(x, picks, experts, 10.0)
+    for fast in (False, True):
+        out = np.full((6, 128), np.nan, np.float32)
+        job = rt.submit_moe(layer, x, picks.tokens, picks.experts, picks.weights, out, fast, 64)
+        assert job.wait(60.0) and not job.error()
+        assert np.all(job.computed() == 1)
+        if fast:
+            assert rel_rms(out, ref) <= 5e-3
+        else:
+            assert rel_max(out, ref) <= 1e-5
