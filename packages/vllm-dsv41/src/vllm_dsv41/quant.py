@@ -2,10 +2,11 @@
 
 * ``Exl3Config`` (registered with ``register_quantization_config("exl3")``) decides per layer, from which
   modules the checkpoint stores as EXL3, what method the layer gets.
-* ``Exl3LinearMethod`` (``vllm_dsv41.methods``): dense EXL3 linears, dequantized once after loading (``cpu_tier.exl3.reconstruct``)
-  and applied as a plain GEMM.
-* ``Exl3HostExpertsMethod`` (``vllm_dsv41.methods``, a ``FusedMoEMethodBase``): routed experts stay in host memory and run in the
-  expert runtime (``vllm_dsv41.experts``); vLLM keeps doing the routing and the shared experts.
+* ``Exl3LinearMethod`` (``vllm_dsv41.methods``): dense EXL3 linears, dequantized once after loading
+  (``cpu_tier.exl3.reconstruct``) and applied as a plain GEMM.
+* ``Exl3HostExpertsMethod`` (``vllm_dsv41.methods``, a ``FusedMoEMethodBase``): routed experts stay in host
+  memory and run in the expert runtime (``vllm_dsv41.experts``); vLLM keeps doing the routing and the shared
+  experts.
 
 This module imports only vLLM's quantization base, so that the plugin's ``register()`` stays light; the
 methods are imported when vLLM builds the model.
