@@ -114,7 +114,7 @@ constexpr const char* ISA_NAME = "scalar";
 CT_INLINE int elem_row(int t) { return 2 * ((t >> 3) & 3) + (t & 1) + 8 * ((t >> 1) & 1); }
 CT_INLINE int elem_col(int t) { return (t >> 5) + 8 * ((t >> 2) & 1); }
 
-static void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, float* y) {
+inline void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, float* y) {
     const TrellisTables& tb = *A.tb;
     const int tiles_k = A.k / 16, tiles_n = A.n / 16;
     const size_t row_stride = size_t(tiles_n) * tb.tile_bytes;
@@ -895,8 +895,15 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
 
 #if !defined(CPU_TIER_ISA_SCALAR)
 // ---------------------------------------------------------------------------------- template dispatch
-// K = 3 (DeepSeek-V4.1's) is compiled with compile-time window offsets for every path; K = 2 and 4 for the
-// one-token integer path; every other K runs the generic (table-driven) kernels.
+// The instantiations are spread over several translation units (gemv_*.cpp, each including this header with one
+// CT_DEFINE_* macro) so a build runs them in parallel.
+// K = 3 (DeepSeek-V4.1's) is compiled with compile-time window offsets; every other K runs the generic
+// (table-driven) kernels, except the AVX2 one-token integer path, which also specialises K = 2 and 4.
+void gemv_int(const MatRef& A, int band, const Acts& X, float* y);
+void gemv_float_mul1(const MatRef& A, int band, const Acts& X, bool round, float* y);
+void gemv_float_mcg(const MatRef& A, int band, const Acts& X, bool round, float* y);
+void gemv_float_3inst(const MatRef& A, int band, const Acts& X, bool round, float* y);
+
 template <int M, int CB, bool ROUND>
 static void float_dispatch_k(const MatRef& A, int band, const Acts& X, float* y) {
     if (A.bits2 == 6) return band_float<CB, M, ROUND, 6, true>(A, band, X, y);
@@ -905,19 +912,35 @@ static void float_dispatch_k(const MatRef& A, int band, const Acts& X, float* y)
     band_float<CB, M, ROUND, 0, true>(A, band, X, y);
 }
 
-template <int M>
-static void float_dispatch(const MatRef& A, int band, const Acts& X, bool round, float* y) {
-    switch (A.codebook) {
-        case CB_MUL1:  // fast MUL1 runs the integer path
-            (void)round;
-            return float_dispatch_k<M, CB_MUL1, true>(A, band, X, y);
-        case CB_MCG:
-            return round ? float_dispatch_k<M, CB_MCG, true>(A, band, X, y) : float_dispatch_k<M, CB_MCG, false>(A, band, X, y);
-        default:
-            return round ? float_dispatch_k<M, CB_3INST, true>(A, band, X, y) : float_dispatch_k<M, CB_3INST, false>(A, band, X, y);
+// MUL1's float path always rounds: its "fast" precision runs the integer path.
+template <int CB>
+static void float_dispatch_cb(const MatRef& A, int band, const Acts& X, bool round, float* y) {
+    constexpr bool R0 = CB == CB_MUL1;  // the variant used when round == false
+    switch (X.m) {
+        case 1: return round ? float_dispatch_k<1, CB, true>(A, band, X, y) : float_dispatch_k<1, CB, R0>(A, band, X, y);
+        case 2: return round ? float_dispatch_k<2, CB, true>(A, band, X, y) : float_dispatch_k<2, CB, R0>(A, band, X, y);
+        case 4: return round ? float_dispatch_k<4, CB, true>(A, band, X, y) : float_dispatch_k<4, CB, R0>(A, band, X, y);
+        default: return round ? float_dispatch_k<8, CB, true>(A, band, X, y) : float_dispatch_k<8, CB, R0>(A, band, X, y);
     }
 }
 
+#if defined(CT_DEFINE_GEMV_FLOAT_MUL1)
+void gemv_float_mul1(const MatRef& A, int band, const Acts& X, bool round, float* y) {
+    float_dispatch_cb<CB_MUL1>(A, band, X, round, y);
+}
+#endif
+#if defined(CT_DEFINE_GEMV_FLOAT_MCG)
+void gemv_float_mcg(const MatRef& A, int band, const Acts& X, bool round, float* y) {
+    float_dispatch_cb<CB_MCG>(A, band, X, round, y);
+}
+#endif
+#if defined(CT_DEFINE_GEMV_FLOAT_3INST)
+void gemv_float_3inst(const MatRef& A, int band, const Acts& X, bool round, float* y) {
+    float_dispatch_cb<CB_3INST>(A, band, X, round, y);
+}
+#endif
+
+#if defined(CT_DEFINE_GEMV_INT)
 #if !defined(CPU_TIER_ISA_AVX512)
 template <int M>
 static void intm_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
@@ -926,10 +949,7 @@ static void intm_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
     band_intm<M, 0, false>(A, band, X, y);
 }
 #endif
-
-// y: [m][128] (row stride 128), the band's outputs in the Hadamard basis, before the output transform.
-static void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, float* y) {
-    if (mode == GemvMode::Int) {  // MUL1
+void gemv_int(const MatRef& A, int band, const Acts& X, float* y) {
 #if defined(CPU_TIER_ISA_AVX512)
         // K <= 4 (every half-integer K too): the 16-bit path; K = 5..8 (integer, uniform shifts): 32-bit lanes.
         if (A.tb->has16) {
@@ -978,7 +998,12 @@ static void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, f
             default: return;
         }
 #endif
-    }
+}
+#endif
+
+// y: [m][128] (row stride 128), the band's outputs in the Hadamard basis, before the output transform.
+inline void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, float* y) {
+    if (mode == GemvMode::Int) return gemv_int(A, band, X, y);  // MUL1
     // Float path: M in {1, 2, 4, 8} are compiled; other token counts run as a sum of those (3 = 2 + 1, ...).
     const bool round = mode == GemvMode::Exact;
     int done = 0;
@@ -989,11 +1014,10 @@ static void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, f
         S.m = mm;
         S.xf = X.xf + size_t(done) * X.xf_stride;
         float* ys = y + size_t(done) * 128;
-        switch (mm) {
-            case 1: float_dispatch<1>(A, band, S, round, ys); break;
-            case 2: float_dispatch<2>(A, band, S, round, ys); break;
-            case 4: float_dispatch<4>(A, band, S, round, ys); break;
-            default: float_dispatch<8>(A, band, S, round, ys); break;
+        switch (A.codebook) {
+            case CB_MUL1: gemv_float_mul1(A, band, S, round, ys); break;
+            case CB_MCG: gemv_float_mcg(A, band, S, round, ys); break;
+            default: gemv_float_3inst(A, band, S, round, ys); break;
         }
         done += mm;
     }

@@ -45,8 +45,18 @@ def _git() -> str:
         return "unknown"
 
 
+def _page_aligned_copy(a: np.ndarray) -> np.ndarray:
+    """A copy of ``a`` at a page-aligned address, like the server's pinned expert buffers (numpy's own large
+    allocations sit 16 bytes past a page boundary, which costs the kernels ~15% from split cache lines)."""
+    buf = np.empty(a.nbytes + 4096, dtype=np.uint8)
+    off = (-buf.ctypes.data) % 4096
+    v = buf[off : off + a.nbytes].view(a.dtype).reshape(a.shape)
+    v[...] = a
+    return v
+
+
 def _experts(n: int, hidden: int, inter: int, codebook: str, seed: int) -> tuple[list, list, list]:
-    """n distinct experts (separate memory); the trellis content repeats from 3 random templates."""
+    """n distinct experts (separate, page-aligned memory); the trellis content repeats from 3 random templates."""
     rng = np.random.default_rng(seed)
     tmpl = [
         (exl3.random_tensor(hidden, inter, K, codebook, seed=rng), exl3.random_tensor(hidden, inter, K, codebook, seed=rng),
@@ -57,7 +67,7 @@ def _experts(n: int, hidden: int, inter: int, codebook: str, seed: int) -> tuple
     for e in range(n):
         g, u, d = tmpl[e % 3]
         for src, dst in ((g, gate), (u, up), (d, down)):
-            dst.append(exl3.Exl3Tensor.from_arrays(src.trellis.copy(), src.suh, src.svh, codebook))
+            dst.append(exl3.Exl3Tensor.from_arrays(_page_aligned_copy(src.trellis), src.suh, src.svh, codebook))
     return gate, up, down
 
 

@@ -1,0 +1,3 @@
+// One share of the kernel instantiations of an ISA variant (see the dispatch section of kernels.h).
+#define CT_DEFINE_GEMV_INT
+#include "kernels.h"
