@@ -508,6 +508,7 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
                 constexpr int a = decltype(AA)::value;
                 if constexpr (M <= 3) {
                     __m256 acc0[M], acc1[M];
+                    for (int t = 0; t < M; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
                     for (int rr = 0; rr < 8; ++rr) {
                         const uint8_t* tile = brow + rr * row_stride + j * tbytes;
                         const uint8_t* e = ext + (BITS2 == 0 ? (rr * 8 + j) * EXT_STRIDE : 0);
@@ -519,9 +520,8 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
                             const __m256 v0 = decode_values<CB, ROUND>(slot_states<UNIFORM, 4 * a + q, 0>(L, tb, sh0, mask16));
                             const __m256 v1 = decode_values<CB, ROUND>(slot_states<UNIFORM, 4 * a + q, 1>(L, tb, sh1, mask16));
                             for (int t = 0; t < M; ++t) {
-                                const bool first = rr == 0 && q == 0;
-                                acc0[t] = first ? _mm256_mul_ps(v0, xp[rr][t][q]) : _mm256_fmadd_ps(v0, xp[rr][t][q], acc0[t]);
-                                acc1[t] = first ? _mm256_mul_ps(v1, xp[rr][t][q]) : _mm256_fmadd_ps(v1, xp[rr][t][q], acc1[t]);
+                                acc0[t] = _mm256_fmadd_ps(v0, xp[rr][t][q], acc0[t]);
+                                acc1[t] = _mm256_fmadd_ps(v1, xp[rr][t][q], acc1[t]);
                             }
                         });
                     }
@@ -534,6 +534,7 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
                     static_for<2>([&](auto HH) CT_LAMBDA_INLINE {
                         constexpr int h = decltype(HH)::value;
                         __m256 acc[M];
+                        for (int t = 0; t < M; ++t) acc[t] = _mm256_setzero_ps();
                         for (int rr = 0; rr < 8; ++rr) {
                             const uint8_t* tile = brow + rr * row_stride + j * tbytes;
                             const uint8_t* e = ext + (BITS2 == 0 ? (rr * 8 + j) * EXT_STRIDE : 0);
@@ -544,9 +545,7 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
                                 const __m256i L = slot_window<BITS2, 4 * a + q>(tile, e, wrapv, tb);
                                 const __m256 v =
                                     decode_values<CB, ROUND>(slot_states<UNIFORM, 4 * a + q, h>(L, tb, h ? sh1 : sh0, mask16));
-                                for (int t = 0; t < M; ++t)
-                                    acc[t] = (rr == 0 && q == 0) ? _mm256_mul_ps(v, xp[rr][t][q])
-                                                                 : _mm256_fmadd_ps(v, xp[rr][t][q], acc[t]);
+                                for (int t = 0; t < M; ++t) acc[t] = _mm256_fmadd_ps(v, xp[rr][t][q], acc[t]);
                             });
                         }
                         for (int t = 0; t < M; ++t) {
