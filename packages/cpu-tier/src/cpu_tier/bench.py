@@ -121,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     for isa in isas:
         for thr in thread_counts:
-            cfg = CpuTierConfig(threads=thr, isa=isa)  # type: ignore[arg-type]
+            pin = usable_cpus()[:thr] if thr <= len(usable_cpus()) else ()
+            cfg = CpuTierConfig(threads=thr, cpus=pin, isa=isa)  # type: ignore[arg-type]
             with ExpertTier(cfg) as probe_tier:
                 bw = probe_tier._rt.read_bandwidth(probe_bytes, 3) / 1e9
             row = {"case": "probe/stream-read", "isa": isa, "threads": thr, "GBps": bw, "GBps_per_core": bw / thr,
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 if isa == "scalar":  # a few experts suffice for a variant this slow
                     experts = tuple(p[:2] for p in experts)  # type: ignore[assignment]
                 ne = len(experts[0])
-                tier = ExpertTier(CpuTierConfig(threads=thr, isa=isa, precision=prec))  # type: ignore[arg-type]
+                tier = ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa, precision=prec))  # type: ignore[arg-type]
                 tier.add_layer(0, *experts)
                 x = rng.standard_normal((m, hidden)).astype(np.float32)
                 picks = Picks(np.repeat(np.arange(m, dtype=np.int32), ne), np.tile(np.arange(ne, dtype=np.int32), m),
