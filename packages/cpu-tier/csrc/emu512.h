@@ -44,6 +44,12 @@ CT_EMU_FN V512 load_si512(const void* p) {
     return r;
 }
 CT_EMU_FN void store_si512(void* p, V512 a) { std::memcpy(p, &a, 64); }
+// the upper 256 bits are undefined on hardware; zero here
+CT_EMU_FN V512 castsi256_si512(__m256i a) {
+    V512 r = zero();
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.u8), a);
+    return r;
+}
 CT_EMU_FN V512 maskz_loadu_epi8(mmask64 k, const void* p) {
     V512 r = zero();
     const uint8_t* s = static_cast<const uint8_t*>(p);
@@ -250,6 +256,7 @@ CT_EMU_FN F512 cvtph_ps(__m256i a) {
 #define __mmask64 ::cpu_tier::emu::mmask64
 #define _mm512_load_si512 ::cpu_tier::emu::load_si512
 #define _mm512_loadu_si512 ::cpu_tier::emu::load_si512
+#define _mm512_castsi256_si512 ::cpu_tier::emu::castsi256_si512
 #define _mm512_store_si512 ::cpu_tier::emu::store_si512
 #define _mm512_maskz_loadu_epi8 ::cpu_tier::emu::maskz_loadu_epi8
 #define _mm512_load_ps ::cpu_tier::emu::load_ps

@@ -140,8 +140,10 @@ struct MoeJob : JobBase {
     int cancel_after_chunks = -1;  // test hook: cancel once this many chunks are complete (< 0: never)
     std::atomic<int> chunks_done{0};
     std::vector<uint8_t> computed;  // per pick: 1 when its weighted output is in `out`
-    // statistics
+    // statistics: wall time per phase (0 zero, 1 input transforms, 2 gate/up, 3 SwiGLU + down input, 4 down,
+    // 5 weighted sum), summed over waves
     uint64_t t_start_ns = 0, t_end_ns = 0;
+    uint64_t phase_ns[6] = {0, 0, 0, 0, 0, 0};
 
     struct Chunk {
         int expert = 0, m = 0;
@@ -154,12 +156,14 @@ struct MoeJob : JobBase {
         const int H = L.H, I = L.I;
         const int nbI = I / 128, nbH = H / 128;
         computed.assign(size_t(P), 0);
+        const uint64_t tp0 = now_ns();
         // phase 0: zero the output (also for a cancelled job: rows with no computed pick are zero)
         const int zrows = 8;
         pool.parallel_for((T + zrows - 1) / zrows, [&](int u, int) {
             const int r0 = u * zrows, r1 = std::min(T, r0 + zrows);
             std::memset(out + size_t(r0) * H, 0, size_t(r1 - r0) * H * sizeof(float));
         });
+        phase_ns[0] += now_ns() - tp0;
         // Group picks by expert (stable), chunks of <= MAXM picks of one expert.
         std::vector<int> order(static_cast<size_t>(P));
         std::iota(order.begin(), order.end(), 0);
@@ -203,6 +207,7 @@ struct MoeJob : JobBase {
             auto mats = [&](int c) -> const ExpertMats& { return L.experts[size_t(ch[c].expert)]; };
             auto is_int = [&](const MatRef& A, int c) { return gemv_mode(A, fast, ch[c].m) == GemvMode::Int; };
 
+            const uint64_t tp1 = now_ns();
             // phase 1: gate/up input transforms; unit = (chunk, proj, slot, group of 8 blocks)
             const int kbH = H / 128, bgH = (kbH + 7) / 8;
             pool.parallel_for(nch * 2 * MAXM * bgH, [&](int u, int) {
@@ -222,6 +227,8 @@ struct MoeJob : JobBase {
                 agu[size_t(2 * c)].finish_sums(ch[c].m);
                 agu[size_t(2 * c + 1)].finish_sums(ch[c].m);
             }
+            phase_ns[1] += now_ns() - tp1;
+            const uint64_t tp2 = now_ns();
             // phase 2: gate and up GEMV bands + output transforms
             pool.parallel_for(nch * 2 * nbI, [&](int u, int) {
                 if (cancelled.load(std::memory_order_relaxed)) return;
@@ -236,6 +243,8 @@ struct MoeJob : JobBase {
                     std::memcpy(dst + size_t(s) * I + 128 * band, y + 128 * s, 128 * sizeof(float));
                 }
             });
+            phase_ns[2] += now_ns() - tp2;
+            const uint64_t tp3 = now_ns();
             // phase 3: clamped SwiGLU + down input transform, unit = (chunk, block of I)
             pool.parallel_for(nch * nbI, [&](int u, int) {
                 if (cancelled.load(std::memory_order_relaxed)) return;
@@ -249,6 +258,8 @@ struct MoeJob : JobBase {
                 }
             });
             for (int c = 0; c < nch; ++c) ad[size_t(c)].finish_sums(ch[c].m);
+            phase_ns[3] += now_ns() - tp3;
+            const uint64_t tp4 = now_ns();
             // phase 4: down GEMV bands + output transform
             pool.parallel_for(nch * nbH, [&](int u, int) {
                 if (cancelled.load(std::memory_order_relaxed)) return;
@@ -265,6 +276,8 @@ struct MoeJob : JobBase {
                     chunks_done.fetch_add(1) + 1 >= cancel_after_chunks)
                     cancelled.store(true);
             });
+            phase_ns[4] += now_ns() - tp4;
+            const uint64_t tp5 = now_ns();
             // phase 5: weighted sum into out for the complete chunks; unit = (token, column chunk of 512)
             struct Entry {
                 int token, c, s;
@@ -296,6 +309,7 @@ struct MoeJob : JobBase {
                     for (int i = col0; i < col1; ++i) o[i] += w * src[i];
                 }
             });
+            phase_ns[5] += now_ns() - tp5;
         }
         t_end_ns = now_ns();
     }

@@ -452,7 +452,6 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
     for (int blk = 0; blk < nblk; ++blk) {
         const uint8_t* brow = base + size_t(8 * blk) * row_stride;
         for (int rr = 0; rr < 8; ++rr) {
-            if (8 * (blk + 1) + rr < tiles_k) prefetch_row(brow + (8 + rr) * row_stride, 8 * tbytes);
             if constexpr (BITS2 == 0) copy_row_ext(brow + rr * row_stride, tbytes, ext + rr * 8 * EXT_STRIDE);
             for (int t = 0; t < M; ++t)
                 for (int pq = 0; pq < 2; ++pq) {
@@ -465,8 +464,11 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
         }
         __m256 sc[M];
         for (int t = 0; t < M; ++t) sc[t] = _mm256_set1_ps(X.xs[t * X.xs_stride + blk]);
-        for (int j = 0; j < 8; ++j)
+        for (int j = 0; j < 8; ++j) {
+            // prefetch the next block one row per tile column, spread over the block's work
+            if (8 * (blk + 1) + j < tiles_k) prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
             for (int ah = 0; ah < 8; ++ah) intm_cell<M, BITS2, UNIFORM>(brow, row_stride, j, ah, tbytes, ext, tb, xpp, sc, facc[0], K);
+        }
     }
     for (int t = 0; t < M; ++t) {
         reduce_tile_acc(facc[t], y + 128 * t);
@@ -496,7 +498,6 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
     for (int blk = 0; blk < nblk; ++blk) {
         const uint8_t* brow = base + size_t(8 * blk) * row_stride;
         for (int rr = 0; rr < 8; ++rr) {
-            if (8 * (blk + 1) + rr < tiles_k) prefetch_row(brow + (8 + rr) * row_stride, 8 * tbytes);
             if constexpr (BITS2 == 0) copy_row_ext(brow + rr * row_stride, tbytes, ext + rr * 8 * EXT_STRIDE);
             for (int t = 0; t < M; ++t)
                 for (int q = 0; q < 4; ++q)
@@ -504,6 +505,7 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
                         reinterpret_cast<const __m128*>(X.xf + t * X.xf_stride + 16 * (8 * blk + rr) + 4 * q));
         }
         for (int j = 0; j < 8; ++j) {
+            if (8 * (blk + 1) + j < tiles_k) prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
             static_for<4>([&](auto AA) CT_LAMBDA_INLINE {
                 constexpr int a = decltype(AA)::value;
                 if constexpr (M <= 3) {
@@ -621,10 +623,29 @@ CT_INLINE __m512 decode_values16(__m512i s) {
 // multiplies (low half: lo16(s * 0xD12D); high half: hi16(s * 0xD12D) + lo16(s * 0x83DC)); two vpmaddubsw give
 // the byte sums bs (int16); one vpdpwssd per token multiplies adjacent lanes (two rows of one column) by their
 // int16 activations. Block order: 8 tile rows accumulate in registers, then one flush with the block's scale.
-template <int M>
+// Tile bytes 0..127 in two registers without reading past the tile: plain loads where whole, masked otherwise.
+template <int TB>
+CT_INLINE void load_tile2(const uint8_t* tile, int tbytes, __mmask64 m0, __mmask64 m1, __m512i& z0, __m512i& z1) {
+    if constexpr (TB == 96) {  // K = 3
+        z0 = _mm512_loadu_si512(tile);
+        z1 = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64)));
+    } else if constexpr (TB == 128) {  // K = 4
+        z0 = _mm512_loadu_si512(tile);
+        z1 = _mm512_loadu_si512(tile + 64);
+    } else if constexpr (TB == 64) {  // K = 2
+        z0 = _mm512_loadu_si512(tile);
+        z1 = z0;
+    } else {
+        (void)tbytes;
+        z0 = _mm512_maskz_loadu_epi8(m0, tile);
+        z1 = _mm512_maskz_loadu_epi8(m1, tile + 64);
+    }
+}
+
+template <int M, int TB>
 static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
-    const int tbytes = tb.tile_bytes;
+    const int tbytes = TB != 0 ? TB : tb.tile_bytes;
     const int tiles_k = A.k / 16, tiles_n = A.n / 16;
     const size_t row_stride = size_t(tiles_n) * tbytes;
     const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
@@ -646,7 +667,6 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
     for (int blk = 0; blk < nblk; ++blk) {
         const uint8_t* brow = base + size_t(8 * blk) * row_stride;
         for (int rr = 0; rr < 8; ++rr) {
-            if (8 * (blk + 1) + rr < tiles_k) prefetch_row(brow + (8 + rr) * row_stride, 8 * tbytes);
             for (int t = 0; t < M; ++t) {
                 const int16_t* xr = X.xq + t * X.xq_stride + 16 * (8 * blk + rr);
                 xpat[rr][t] = _mm512_permutexvar_epi16(
@@ -656,6 +676,7 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
         __m512 sc[M];
         for (int t = 0; t < M; ++t) sc[t] = _mm512_set1_ps(X.xs[t * X.xs_stride + blk]);
         for (int j = 0; j < 8; ++j) {
+            if (8 * (blk + 1) + j < tiles_k) prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
             for (int c0 = 0; c0 < 8; ++c0) {
                 const __m512i perm = _mm512_load_si512(tb.perm16[c0]);
                 const __m512i msh = _mm512_load_si512(tb.mshift16[c0]);
@@ -664,8 +685,8 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
 #pragma GCC unroll 8
                 for (int rr = 0; rr < 8; ++rr) {
                     const uint8_t* tile = brow + rr * row_stride + j * tbytes;
-                    const __m512i z0 = _mm512_maskz_loadu_epi8(m0, tile);
-                    const __m512i z1 = _mm512_maskz_loadu_epi8(m1, tile + 64);
+                    __m512i z0, z1;
+                    load_tile2<TB>(tile, tbytes, m0, m1, z0, z1);
                     const __m512i st = _mm512_multishift_epi64_epi8(msh, _mm512_permutex2var_epi8(z0, perm, z1));
                     const __m512i plo = _mm512_mullo_epi16(st, ml);
                     const __m512i phi = _mm512_add_epi16(_mm512_mulhi_epu16(st, ml), _mm512_mullo_epi16(st, mh));
@@ -940,6 +961,22 @@ void gemv_float_3inst(const MatRef& A, int band, const Acts& X, bool round, floa
 #endif
 
 #if defined(CT_DEFINE_GEMV_INT)
+#if defined(CPU_TIER_ISA_AVX512)
+template <int TB>
+static void int16_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
+    switch (X.m) {
+        case 1: return band_int16<1, TB>(A, band, X, y);
+        case 2: return band_int16<2, TB>(A, band, X, y);
+        case 3: return band_int16<3, TB>(A, band, X, y);
+        case 4: return band_int16<4, TB>(A, band, X, y);
+        case 5: return band_int16<5, TB>(A, band, X, y);
+        case 6: return band_int16<6, TB>(A, band, X, y);
+        case 7: return band_int16<7, TB>(A, band, X, y);
+        case 8: return band_int16<8, TB>(A, band, X, y);
+        default: return;
+    }
+}
+#endif
 #if !defined(CPU_TIER_ISA_AVX512)
 template <int M>
 static void intm_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
@@ -952,17 +989,10 @@ void gemv_int(const MatRef& A, int band, const Acts& X, float* y) {
 #if defined(CPU_TIER_ISA_AVX512)
         // K <= 4 (every half-integer K too): the 16-bit path; K = 5..8 (integer, uniform shifts): 32-bit lanes.
         if (A.tb->has16) {
-            switch (X.m) {
-                case 1: return band_int16<1>(A, band, X, y);
-                case 2: return band_int16<2>(A, band, X, y);
-                case 3: return band_int16<3>(A, band, X, y);
-                case 4: return band_int16<4>(A, band, X, y);
-                case 5: return band_int16<5>(A, band, X, y);
-                case 6: return band_int16<6>(A, band, X, y);
-                case 7: return band_int16<7>(A, band, X, y);
-                case 8: return band_int16<8>(A, band, X, y);
-                default: return;
-            }
+            if (A.tb->tile_bytes == 96) return int16_dispatch<96>(A, band, X, y);
+            if (A.tb->tile_bytes == 64) return int16_dispatch<64>(A, band, X, y);
+            if (A.tb->tile_bytes == 128) return int16_dispatch<128>(A, band, X, y);
+            return int16_dispatch<0>(A, band, X, y);
         }
         switch (X.m) {
             case 1: return band_int1<0, true>(A, band, X, y);

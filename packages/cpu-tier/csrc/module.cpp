@@ -219,6 +219,12 @@ class NativeJob {
         return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(data->data(), {data->size()}, owner);
     }
     double elapsed_s() const { return job->done() ? double(job->t_end_ns - job->t_start_ns) * 1e-9 : 0.0; }
+    std::vector<double> phase_s() const {
+        std::vector<double> r;
+        if (job->done())
+            for (uint64_t v : job->phase_ns) r.push_back(double(v) * 1e-9);
+        return r;
+    }
 };
 
 }  // namespace CPU_TIER_NS
@@ -288,7 +294,8 @@ NB_MODULE(CPU_TIER_MODULE, m) {
         .def("cancel", &NativeJob::cancel)
         .def("error", &NativeJob::error)
         .def("computed", &NativeJob::computed)
-        .def("elapsed_s", &NativeJob::elapsed_s);
+        .def("elapsed_s", &NativeJob::elapsed_s)
+        .def("phase_s", &NativeJob::phase_s);
 
     // Test hooks: the decoded tile of the kernels' own state extraction (scalar path) for cross-checks.
     m.def("tile_states", [](nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> tile, int bits2) {

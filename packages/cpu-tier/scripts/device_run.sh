@@ -22,4 +22,4 @@ CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-index --no-deps 
 echo "== built in $(( $(date +%s) - t0 )) s"
 python3 -c "import cpu_tier; print('runnable', cpu_tier.runnable_isas(), 'selected', cpu_tier.selected_isa())"
 timeout 170 python3 -m pytest packages/cpu-tier/tests -m "not gpu" -q -p no:cacheprovider -x 2>&1 | tee "$OUT/tests.txt" | tail -15
-timeout 200 python3 -m cpu_tier.bench --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+timeout 200 python3 -m cpu_tier.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"

@@ -148,12 +148,16 @@ def main(argv: list[str] | None = None) -> int:
                 out = np.empty((m, hidden), np.float32)
                 iters = max(1, args.iters if isa != "scalar" else 1)
                 times = []
+                phases = np.zeros(6)
                 for it in range(iters + 1):
                     t1 = time.perf_counter()
-                    tier.forward(0, x, picks, out)
+                    job = tier.submit(0, x, picks, out)
+                    job.wait()
+                    job.result()
                     dt = time.perf_counter() - t1
                     if it:
                         times.append(dt / ne)
+                        phases += np.asarray(job._native.phase_s()) / ne / iters
                 tier.close()
                 med, p10, p90 = _stats(times)
                 gbps = expert_bytes / med / 1e9
@@ -162,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"case": case, "isa": isa, "threads": thr, "tokens": m, "precision": prec, "codebook": cb,
                              "ms_per_expert": med * 1e3, "p10_ms": p10 * 1e3, "p90_ms": p90 * 1e3,
                              "Gweights_per_s": gw, "GBps": gbps, "GBps_per_core": gbps / thr, "probe_GBps": bw,
-                             "ratio_to_probe": gbps / bw})
+                             "ratio_to_probe": gbps / bw,
+                             "phase_ms_per_expert": dict(zip(
+                                 ("zero", "input", "gate_up", "swiglu_down_input", "down", "sum"),
+                                 (round(float(v) * 1e3, 4) for v in phases)))})
                 print(f"{case:<26}{isa:>8}{thr:>5}{m:>3}{prec:>7}{med * 1e3:9.3f}{p10 * 1e3:8.3f}{p90 * 1e3:8.3f}"
                       f"{gw:8.2f}{gbps:8.2f}{gbps / thr:10.2f}{bw:8.2f}{gbps / bw:7.2f}", flush=True)
     if args.json:
