@@ -100,6 +100,28 @@ struct BandwidthJob : JobBase {
     }
 };
 
+// Core clock estimate: a chain of dependent integer adds runs at one add per cycle on every x86 core we target.
+struct ClockJob : JobBase {
+    int units = 1;
+    std::vector<double> ghz;
+    void run(Pool& pool) override {
+        ghz.assign(size_t(units), 0.0);
+        pool.parallel_for(units, [&](int u, int) {
+            const uint64_t n = 20000000;  // x 4 adds
+            uint64_t x = uint64_t(u);
+            const uint64_t t0 = now_ns();
+            for (uint64_t i = 0; i < n; ++i) {
+#if defined(__x86_64__)
+                __asm__ volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(x));
+#else
+                x += 4;
+#endif
+            }
+            ghz[size_t(u)] = double(4 * n) / double(now_ns() - t0);
+        });
+    }
+};
+
 class Runtime {
    public:
     Runtime(int threads, std::vector<int> cpus, int spin_us) : pool_(std::make_unique<Pool>(threads, std::move(cpus), spin_us)) {}
@@ -134,6 +156,19 @@ class Runtime {
             job->wait(-1);
         }
         if (!job->error.empty()) throw std::runtime_error(job->error);
+    }
+
+    // Per-worker clock (GHz) with all workers busy at once.
+    std::vector<double> clock_ghz() {
+        Pool& p = pool();
+        auto job = std::make_shared<ClockJob>();
+        job->units = p.threads();
+        {
+            nb::gil_scoped_release nogil;
+            p.submit(job);
+            job->wait(-1);
+        }
+        return job->ghz;
     }
 
     double read_bandwidth(size_t bytes, int iters) {
@@ -245,6 +280,7 @@ NB_MODULE(CPU_TIER_MODULE, m) {
         .def("matmul", &Runtime::matmul, nb::arg("x"), nb::arg("trellis"), nb::arg("suh"), nb::arg("svh"),
              nb::arg("bias").none(), nb::arg("codebook"), nb::arg("fast"), nb::arg("out"))
         .def("read_bandwidth", &Runtime::read_bandwidth, nb::arg("bytes"), nb::arg("iters"))
+        .def("clock_ghz", &Runtime::clock_ghz)
         .def(
             "submit_moe",
             [](Runtime& rt, NativeLayer& layer, F32_2D x, I32_1D tokens, I32_1D experts, F32_1D weights, F32_2D out,

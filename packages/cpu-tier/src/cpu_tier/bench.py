@@ -4,7 +4,8 @@ In one run: the host's streaming read bandwidth (its own probe: every worker sum
 then DeepSeek-V4.1 experts (H=5120, I=2304, MUL1 K=3: 13,271,040 bytes of trellis per expert) through
 ``ExpertTier`` with 1, 2, 4 and 8 tokens per expert, per ISA, on one core and on all cores. Each job runs every
 expert of a pool larger than the last-level cache, so weights come from DRAM. Reported: ms per expert, weights/s,
-trellis GB/s, per core, and the ratio of trellis GB/s to the probe's GB/s for the same thread count.
+trellis GB/s, per core, the ratio of trellis GB/s to the probe's GB/s for the same thread count, and core cycles per
+weight (clock from a dependent-add chain run on every worker at once).
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     mcg = _experts(min(n_exp, 8), hidden, inter, "mcg", seed=2) if not args.quick else None
     print(f"# built {n_exp} experts in {time.perf_counter() - t0:.1f} s", flush=True)
     hdr = (f"{'case':<26}{'isa':>8}{'thr':>5}{'m':>3}{'prec':>7}{'ms/exp':>9}{'p10':>8}{'p90':>8}"
-           f"{'Gw/s':>8}{'GB/s':>8}{'GB/s/core':>10}{'probe':>8}{'ratio':>7}")
+           f"{'Gw/s':>8}{'GB/s':>8}{'GB/s/core':>10}{'probe':>8}{'ratio':>7}{'cyc/w':>7}")
     print(hdr, flush=True)
     rows: list[dict[str, Any]] = []
     rng = np.random.default_rng(0)
@@ -125,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
             cfg = CpuTierConfig(threads=thr, cpus=pin, isa=isa)  # type: ignore[arg-type]
             with ExpertTier(cfg) as probe_tier:
                 bw = probe_tier._rt.read_bandwidth(probe_bytes, 3) / 1e9
+                ghz = float(np.median(probe_tier._rt.clock_ghz()))
             row = {"case": "probe/stream-read", "isa": isa, "threads": thr, "GBps": bw, "GBps_per_core": bw / thr,
-                   "bytes": probe_bytes}
+                   "bytes": probe_bytes, "clock_GHz": ghz}
             rows.append(row)
             print(f"{'probe/stream-read':<26}{isa:>8}{thr:>5}{'':>3}{'':>7}{'':>9}{'':>8}{'':>8}{'':>8}"
-                  f"{bw:8.2f}{bw / thr:10.2f}{bw:8.2f}{'':>7}", flush=True)
+                  f"{bw:8.2f}{bw / thr:10.2f}{bw:8.2f}{'':>7}  (core clock ~{ghz:.2f} GHz with {thr} busy)", flush=True)
             cases = [(m, "fast", "mul1") for m in tokens] + [(1, "exact", "mul1")]
             if mcg is not None:
                 cases.append((1, "fast", "mcg"))
@@ -166,12 +168,13 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append({"case": case, "isa": isa, "threads": thr, "tokens": m, "precision": prec, "codebook": cb,
                              "ms_per_expert": med * 1e3, "p10_ms": p10 * 1e3, "p90_ms": p90 * 1e3,
                              "Gweights_per_s": gw, "GBps": gbps, "GBps_per_core": gbps / thr, "probe_GBps": bw,
-                             "ratio_to_probe": gbps / bw,
+                             "ratio_to_probe": gbps / bw, "clock_GHz": ghz,
+                             "cycles_per_weight": ghz * 1e9 * thr / (gw * 1e9),
                              "phase_ms_per_expert": dict(zip(
                                  ("zero", "input", "gate_up", "swiglu_down_input", "down", "sum"),
                                  (round(float(v) * 1e3, 4) for v in phases)))})
                 print(f"{case:<26}{isa:>8}{thr:>5}{m:>3}{prec:>7}{med * 1e3:9.3f}{p10 * 1e3:8.3f}{p90 * 1e3:8.3f}"
-                      f"{gw:8.2f}{gbps:8.2f}{gbps / thr:10.2f}{bw:8.2f}{gbps / bw:7.2f}", flush=True)
+                      f"{gw:8.2f}{gbps:8.2f}{gbps / thr:10.2f}{bw:8.2f}{gbps / bw:7.2f}{ghz * thr / gw:7.3f}", flush=True)
     if args.json:
         env = {"cpu": _cpu_model(), "cores": len(usable_cpus()), "features": cpu_features(), "git": _git(),
                "python": sys.version.split()[0], "numpy": np.__version__, "experts_per_job": n_exp,
