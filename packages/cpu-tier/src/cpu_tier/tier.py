@@ -322,6 +322,8 @@ class ExpertTier:
     ) -> Job:
         """Start computing one layer's picks; returns at once. See ``forward`` for the arguments.
 
+        The job reads ``x`` and writes ``out`` in place while it runs (the Job keeps them alive): leave ``x``
+        unchanged and do not read ``out`` until ``done()``. Jobs run in submission order.
         (``_test_cancel_after_chunks`` is a test hook: cancel once that many expert chunks are complete.)
         """
         self._check_open()
