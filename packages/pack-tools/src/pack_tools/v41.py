@@ -14,6 +14,8 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from engram_mmap.config import next_prime
+
 from pack_tools.errors import PackError
 
 __all__ = [
@@ -111,43 +113,10 @@ def engram_primes(vocab_size: int, n_heads: int, max_ngram: int, n_layers: int) 
     for _ in range(n_layers):
         layer: list[int] = []
         for _ in range((max_ngram - 1) * n_heads):
-            p = _next_prime(p)
+            p = next_prime(p)  # engram-mmap's deterministic Miller-Rabin search
             layer.append(p)
         out.append(layer)
     return out
-
-
-def _next_prime(n: int) -> int:
-    c = n + 1
-    while not _is_prime(c):
-        c += 1
-    return c
-
-
-def _is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    if n % 2 == 0:
-        return n == 2
-    for d in (3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
-        if n % d == 0:
-            return n == d
-    # Deterministic Miller-Rabin for 64-bit integers.
-    d, s = n - 1, 0
-    while d % 2 == 0:
-        d //= 2
-        s += 1
-    for a in (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37):
-        x = pow(a, d, n)
-        if x in (1, n - 1):
-            continue
-        for _ in range(s - 1):
-            x = x * x % n
-            if x == n - 1:
-                break
-        else:
-            return False
-    return True
 
 
 def moe_layers(names: Iterable[str]) -> dict[str, set[int]]:
