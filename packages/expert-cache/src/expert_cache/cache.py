@@ -488,18 +488,11 @@ class ExpertCache:
         acc, hits, pick_hits, picks = (int(v) for v in self._dev_counters.cpu().tolist())
         c = self._ctl.counters()
         return CacheStats(
-            steps=c["steps"],
-            decode_steps=c["decode_steps"],
-            prefill_steps=c["prefill_steps"],
+            **c,  # the controller's lifecycle counters
             accesses=acc,
             hits=hits,
             picks=picks,
             pick_hits=pick_hits,
-            admits=c["admits"],
-            evicts=c["evicts"],
-            replans=c["replans"],
-            releases=c["releases"],
-            rewarms=c["rewarms"],
             bytes_copied=self._fills * self.config.expert_bytes,
             num_slots=self.num_slots,
         )

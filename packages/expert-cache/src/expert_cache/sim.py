@@ -125,18 +125,11 @@ def simulate(trace: Trace, config: ExpertCacheConfig, policy: Policy | None = No
                 sync_resident()
     c = ctl.counters()
     return CacheStats(
-        steps=c["steps"],
-        decode_steps=c["decode_steps"],
-        prefill_steps=c["prefill_steps"],
+        **c,  # the controller's lifecycle counters
         accesses=accesses,
         hits=hits,
         picks=picks,
         pick_hits=pick_hits,
-        admits=c["admits"],
-        evicts=c["evicts"],
-        replans=c["replans"],
-        releases=c["releases"],
-        rewarms=c["rewarms"],
         bytes_copied=c["admits"] * config.expert_bytes,
         num_slots=n,
     )
