@@ -160,6 +160,21 @@ def profile_layer(store: HostExpertStore, cfg: PrefillConfig, T: int, seed: int,
     return rows[:top]
 
 
+def stage_profile(store: HostExpertStore, cfg: PrefillConfig, T: int, seed: int) -> dict[str, float]:
+    """Compute-stream milliseconds per stage for one layer at chunk ``T`` (after a warm-up layer), from CUDA
+    events recorded between the stages of every batch (copies run concurrently on their own stream)."""
+    pf = DmaPrefill(store, cfg)
+    x = torch.randn(T, FLASH.hidden, device="cuda").to(torch.bfloat16)
+    r0, r1 = routing(T, FLASH.num_experts, 6, seed), routing(T, FLASH.num_experts, 6, seed + 1)
+    pf.run_layer(0, x, PrefillPlan.build(*r0, FLASH.num_experts, cfg.experts_per_batch))
+    torch.cuda.synchronize()
+    pf.compute.stage_events = []
+    pf.run_layer(1, x, PrefillPlan.build(*r1, FLASH.num_experts, cfg.experts_per_batch))
+    times = pf.compute.stage_times()
+    pf.compute.stage_events = None
+    return times
+
+
 def tune(store: HostExpertStore, cfg: PrefillConfig, T: int) -> dict:
     """Greedy choice of the decode block, the row-transform block and the GEMM tile by the measured compute
     time per layer (sum of batch compute intervals) at chunk ``T``, two layer steps per candidate."""
@@ -202,7 +217,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--fp16-chunks", default="32768", help="chunk sizes to repeat with fp16 activations")
-    ap.add_argument("--profile-chunks", default="2048,32768", help="chunk sizes to break down per kernel")
+    ap.add_argument("--profile-chunks", default="", help="chunk sizes to break down per kernel (torch.profiler)")
+    ap.add_argument("--stage-chunks", default="32768", help="chunk sizes to break down per stage (CUDA events)")
     ap.add_argument("--no-promote-chunks", default="32768", help="chunk sizes to repeat without GEMM promotion")
     ap.add_argument("--tune-chunk", type=int, default=0, help="chunk size for a tile-tuning pass first (0: none)")
     ap.add_argument("--json", default=None)
@@ -290,6 +306,13 @@ def main() -> None:
         print(f"per-kernel device time, one layer, T={T} (copies run on their own stream, concurrently):")
         for p in prof:
             print(f"  {p['name']:<60}{p['ms']:>9.2f} ms{p['calls']:>7} calls")
+    stages = {}
+    for T in [int(c) for c in args.stage_chunks.split(",") if c]:
+        st = stage_profile(store, cfg, T, 98)
+        stages[T] = st
+        print(f"per-stage compute-stream time, one layer, T={T}: total {sum(st.values()):.1f} ms")
+        for name, ms in sorted(st.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:<24}{ms:>9.2f} ms")
     if args.json:
         env = {"git": git, "gpu": dev.name, "torch": torch.__version__, "triton": triton.__version__}
         meta = {
@@ -299,7 +322,8 @@ def main() -> None:
         }  # fmt: skip
         with open(args.json, "w") as f:
             json.dump(
-                {"env": env, "meta": meta, "rows": rows, "profiles": profiles, "tuning": tuning, "chosen": str(chosen)},
+                {"env": env, "meta": meta, "rows": rows, "profiles": profiles, "stages": stages, "tuning": tuning,
+                 "chosen": str(chosen)},
                 f, indent=1,
             )  # fmt: skip
     store.close()

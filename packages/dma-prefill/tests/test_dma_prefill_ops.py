@@ -54,3 +54,18 @@ def test_swiglu_clamps_like_deepseek() -> None:
     want = torch.nn.functional.silu(torch.tensor([-20.0, 0.5, 10.0])) * torch.tensor([10.0, -3.0, -10.0])
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(swiglu(g, u, None), torch.nn.functional.silu(g) * u)
+
+
+def test_matmul_sequential_is_k_ordered() -> None:
+    from dma_prefill.ops_torch import matmul_sequential
+
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(7, 300, generator=g), torch.randn(300, 9, generator=g)
+    np.testing.assert_allclose(matmul_sequential(a.double(), b.double()).numpy(), (a.double() @ b.double()).numpy(), rtol=1e-12, atol=1e-12)
+    # float32: exactly the k-ordered loop of roundings, which differs from the blocked BLAS sum
+    seq = matmul_sequential(a, b)
+    ref = torch.zeros(7, 9)
+    for k in range(300):
+        ref = ref + a[:, k, None] * b[k]
+    assert torch.equal(seq, ref)
+    assert not torch.equal(seq, a @ b)

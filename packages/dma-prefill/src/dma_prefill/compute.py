@@ -138,8 +138,8 @@ def decode_into(
     mult, add = (c - (1 << 32) if c >= 1 << 31 else c for c in CODEBOOK_MULT[codebook])  # as signed int32
     grid = (ne, k // 16, -(-(n // 16) // block_tn))
     tk.decode_kernel[grid](
-        src32, expert_stride, offset, counts, out, k * n, n // 16, int(round(2 * bits)), mult, add,
-        MUL1=codebook == "mul1", BLOCK_TN=block_tn, num_warps=4,
+        src32, expert_stride, offset, counts, out, k * n, n // 16, mult, add,
+        K2=int(round(2 * bits)), MUL1=codebook == "mul1", BLOCK_TN=block_tn, ASM=out.is_cuda, num_warps=4,
     )  # fmt: skip
 
 
@@ -337,6 +337,8 @@ class TritonCompute(BatchCompute):
     def __init__(self, store: HostExpertStore, config: PrefillConfig, device: Device, torch_device: torch.device) -> None:
         super().__init__(store, config, device)
         self.torch_device = torch_device
+        #: when a list, every batch appends ``(stage, cuda event)`` marks (``stage_times`` sums them); profiling only
+        self.stage_events: list[tuple[str, Any]] | None = None
         self.hpm = hadamard_pm1(torch.float16, torch_device)
         spec = store.spec(store.layer_ids[0])
         B = config.experts_per_batch
@@ -368,6 +370,25 @@ class TritonCompute(BatchCompute):
             label=f"L{st.layer}b{st.batch}",
         )
 
+    def _mark(self, stage: str) -> None:
+        if self.stage_events is not None:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.stage_events.append((stage, ev))
+
+    def stage_times(self) -> dict[str, float]:
+        """Milliseconds per stage summed over the batches marked since ``stage_events`` was set (synchronizes)."""
+        if not self.stage_events:
+            return {}
+        torch.cuda.synchronize()
+        out: dict[str, float] = {}
+        prev = None
+        for stage, ev in self.stage_events:
+            if stage != "start" and prev is not None:
+                out[stage] = out.get(stage, 0.0) + prev.elapsed_time(ev)
+            prev = ev
+        return out
+
     def _batch(
         self,
         layout: ExpertLayout,
@@ -387,12 +408,14 @@ class TritonCompute(BatchCompute):
         slot32 = slot.view(torch.int32)
         slot16 = slot.view(torch.float16)
         s4, s2 = layout.stride // 4, layout.stride // 2
+        self._mark("start")
         for p in PROJECTIONS:
             ps = spec.proj(p)
             decode_into(
                 slot32, s4, layout.elem_offset(p, "trellis", 4), counts, self.w[p], ps.k, ps.n, ps.bits, ps.codebook,
                 block_tn=self.decode_block_tn,
             )  # fmt: skip
+        self._mark("decode")
         r0, r1 = plan.batch_rows(st.batch)
         R = r1 - r0
         tok = plan.sorted_tokens[r0:r1]
@@ -432,17 +455,36 @@ class TritonCompute(BatchCompute):
             return ss
 
         ss_in = sumsq(x, H, ("gate", "up"), tok)
-        tg, tu = (gemm(*transform_in(x, H, p, tok, ss_in[i]), p, I) for i, p in enumerate(("gate", "up")))
+        self._mark("row norms")
+        tgu = []
+        for i, p in enumerate(("gate", "up")):
+            a = transform_in(x, H, p, tok, ss_in[i])
+            self._mark("transform in")
+            tgu.append(gemm(*a, p, I))
+            del a
+            self._mark("gemm gate/up")
+        tg, tu = tgu
         ss_gu = torch.empty((2, R), dtype=torch.float32, device=dev)
         row_sumsq(tg, I, R, grp, st.e0, ss_gu[0])
         row_sumsq(tu, I, R, grp, st.e0, ss_gu[1])
+        self._mark("row norms")
         act = torch.empty((R, I), dtype=torch.float32, device=dev)
         svh = (layout.elem_offset("gate", "svh", 2), layout.elem_offset("up", "svh", 2))
         post_swiglu(tg, tu, ss_gu, grp, st.e0, slot16, s2, svh, self.hpm, act, cfg.swiglu_limit, **tcfg)
-        del tg, tu
-        t = gemm(*transform_in(act, I, "down", None, sumsq(act, I, ("down",), None)[0]), "down", H)
+        del tg, tu, tgu
+        self._mark("post + swiglu")
+        ss_act = sumsq(act, I, ("down",), None)[0]
+        self._mark("row norms")
+        a = transform_in(act, I, "down", None, ss_act)
+        self._mark("transform in")
+        t = gemm(*a, "down", H)
+        del a
+        self._mark("gemm down")
+        ss_t = sumsq(t, H, (), None)[0]
+        self._mark("row norms")
         row_hadamard(
-            t, H, R, grp, st.e0, self.hpm, sumsq(t, H, (), None)[0], mode=2, vec=slot16, vec_stride=s2,
+            t, H, R, grp, st.e0, self.hpm, ss_t, mode=2, vec=slot16, vec_stride=s2,
             post_off=layout.elem_offset("down", "svh", 2), out=out, w=wts, dst=tok, **tcfg,
         )  # fmt: skip
+        self._mark("post + weighted add")
         self.computed.extend((st.layer, e) for e in routed)

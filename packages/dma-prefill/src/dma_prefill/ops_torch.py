@@ -107,6 +107,15 @@ def hadamard_128_torch(x: torch.Tensor) -> torch.Tensor:
     return (x.reshape(*x.shape[:-1], n // 128, 128) @ h).reshape(x.shape)
 
 
+def matmul_sequential(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` summed strictly in k order in ``a.dtype``: one rounding per product and per add, the plain
+    loop order (one valid fp32 association, beside the blocked/pairwise one of a BLAS ``@``)."""
+    acc = torch.zeros((*a.shape[:-1], b.shape[-1]), dtype=a.dtype, device=a.device)
+    for k in range(a.shape[-1]):
+        acc += a[..., k, None] * b[k]
+    return acc
+
+
 def linear_torch(
     x: torch.Tensor,
     w_inner: torch.Tensor,
@@ -115,13 +124,15 @@ def linear_torch(
     *,
     dtype: torch.dtype = torch.float32,
     fp16_activations: bool = False,
+    sequential: bool = False,
 ) -> torch.Tensor:
     """``y = H(H(x * suh) @ W_inner) * svh`` in ``dtype``; ``fp16_activations`` rounds ``H(x * suh)`` to fp16
-    first (what a plain fp16 GEMM path does)."""
+    first (what a plain fp16 GEMM path does); ``sequential`` sums the GEMM in k order (``matmul_sequential``)."""
     xh = hadamard_128_torch(x.to(dtype) * suh.to(dtype))
     if fp16_activations:
         xh = xh.to(torch.float16).to(dtype)
-    return hadamard_128_torch(xh @ w_inner.to(dtype)) * svh.to(dtype)
+    w = w_inner.to(dtype)
+    return hadamard_128_torch(matmul_sequential(xh, w) if sequential else xh @ w) * svh.to(dtype)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
@@ -139,8 +150,10 @@ def expert_torch(
     limit: float | None = None,
     dtype: torch.dtype = torch.float32,
     fp16_activations: bool = False,
+    sequential: bool = False,
 ) -> torch.Tensor:
     """One routed SwiGLU expert: ``down(swiglu(gate(x), up(x)))``; ``weights[p] = (W_inner, suh, svh)``."""
-    g = linear_torch(x, *weights["gate"], dtype=dtype, fp16_activations=fp16_activations)
-    u = linear_torch(x, *weights["up"], dtype=dtype, fp16_activations=fp16_activations)
-    return linear_torch(swiglu(g, u, limit), *weights["down"], dtype=dtype, fp16_activations=fp16_activations)
+    kw = {"dtype": dtype, "fp16_activations": fp16_activations, "sequential": sequential}
+    g = linear_torch(x, *weights["gate"], **kw)
+    u = linear_torch(x, *weights["up"], **kw)
+    return linear_torch(swiglu(g, u, limit), *weights["down"], **kw)

@@ -43,16 +43,17 @@ def fill_random(store: HostExpertStore, seed: int = 0) -> None:
 
 def reference_expert(
     store: HostExpertStore, layer: int, expert: int, x: torch.Tensor, *, limit: float | None = None,
-    dtype: torch.dtype = torch.float64,
+    dtype: torch.dtype = torch.float64, sequential: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    """One expert on CPU rows ``x`` in ``dtype`` (float64: the reference; float32: the fp32-noise yardstick)."""
+    """One expert on CPU rows ``x`` in ``dtype`` (float64: the reference; float32: the fp32-noise yardstick,
+    with the GEMMs summed blockwise by BLAS or, ``sequential``, strictly in k order)."""
     spec = store.spec(layer)
     weights = {}
     for p in PROJECTIONS:
         cb = spec.proj(p).codebook
         w_inner = torch.from_numpy(exl3.decode(store.numpy(layer, expert, p, "trellis"), cb))
         weights[p] = (w_inner, store.tensor(layer, expert, p, "suh"), store.tensor(layer, expert, p, "svh"))
-    return expert_torch(x.cpu(), weights, limit=limit, dtype=dtype)
+    return expert_torch(x.cpu(), weights, limit=limit, dtype=dtype, sequential=sequential)
 
 
 def reference_moe(
@@ -64,15 +65,16 @@ def reference_moe(
     *,
     limit: float | None = None,
     dtype: torch.dtype = torch.float64,
+    sequential: bool = False,
 ) -> torch.Tensor:
-    """``sum_k w_k * expert_k(x)`` for every token, on the CPU in ``dtype``."""
+    """``sum_k w_k * expert_k(x)`` for every token, on the CPU in ``dtype`` (``sequential``: GEMMs in k order)."""
     x = x.cpu().to(dtype)
     ids = topk_ids.cpu()
     ws = topk_weights.cpu().to(dtype)
     out = torch.zeros_like(x)
     for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        y = reference_expert(store, layer, e, x[tok], limit=limit, dtype=dtype)
+        y = reference_expert(store, layer, e, x[tok], limit=limit, dtype=dtype, sequential=sequential)
         out.index_add_(0, tok, y * ws[tok, slot][:, None])
     return out
 
@@ -166,8 +168,9 @@ def per_expert_errors(
 ) -> dict[str, np.ndarray]:
     """Route every token of ``x`` to one expert (weight 1) and compare each expert's rows with the reference.
 
-    Returns ``{"ours": [E], "fp32": [E]}``: ``max|y - ref| / max|ref|`` per expert for the prefill path and for
-    a plain float32 evaluation of the same formula (the fp32-noise yardstick).
+    Returns ``{"ours": [E], "fp32": [E], "fp32_seq": [E]}``: ``max|y - ref| / max|ref|`` per expert for the
+    prefill path and for two float32 evaluations of the same formula that differ only in the association of the
+    GEMM sums (BLAS blocked, strictly sequential): the spread of fp32-reassociation noise.
     """
     from .plan import PrefillPlan
     from .prefill import DmaPrefill
@@ -185,10 +188,12 @@ def per_expert_errors(
     out = out.cpu().double()
     ref = reference_moe(store, layer, x, ids, w)
     ref32 = reference_moe(store, layer, x, ids, w, dtype=torch.float32).double()
-    res: dict[str, np.ndarray] = {"ours": np.zeros(E), "fp32": np.zeros(E)}
+    ref32s = reference_moe(store, layer, x, ids, w, dtype=torch.float32, sequential=True).double()
+    res: dict[str, np.ndarray] = {"ours": np.zeros(E), "fp32": np.zeros(E), "fp32_seq": np.zeros(E)}
     for e in range(E):
         rows = (ids[:, 0] == e).nonzero()[:, 0]
         scale = ref[rows].abs().max()
         res["ours"][e] = float((out[rows] - ref[rows]).abs().max() / scale)
         res["fp32"][e] = float((ref32[rows] - ref[rows]).abs().max() / scale)
+        res["fp32_seq"][e] = float((ref32s[rows] - ref[rows]).abs().max() / scale)
     return res

@@ -19,6 +19,31 @@ __all__ = ["decode_kernel", "grouped_gemm_kernel", "post_swiglu_kernel", "row_ha
 
 
 @triton.jit
+def _window16(a, b, sh, ASM: tl.constexpr):
+    """Bits ``[sh, sh + 16)`` (MSB first) of the 64-bit word pair ``a:b``: the top half of ``(a:b) << sh``."""
+    if ASM:  # one funnel shift (PTX shf.l: d = high word of ({hi=a, lo=b} << sh))
+        w = tl.inline_asm_elementwise(
+            "shf.l.clamp.b32 $0, $2, $1, $3;", "=r,r,r,r", [a, b, sh], dtype=tl.uint32, is_pure=True, pack=1
+        )
+    else:  # b >> 32 avoided: (b >> 1) >> (31 - sh)
+        w = (a << sh) | ((b >> 1) >> (31 - sh))
+    return w >> 16
+
+
+@triton.jit
+def _bytesum(p, ASM: tl.constexpr):
+    """Sum of the four bytes of a uint32."""
+    if ASM:  # one dp4a against 0x01010101
+        return tl.inline_asm_elementwise(
+            "{ .reg .u32 o, z; mov.u32 o, 16843009; mov.u32 z, 0; dp4a.u32.u32 $0, $1, o, z; }",
+            "=r,r", [p], dtype=tl.uint32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        q = (p & 0x00FF00FF) + ((p >> 8) & 0x00FF00FF)  # two 16-bit pair sums
+        return (q & 0xFFFF) + (q >> 16)
+
+
+@triton.jit
 def decode_kernel(
     SRC,  # int32*: trellis words (uint32 bit patterns)
     src_expert_stride,  # int32 units between consecutive experts' records
@@ -27,13 +52,18 @@ def decode_kernel(
     OUT,  # fp16*: [experts, k, n]
     out_expert_stride,  # elements
     TN,  # n / 16
-    K2,  # 2 * bits per weight (odd: half-integer K)
     MULT,  # codebook multiplier as a signed int32 (the product wraps modulo 2^32 like the uint32 one)
     ADD,  # codebook addend (3INST), signed int32
+    K2: tl.constexpr,  # 2 * bits per weight (odd: half-integer K); constant, so the index math folds
     MUL1: tl.constexpr,  # MUL1 byte-sum codebook, else LOP3 + half-sum (3INST/MCG)
     BLOCK_TN: tl.constexpr,
+    ASM: tl.constexpr,  # PTX funnel shift + dp4a (GPU); False: plain integer ops (interpreter)
 ):
-    """One 16-row band of ``BLOCK_TN`` tiles of one expert: ``OUT[e, 16*tk + r, 16*tn + c]``."""
+    """One 16-row band of ``BLOCK_TN`` tiles of one expert: ``OUT[e, 16*tk + r, 16*tn + c]``.
+
+    The integer ALU bounds this kernel, so per element it does only: two word loads, one funnel shift, the
+    codebook (multiply, dp4a for MUL1) and the fp16 value; the bit position of every tile element is index math
+    on a [16, 1, 16] block (K2 is a compile-time constant), broadcast over the band's tiles."""
     e = tl.program_id(0)
     tk = tl.program_id(1)
     tnb = tl.program_id(2)
@@ -41,42 +71,47 @@ def decode_kernel(
     if count > 0:
         r3 = tl.arange(0, 16)[:, None, None]  # row inside the tile (k offset)
         c3 = tl.arange(0, 16)[None, None, :]  # column inside the tile (n offset)
-        tn3 = (tnb * BLOCK_TN + tl.arange(0, BLOCK_TN))[None, :, None]
+        tn1 = tnb * BLOCK_TN + tl.arange(0, BLOCK_TN)
+        tn3 = tn1[None, :, None]
         # trellis index t of row-major element (r, c): the inverse of the tensor-core permutation
         q = (c3 % 8) * 4 + (r3 % 8) // 2
         j = (c3 // 8) * 4 + (r3 // 8) * 2 + (r3 % 2)
         t = 8 * q + j
-        ka = K2 // 2
-        half = K2 % 2
+        KA: tl.constexpr = K2 // 2
+        HALF: tl.constexpr = K2 % 2
+        NBITS: tl.constexpr = 128 * K2
+        NWORDS: tl.constexpr = 4 * K2
         i = t & 15
-        s_end = (t >> 4) * (16 * ka + 8 * half) + (i + 1) * ka + half * ((i + 1) // 2)
-        nbits = 128 * K2
-        nwords = 4 * K2
-        start = (s_end - 16 + nbits) % nbits
+        s_end = (t >> 4) * (16 * KA + 8 * HALF) + (i + 1) * KA + HALF * ((i + 1) // 2)
+        start = (s_end - 16 + NBITS) % NBITS
         i0 = start // 32
-        i1 = (i0 + 1) % nwords
+        i1 = (i0 + 1) % NWORDS
         sh = (start % 32).to(tl.uint32)
-        tile = (tk * TN + tn3).to(tl.int64)
-        base = SRC + e.to(tl.int64) * src_expert_stride + src_offset + tile * nwords
+        # 32-bit offsets inside one expert's projection (< 2^31 words); the expert base is 64-bit
+        base = SRC + e.to(tl.int64) * src_expert_stride + src_offset
+        tile_w = (tk * TN + tn3) * NWORDS
         m = (tn3 < TN) & (r3 >= 0) & (c3 >= 0)
-        a = tl.load(base + i0, mask=m, other=0).to(tl.uint32, bitcast=True)
-        b = tl.load(base + i1, mask=m, other=0).to(tl.uint32, bitcast=True)
-        # stream bits [start, start + 16): the top half of the 32-bit window (a:b) << sh (b >> 32 avoided)
-        state = ((a << sh) | ((b >> 1) >> (31 - sh))) >> 16
+        a = tl.load(base + (tile_w + i0), mask=m, other=0).to(tl.uint32, bitcast=True)
+        b = tl.load(base + (tile_w + i1), mask=m, other=0).to(tl.uint32, bitcast=True)
+        state = _window16(a, b, sh, ASM)
         p = state.to(tl.int32, bitcast=True) * MULT + ADD  # wraps modulo 2^32
         if MUL1:
-            pu = p.to(tl.uint32, bitcast=True)
-            bs = (pu & 0xFF) + ((pu >> 8) & 0xFF) + ((pu >> 16) & 0xFF) + (pu >> 24)
-            # (1024 + bs) * half(0x1EEE) + half(0xC931) is exact in fp32; one rounding to fp16 as the hfma
-            v = ((bs + 1024).to(tl.float32) * 0.00676727294921875 + -10.3828125).to(tl.float16)
+            bs = _bytesum(p.to(tl.uint32, bitcast=True), ASM)
+            # (1024 + bs) * half(0x1EEE) + half(0xC931), exact in fp32, then one rounding to fp16 (the hfma).
+            # bits(2^23 + bs) is 0x4B000000 + bs (no int-to-float conversion); one fma with the folded addend
+            # d' = half(0xC931) + (1024 - 2^23) * half(0x1EEE) (exact in fp32) gives the exact value.
+            if ASM:
+                f = (bs + 0x4B000000).to(tl.float32, bitcast=True)
+                v = tl.fma(f, 0.00676727294921875, -56771.453125).to(tl.float16)
+            else:  # the interpreter's fma rounds twice; this form is exact without one
+                v = ((bs + 1024).to(tl.float32) * 0.00676727294921875 + -10.3828125).to(tl.float16)
         else:
             x = (p & -1879076865) ^ 0x3B603B60  # LOP3: (x & 0x8FFF8FFF) ^ 0x3B603B60
             lo = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             hi = ((x >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             v = (lo + hi).to(tl.float16)  # both halves in [0.125, 2): exact fp32 sum, one rounding
-        n = TN * 16
-        dst = OUT + e.to(tl.int64) * out_expert_stride + (tk * 16 + r3).to(tl.int64) * n + tn3 * 16 + c3
-        tl.store(dst, v, mask=m)
+        obase = OUT + e.to(tl.int64) * out_expert_stride + tk * 16 * (TN * 16)
+        tl.store(obase + (r3 * (TN * 16) + tn3 * 16 + c3), v, mask=m)
 
 
 @triton.jit(do_not_specialize=["R", "grp_base"])
@@ -222,7 +257,8 @@ def row_hadamard_kernel(
             if MODE == 1:
                 tl.store(OUT + rows[:, None].to(tl.int64) * stride_o + cols[None, :], o, mask=m2)
             else:
-                tl.atomic_add(OUT + dst[:, None] * stride_o + cols[None, :], o * w[:, None], mask=m2)
+                # relaxed: no fence per element (kernel boundaries order the batches); lowers to red.global.add
+                tl.atomic_add(OUT + dst[:, None] * stride_o + cols[None, :], o * w[:, None], mask=m2, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["R", "grp_base"])
