@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device-machine entry point for dma-prefill: the gpu-marked tests, then the H200 benchmark.
-# Run from anywhere:  bash packages/dma-prefill/scripts/run_gpu.sh [bench_prefill.py args]
+# Run from anywhere:  [KERNEL_TUNE=1] bash packages/dma-prefill/scripts/run_gpu.sh [bench_prefill.py args]
 # Results land in $OUT (the device tool's folder) or /tmp/dma-prefill-out.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
@@ -19,5 +19,10 @@ python3 -m pytest packages/dma-prefill/tests -m gpu -q -s -p no:cacheprovider 2>
 rc=${PIPESTATUS[0]}
 python3 packages/dma-prefill/scripts/bench_prefill.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
 rc2=${PIPESTATUS[0]}
-echo "pytest rc=$rc bench rc=$rc2"
-exit $(( rc || rc2 ))
+rc3=0
+if [ -n "${KERNEL_TUNE:-}" ]; then  # per-kernel timings over tile configs (scripts/kernel_tune.py)
+    python3 packages/dma-prefill/scripts/kernel_tune.py --json "$OUT/kernel_tune.json" 2>&1 | tee "$OUT/kernel_tune.log"
+    rc3=${PIPESTATUS[0]}
+fi
+echo "pytest rc=$rc bench rc=$rc2 kernel_tune rc=$rc3"
+exit $(( rc || rc2 || rc3 ))

@@ -286,9 +286,11 @@ def grouped_gemm(
     num_warps: int = 4,
     num_stages: int = 3,
     promote: bool = True,
+    ss: torch.Tensor | None = None,
 ) -> None:
     """``out[rows] = (a_hi + a_lo)[rows] @ w[e] * a_inv[rows]`` per tile ``(e, row0, row1)``; ``promote`` adds
-    every BK-deep tensor-core partial sum into an fp32 register accumulator (round to nearest)."""
+    every BK-deep tensor-core partial sum into an fp32 register accumulator (round to nearest); ``ss`` (fp32
+    ``[R]``, zeroed by the caller) receives the sum of squares of every output row."""
     tk = _triton()
     ntiles = tiles.shape[0]
     if ntiles == 0:
@@ -300,8 +302,8 @@ def grouped_gemm(
         raise ValueError(f"grouped_gemm: a {tuple(a_hi.shape)}, w {tuple(w.shape)}, out {tuple(out.shape)} disagree")
     tk.grouped_gemm_kernel[(ntiles, -(-N // bn))](
         a_hi, a_lo if a_lo is not None else a_hi, a_inv, a_hi.stride(0), w, w.stride(0), out, out.stride(0),
-        tiles, K, N, SPLIT=a_lo is not None, PROMOTE=promote, BM=bm, BN=bn, BK=bk, num_warps=num_warps,
-        num_stages=num_stages,
+        tiles, ss if ss is not None else a_inv, K, N, HAS_SS=ss is not None, SPLIT=a_lo is not None,
+        PROMOTE=promote, BM=bm, BN=bn, BK=bk, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 
@@ -330,8 +332,11 @@ class TritonCompute(BatchCompute):
     #: GEMM tile configs by BM: (BN, BK, num_warps, num_stages)
     gemm_configs: dict[int, tuple[int, int, int, int]] = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
     promote: bool = True
-    #: row transforms: (rows per program, 128-column blocks per program, num_warps)
+    #: row transforms: (rows per program, 128-column blocks per program, num_warps) for the GEMM inputs, the
+    #: gate/up outputs + SwiGLU, and the down output + weighted add
     transform_config: tuple[int, int, int] = (64, 4, 4)
+    swiglu_config: tuple[int, int, int] = (64, 4, 4)
+    out_config: tuple[int, int, int] = (64, 4, 4)
     decode_block_tn: int = 16
 
     def __init__(self, store: HostExpertStore, config: PrefillConfig, device: Device, torch_device: torch.device) -> None:
@@ -426,15 +431,19 @@ class TritonCompute(BatchCompute):
         H, I = spec.hidden, spec.intermediate
         dev = self.torch_device
         split = cfg.exact
-        br, cpb, nw = self.transform_config
-        tcfg = {"block_r": br, "cpb": cpb, "num_warps": nw}
+        def kcfg(c: tuple[int, int, int]) -> dict[str, int]:
+            return {"block_r": c[0], "cpb": c[1], "num_warps": c[2]}
 
-        def gemm(hi: torch.Tensor, lo: torch.Tensor | None, inv: torch.Tensor, p: str, n: int) -> torch.Tensor:
+        tcfg = kcfg(self.transform_config)
+
+        def gemm(
+            hi: torch.Tensor, lo: torch.Tensor | None, inv: torch.Tensor, p: str, n: int, ss: torch.Tensor
+        ) -> torch.Tensor:
             t = torch.empty((R, n), dtype=torch.float32, device=dev)
             bn, bk, nw, ns = self.gemm_configs[prep.bm]
             grouped_gemm(
                 hi, lo, inv, self.w[p][:ne], tiles, t, bm=prep.bm, bn=bn, bk=bk, num_warps=nw, num_stages=ns,
-                promote=self.promote,
+                promote=self.promote, ss=ss,
             )  # fmt: skip
             return t
 
@@ -456,35 +465,31 @@ class TritonCompute(BatchCompute):
 
         ss_in = sumsq(x, H, ("gate", "up"), tok)
         self._mark("row norms")
+        ss_gu = torch.zeros((2, R), dtype=torch.float32, device=dev)  # filled by the GEMM epilogues
         tgu = []
         for i, p in enumerate(("gate", "up")):
             a = transform_in(x, H, p, tok, ss_in[i])
             self._mark("transform in")
-            tgu.append(gemm(*a, p, I))
+            tgu.append(gemm(*a, p, I, ss_gu[i]))
             del a
             self._mark("gemm gate/up")
         tg, tu = tgu
-        ss_gu = torch.empty((2, R), dtype=torch.float32, device=dev)
-        row_sumsq(tg, I, R, grp, st.e0, ss_gu[0])
-        row_sumsq(tu, I, R, grp, st.e0, ss_gu[1])
-        self._mark("row norms")
         act = torch.empty((R, I), dtype=torch.float32, device=dev)
         svh = (layout.elem_offset("gate", "svh", 2), layout.elem_offset("up", "svh", 2))
-        post_swiglu(tg, tu, ss_gu, grp, st.e0, slot16, s2, svh, self.hpm, act, cfg.swiglu_limit, **tcfg)
+        post_swiglu(tg, tu, ss_gu, grp, st.e0, slot16, s2, svh, self.hpm, act, cfg.swiglu_limit, **kcfg(self.swiglu_config))
         del tg, tu, tgu
         self._mark("post + swiglu")
         ss_act = sumsq(act, I, ("down",), None)[0]
         self._mark("row norms")
         a = transform_in(act, I, "down", None, ss_act)
         self._mark("transform in")
-        t = gemm(*a, "down", H)
+        ss_t = torch.zeros(R, dtype=torch.float32, device=dev)
+        t = gemm(*a, "down", H, ss_t)
         del a
         self._mark("gemm down")
-        ss_t = sumsq(t, H, (), None)[0]
-        self._mark("row norms")
         row_hadamard(
             t, H, R, grp, st.e0, self.hpm, ss_t, mode=2, vec=slot16, vec_stride=s2,
-            post_off=layout.elem_offset("down", "svh", 2), out=out, w=wts, dst=tok, **tcfg,
+            post_off=layout.elem_offset("down", "svh", 2), out=out, w=wts, dst=tok, **kcfg(self.out_config),
         )  # fmt: skip
         self._mark("post + weighted add")
         self.computed.extend((st.layer, e) for e in routed)

@@ -63,16 +63,17 @@ def decode_kernel(
 
     The integer ALU bounds this kernel, so per element it does only: two word loads, one funnel shift, the
     codebook (multiply, dp4a for MUL1) and the fp16 value; the bit position of every tile element is index math
-    on a [16, 1, 16] block (K2 is a compile-time constant), broadcast over the band's tiles."""
+    on a [1, 16, 16] block (K2 is a compile-time constant), broadcast over the band's tiles."""
     e = tl.program_id(0)
     tk = tl.program_id(1)
     tnb = tl.program_id(2)
     count = tl.load(COUNTS + e)
     if count > 0:
-        r3 = tl.arange(0, 16)[:, None, None]  # row inside the tile (k offset)
+        # [tile, r, c] blocks with the tile slowest: the 256 elements of one tile sit in one warp, so a word
+        # load touches one tile's 32K bytes (one or two cache lines) instead of one line per tile of the band
+        tn3 = (tnb * BLOCK_TN + tl.arange(0, BLOCK_TN))[:, None, None]
+        r3 = tl.arange(0, 16)[None, :, None]  # row inside the tile (k offset)
         c3 = tl.arange(0, 16)[None, None, :]  # column inside the tile (n offset)
-        tn1 = tnb * BLOCK_TN + tl.arange(0, BLOCK_TN)
-        tn3 = tn1[None, :, None]
         # trellis index t of row-major element (r, c): the inverse of the tensor-core permutation
         q = (c3 % 8) * 4 + (r3 % 8) // 2
         j = (c3 // 8) * 4 + (r3 // 8) * 2 + (r3 % 2)
@@ -318,8 +319,10 @@ def grouped_gemm_kernel(
     OUT,  # fp32* [R, N]
     stride_o,
     TILES,  # int32* [tiles, 3]: (local expert, first row, end row)
+    SS,  # fp32* [R] (HAS_SS): zeroed by the caller; gets each output row's sum of squares (atomically per N tile)
     K,
     N,
+    HAS_SS: tl.constexpr,
     SPLIT: tl.constexpr,
     PROMOTE: tl.constexpr,
     BM: tl.constexpr,
@@ -361,3 +364,5 @@ def grouped_gemm_kernel(
     inv = tl.load(A_INV + rows, mask=rmask, other=1.0)
     out = acc * inv[:, None]
     tl.store(OUT + rows[:, None].to(tl.int64) * stride_o + cols[None, :], out, mask=rmask[:, None] & cmask[None, :])
+    if HAS_SS:  # columns past N are exact zeros (their weights loaded as 0)
+        tl.atomic_add(SS + rows, tl.sum(out * out, axis=1), mask=rmask, sem="relaxed")
