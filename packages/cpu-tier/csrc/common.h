@@ -18,6 +18,7 @@
 #endif
 
 #define CT_INLINE inline __attribute__((always_inline))
+#define CT_NOINLINE __attribute__((noinline))
 
 namespace cpu_tier {
 

@@ -49,6 +49,14 @@ struct ActBuf {
         a.xsum = xsum;
         return a;
     }
+    // The activations for blocks [blk0, blk1) only, MUL1 integer sums left raw (see Acts).
+    Acts acts_range(int m, int blk0, int blk1, bool raw) const {
+        Acts a = acts(m);
+        a.blk0 = blk0;
+        a.blk1 = blk1;
+        a.raw = raw;
+        return a;
+    }
     // Prepare block b (128 inputs) of token slot s from x128 (input space).
     void prep_block(int s, int b, const float* x128, const uint16_t* suh_block, bool int_path) {
         if (int_path)
@@ -137,6 +145,10 @@ struct MoeJob : JobBase {
     int P = 0;
     bool fast = false;
     int wave_chunks = 64;
+    // Work split of the GEMVs: 0 = units of one 128-column band over all rows (k); S > 0 = units of S 128-row
+    // blocks over all bands (the unit reads whole contiguous rows of the trellis, so the hardware prefetchers
+    // stream it; partial sums per slab are added in the next phase).
+    int slab_blocks = 0;
     int cancel_after_chunks = -1;  // test hook: cancel once this many chunks are complete (< 0: never)
     std::atomic<int> chunks_done{0};
     std::vector<uint8_t> computed;  // per pick: 1 when its weighted output is in `out`
@@ -181,15 +193,28 @@ struct MoeJob : JobBase {
         const size_t act_gu = ActBuf::bytes(H), act_d = ActBuf::bytes(I);
         const size_t ybytes = align64(size_t(MAXM) * I * 4);
         const size_t ydbytes = align64(size_t(MAXM) * H * 4);
-        const size_t per_chunk = 2 * act_gu + act_d + 2 * ybytes + ydbytes;
+        const bool split = slab_blocks > 0;
+        const int kbH_ = H / 128, kbI_ = I / 128;
+        const int SB = std::max(1, slab_blocks);
+        const int nsH = split ? (kbH_ + SB - 1) / SB : 0, nsI = split ? (kbI_ + SB - 1) / SB : 0;
+        // split: per chunk, partial sums [slab][token slot][n] of gate, up (n = I) and down (n = H)
+        auto partbytes = [&](int m) { return split ? align64(size_t(m) * (2 * size_t(nsH) * I + size_t(nsI) * H) * 4) : 0; };
         const int W = std::max(1, wave_chunks);
-        uint8_t* scratch = pool.scratch(size_t(std::min(W, std::max(1, nchunks_total))) * per_chunk);
+        const size_t per_chunk = 2 * act_gu + act_d + 2 * ybytes + ydbytes;
+        size_t wave_bytes = 0;  // the largest wave's scratch
+        for (int w0 = 0; w0 < nchunks_total; w0 += W) {
+            size_t b = 0;
+            for (int c = w0; c < std::min(nchunks_total, w0 + W); ++c) b += per_chunk + partbytes(chunks[size_t(c)].m);
+            wave_bytes = std::max(wave_bytes, b);
+        }
+        uint8_t* scratch = pool.scratch(std::max(wave_bytes, per_chunk));
         for (int w0 = 0; w0 < nchunks_total; w0 += W) {
             if (cancelled.load(std::memory_order_relaxed)) break;
             const int nch = std::min(W, nchunks_total - w0);
             const Chunk* ch = chunks.data() + w0;
             std::vector<ActBuf> agu(static_cast<size_t>(2 * nch)), ad(static_cast<size_t>(nch));
             std::vector<float*> yg(static_cast<size_t>(nch)), yu(static_cast<size_t>(nch)), yd(static_cast<size_t>(nch));
+            std::vector<float*> pg(static_cast<size_t>(nch)), pu(static_cast<size_t>(nch)), pd(static_cast<size_t>(nch));
             uint8_t* p = scratch;
             for (int c = 0; c < nch; ++c) {
                 agu[size_t(2 * c)].carve(p, H);
@@ -201,7 +226,39 @@ struct MoeJob : JobBase {
                 p += ybytes;
                 yd[size_t(c)] = reinterpret_cast<float*>(p);
                 p += ydbytes;
+                if (split) {
+                    const int m = ch[c].m;
+                    pg[size_t(c)] = reinterpret_cast<float*>(p);
+                    pu[size_t(c)] = pg[size_t(c)] + size_t(nsH) * m * I;
+                    pd[size_t(c)] = pu[size_t(c)] + size_t(nsH) * m * I;
+                    p += partbytes(m);
+                }
             }
+            // split: completed slabs per chunk (gate + up, down) and SwiGLU blocks; a later phase uses a chunk only
+            // when everything it depends on is complete (units skipped after a cancel leave it incomplete)
+            std::vector<std::atomic<int>> gu_slabs(static_cast<size_t>(nch)), d_slabs(static_cast<size_t>(nch)),
+                sw_blocks(static_cast<size_t>(nch));
+            for (int c = 0; c < nch; ++c) {
+                gu_slabs[size_t(c)].store(0);
+                d_slabs[size_t(c)].store(0);
+                sw_blocks[size_t(c)].store(0);
+            }
+            // finish one band of a split GEMV: sum the slabs' partials, MUL1 integer affine map, output transform
+            auto finish_band = [&](const MatRef& A, const float* part, int nslab, int m, int s, int n, int band,
+                                   bool int_path, float xsum, float* dst) {
+                alignas(64) float t[128];
+                for (int i = 0; i < 128; ++i) t[i] = 0.0f;
+                for (int sl = 0; sl < nslab; ++sl) {
+                    const float* src = part + (size_t(sl) * m + s) * n + 128 * band;
+                    for (int i = 0; i < 128; ++i) t[i] += src[i];
+                }
+                if (int_path) {
+                    const float aff = MUL1_K_AFF * xsum;
+                    for (int i = 0; i < 128; ++i) t[i] = t[i] * MUL1_K_INV + aff;
+                }
+                out_block(t, A.svh + 128 * band, A.bias ? A.bias + 128 * band : nullptr);
+                std::memcpy(dst, t, 128 * sizeof(float));
+            };
             std::vector<std::atomic<int>> down_done(static_cast<size_t>(nch));
             for (auto& d : down_done) d.store(0);
             auto mats = [&](int c) -> const ExpertMats& { return L.experts[size_t(ch[c].expert)]; };
@@ -230,19 +287,37 @@ struct MoeJob : JobBase {
             phase_ns[1] += now_ns() - tp1;
             const uint64_t tp2 = now_ns();
             // phase 2: gate and up GEMV bands + output transforms
-            pool.parallel_for(nch * 2 * nbI, [&](int u, int) {
-                if (cancelled.load(std::memory_order_relaxed)) return;
-                const int band = u % nbI, proj = (u / nbI) % 2, c = u / nbI / 2;
-                const MatRef& A = proj == 0 ? mats(c).gate : mats(c).up;
-                const int m = ch[c].m;
-                alignas(64) float y[MAXM * 128];
-                gemv_band(A, band, agu[size_t(2 * c + proj)].acts(m), gemv_mode(A, fast, m), y);
-                float* dst = proj == 0 ? yg[size_t(c)] : yu[size_t(c)];
-                for (int s = 0; s < m; ++s) {
-                    out_block(y + 128 * s, A.svh + 128 * band, A.bias ? A.bias + 128 * band : nullptr);
-                    std::memcpy(dst + size_t(s) * I + 128 * band, y + 128 * s, 128 * sizeof(float));
-                }
-            });
+            if (split) {
+                pool.parallel_for(nch * 2 * nsH, [&](int u, int) {
+                    if (cancelled.load(std::memory_order_relaxed)) return;
+                    const int sl = u % nsH, proj = (u / nsH) % 2, c = u / nsH / 2;
+                    const MatRef& A = proj == 0 ? mats(c).gate : mats(c).up;
+                    const int m = ch[c].m;
+                    const bool ip = is_int(A, c);
+                    const Acts X = agu[size_t(2 * c + proj)].acts_range(m, sl * SB, std::min(kbH_, (sl + 1) * SB), ip);
+                    float* part = (proj == 0 ? pg[size_t(c)] : pu[size_t(c)]) + size_t(sl) * m * I;
+                    alignas(64) float y[MAXM * 128];
+                    for (int band = 0; band < nbI; ++band) {
+                        gemv_band(A, band, X, gemv_mode(A, fast, m), y);
+                        for (int s = 0; s < m; ++s) std::memcpy(part + size_t(s) * I + 128 * band, y + 128 * s, 128 * sizeof(float));
+                    }
+                    gu_slabs[size_t(c)].fetch_add(1, std::memory_order_acq_rel);
+                });
+            } else {
+                pool.parallel_for(nch * 2 * nbI, [&](int u, int) {
+                    if (cancelled.load(std::memory_order_relaxed)) return;
+                    const int band = u % nbI, proj = (u / nbI) % 2, c = u / nbI / 2;
+                    const MatRef& A = proj == 0 ? mats(c).gate : mats(c).up;
+                    const int m = ch[c].m;
+                    alignas(64) float y[MAXM * 128];
+                    gemv_band(A, band, agu[size_t(2 * c + proj)].acts(m), gemv_mode(A, fast, m), y);
+                    float* dst = proj == 0 ? yg[size_t(c)] : yu[size_t(c)];
+                    for (int s = 0; s < m; ++s) {
+                        out_block(y + 128 * s, A.svh + 128 * band, A.bias ? A.bias + 128 * band : nullptr);
+                        std::memcpy(dst + size_t(s) * I + 128 * band, y + 128 * s, 128 * sizeof(float));
+                    }
+                });
+            }
             phase_ns[2] += now_ns() - tp2;
             const uint64_t tp3 = now_ns();
             // phase 3: clamped SwiGLU + down input transform, unit = (chunk, block of I)
@@ -251,31 +326,73 @@ struct MoeJob : JobBase {
                 const int b = u % nbI, c = u / nbI;
                 const MatRef& D = mats(c).down;
                 alignas(64) float a[128];
+                if (split) {
+                    if (gu_slabs[size_t(c)].load(std::memory_order_acquire) != 2 * nsH) return;
+                    const ExpertMats& E = mats(c);
+                    for (int s = 0; s < ch[c].m; ++s) {
+                        finish_band(E.gate, pg[size_t(c)], nsH, ch[c].m, s, I, b, is_int(E.gate, c),
+                                    agu[size_t(2 * c)].xsum[s], yg[size_t(c)] + size_t(s) * I + 128 * b);
+                        finish_band(E.up, pu[size_t(c)], nsH, ch[c].m, s, I, b, is_int(E.up, c),
+                                    agu[size_t(2 * c + 1)].xsum[s], yu[size_t(c)] + size_t(s) * I + 128 * b);
+                    }
+                }
                 for (int s = 0; s < ch[c].m; ++s) {
                     swiglu(yg[size_t(c)] + size_t(s) * I + 128 * b, yu[size_t(c)] + size_t(s) * I + 128 * b, a, 128,
                            L.limit);
                     ad[size_t(c)].prep_block(s, b, a, D.suh + 128 * b, is_int(D, c));
                 }
+                if (split) sw_blocks[size_t(c)].fetch_add(1, std::memory_order_acq_rel);
             });
             for (int c = 0; c < nch; ++c) ad[size_t(c)].finish_sums(ch[c].m);
             phase_ns[3] += now_ns() - tp3;
             const uint64_t tp4 = now_ns();
             // phase 4: down GEMV bands + output transform
-            pool.parallel_for(nch * nbH, [&](int u, int) {
-                if (cancelled.load(std::memory_order_relaxed)) return;
-                const int band = u % nbH, c = u / nbH;
-                const MatRef& D = mats(c).down;
-                const int m = ch[c].m;
-                alignas(64) float y[MAXM * 128];
-                gemv_band(D, band, ad[size_t(c)].acts(m), gemv_mode(D, fast, m), y);
-                for (int s = 0; s < m; ++s) {
-                    out_block(y + 128 * s, D.svh + 128 * band, D.bias ? D.bias + 128 * band : nullptr);
-                    std::memcpy(yd[size_t(c)] + size_t(s) * H + 128 * band, y + 128 * s, 128 * sizeof(float));
-                }
-                if (down_done[size_t(c)].fetch_add(1, std::memory_order_acq_rel) + 1 == nbH && cancel_after_chunks >= 0 &&
-                    chunks_done.fetch_add(1) + 1 >= cancel_after_chunks)
-                    cancelled.store(true);
-            });
+            if (split) {
+                pool.parallel_for(nch * nsI, [&](int u, int) {
+                    if (cancelled.load(std::memory_order_relaxed)) return;
+                    const int sl = u % nsI, c = u / nsI;
+                    if (sw_blocks[size_t(c)].load(std::memory_order_acquire) != nbI) return;
+                    const MatRef& D = mats(c).down;
+                    const int m = ch[c].m;
+                    const Acts X = ad[size_t(c)].acts_range(m, sl * SB, std::min(kbI_, (sl + 1) * SB), is_int(D, c));
+                    float* part = pd[size_t(c)] + size_t(sl) * m * H;
+                    alignas(64) float y[MAXM * 128];
+                    for (int band = 0; band < nbH; ++band) {
+                        gemv_band(D, band, X, gemv_mode(D, fast, m), y);
+                        for (int s = 0; s < m; ++s) std::memcpy(part + size_t(s) * H + 128 * band, y + 128 * s, 128 * sizeof(float));
+                    }
+                    d_slabs[size_t(c)].fetch_add(1, std::memory_order_acq_rel);
+                });
+                // the down outputs: sum of the slabs, affine map, output transform; unit = (chunk, band)
+                pool.parallel_for(nch * nbH, [&](int u, int) {
+                    if (cancelled.load(std::memory_order_relaxed)) return;
+                    const int band = u % nbH, c = u / nbH;
+                    if (d_slabs[size_t(c)].load(std::memory_order_acquire) != nsI) return;
+                    const MatRef& D = mats(c).down;
+                    for (int s = 0; s < ch[c].m; ++s)
+                        finish_band(D, pd[size_t(c)], nsI, ch[c].m, s, H, band, is_int(D, c), ad[size_t(c)].xsum[s],
+                                    yd[size_t(c)] + size_t(s) * H + 128 * band);
+                    if (down_done[size_t(c)].fetch_add(1, std::memory_order_acq_rel) + 1 == nbH && cancel_after_chunks >= 0 &&
+                        chunks_done.fetch_add(1) + 1 >= cancel_after_chunks)
+                        cancelled.store(true);
+                });
+            } else {
+                pool.parallel_for(nch * nbH, [&](int u, int) {
+                    if (cancelled.load(std::memory_order_relaxed)) return;
+                    const int band = u % nbH, c = u / nbH;
+                    const MatRef& D = mats(c).down;
+                    const int m = ch[c].m;
+                    alignas(64) float y[MAXM * 128];
+                    gemv_band(D, band, ad[size_t(c)].acts(m), gemv_mode(D, fast, m), y);
+                    for (int s = 0; s < m; ++s) {
+                        out_block(y + 128 * s, D.svh + 128 * band, D.bias ? D.bias + 128 * band : nullptr);
+                        std::memcpy(yd[size_t(c)] + size_t(s) * H + 128 * band, y + 128 * s, 128 * sizeof(float));
+                    }
+                    if (down_done[size_t(c)].fetch_add(1, std::memory_order_acq_rel) + 1 == nbH && cancel_after_chunks >= 0 &&
+                        chunks_done.fetch_add(1) + 1 >= cancel_after_chunks)
+                        cancelled.store(true);
+                });
+            }
             phase_ns[4] += now_ns() - tp4;
             const uint64_t tp5 = now_ns();
             // phase 5: weighted sum into out for the complete chunks; unit = (token, column chunk of 512)

@@ -46,6 +46,11 @@ struct Acts {
     const float* xs = nullptr;  // [m][k/128] scales (int path)
     size_t xs_stride = 0;
     const float* xsum = nullptr;  // [m] sum of the activations (quantised ones on the int path)
+    // Row range of the call, in 128-row blocks: [blk0, blk1) (blk1 < 0: to the end). A partial range gives partial
+    // sums (additive over ranges); raw = true leaves MUL1's integer-path sums without the final affine map
+    // (y * K_INV + K_AFF * xsum), for the caller to apply once to the total.
+    int blk0 = 0, blk1 = -1;
+    bool raw = false;
 };
 
 constexpr int MAXM = 8;
@@ -117,6 +122,7 @@ CT_INLINE int elem_col(int t) { return (t >> 5) + 8 * ((t >> 2) & 1); }
 inline void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, float* y) {
     const TrellisTables& tb = *A.tb;
     const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const int r0 = 8 * X.blk0, r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;  // tile rows of this call
     const size_t row_stride = size_t(tiles_n) * tb.tile_bytes;
     const uint8_t* base = A.trellis + size_t(band) * 8 * tb.tile_bytes;
     const int m = X.m;
@@ -124,7 +130,7 @@ inline void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, f
     float w[256];
     int32_t bs[256];
     std::vector<int64_t> iacc(size_t(m) * 128, 0);
-    for (int r = 0; r < tiles_k; ++r) {
+    for (int r = r0; r < r1; ++r) {
         const uint8_t* row = base + r * row_stride;
         for (int j = 0; j < 8; ++j) {
             const uint8_t* tile = row + j * tb.tile_bytes;
@@ -152,7 +158,7 @@ inline void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, f
                     }
                 }
         }
-        if (mode == GemvMode::Int && (r % 8 == 7 || r == tiles_k - 1)) {
+        if (mode == GemvMode::Int && (r % 8 == 7 || r == r1 - 1)) {
             for (int t = 0; t < m; ++t) {
                 const float sc = X.xs[t * X.xs_stride + r / 8];
                 for (int c = 0; c < 128; ++c) {
@@ -162,7 +168,7 @@ inline void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, f
             }
         }
     }
-    if (mode == GemvMode::Int)
+    if (mode == GemvMode::Int && !X.raw)
         for (int t = 0; t < m; ++t)
             for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + MUL1_K_AFF * X.xsum[t];
 }
@@ -303,6 +309,7 @@ static void band_int1(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
     const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
     const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const int r0 = 8 * X.blk0, r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;  // tile rows of this call
     const size_t row_stride = size_t(tiles_n) * tbytes;
     const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
     alignas(64) float facc[8 * 4 * 2 * 8];
@@ -323,11 +330,11 @@ static void band_int1(const MatRef& A, int band, const Acts& X, float* y) {
             _mm256_store_si256(reinterpret_cast<__m256i*>(iacc + i), _mm256_setzero_si256());
         }
     };
-    for (int r = 0; r < std::min(PREFETCH_ROWS, tiles_k); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
-    for (int r = 0; r < tiles_k; ++r) {
-        if (r > 0 && r % 8 == 0) flush(r / 8 - 1);
+    for (int r = r0; r < std::min(r0 + PREFETCH_ROWS, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    for (int r = r0; r < r1; ++r) {
+        if (r > r0 && r % 8 == 0) flush(r / 8 - 1);
         const uint8_t* row = base + r * row_stride;
-        if (r + PREFETCH_ROWS < tiles_k) prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
+        if (r + PREFETCH_ROWS < r1) prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
         if constexpr (BITS2 == 0) copy_row_ext(row, tbytes, ext);
         __m256i xp[4];
         for (int q = 0; q < 4; ++q) {
@@ -361,10 +368,11 @@ static void band_int1(const MatRef& A, int band, const Acts& X, float* y) {
             });
         }
     }
-    flush((tiles_k - 1) / 8);
+    flush((r1 - 1) / 8);
     reduce_tile_acc(facc, y);
     const float s = MUL1_K_AFF * X.xsum[0];
-    for (int c = 0; c < 128; ++c) y[c] = y[c] * MUL1_K_INV + s;
+    if (!X.raw)
+        for (int c = 0; c < 128; ++c) y[c] = y[c] * MUL1_K_INV + s;
 }
 
 // One (tile j, column pair a, half h) of a block: 8 rows x 2 packed pairs, M token accumulators in registers.
@@ -433,6 +441,7 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
     const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
     const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const int r0 = 8 * X.blk0, r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;  // tile rows of this call
     const size_t row_stride = size_t(tiles_n) * tbytes;
     const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
     constexpr int NACC = 8 * 4 * 2 * 8;  // [j][a][h][8 lanes]
@@ -447,9 +456,8 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
     K.ones16 = _mm256_set1_epi16(1);
     K.sh0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][0]));
     K.sh1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][1]));
-    const int nblk = tiles_k / 8;
-    for (int r = 0; r < std::min(8, tiles_k); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
-    for (int blk = 0; blk < nblk; ++blk) {
+        for (int r = r0; r < std::min(r0 + 8, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    for (int blk = r0 / 8; blk < r1 / 8; ++blk) {
         const uint8_t* brow = base + size_t(8 * blk) * row_stride;
         for (int rr = 0; rr < 8; ++rr) {
             if constexpr (BITS2 == 0) copy_row_ext(brow + rr * row_stride, tbytes, ext + rr * 8 * EXT_STRIDE);
@@ -466,14 +474,15 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
         for (int t = 0; t < M; ++t) sc[t] = _mm256_set1_ps(X.xs[t * X.xs_stride + blk]);
         for (int j = 0; j < 8; ++j) {
             // prefetch the next block one row per tile column, spread over the block's work
-            if (8 * (blk + 1) + j < tiles_k) prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
+            if (8 * (blk + 1) + j < r1) prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
             for (int ah = 0; ah < 8; ++ah) intm_cell<M, BITS2, UNIFORM>(brow, row_stride, j, ah, tbytes, ext, tb, xpp, sc, facc[0], K);
         }
     }
     for (int t = 0; t < M; ++t) {
         reduce_tile_acc(facc[t], y + 128 * t);
         const float s = MUL1_K_AFF * X.xsum[t];
-        for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
+        if (!X.raw)
+            for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
     }
 }
 
@@ -484,6 +493,7 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
     const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
     const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const int r0 = 8 * X.blk0, r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;  // tile rows of this call
     const size_t row_stride = size_t(tiles_n) * tbytes;
     const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
     alignas(64) float facc[M][8 * 4 * 2 * 8];
@@ -493,9 +503,8 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
     const __m256i mask16 = _mm256_set1_epi32(0xFFFF);
     const __m256i sh0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][0]));
     const __m256i sh1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][1]));
-    const int nblk = tiles_k / 8;
-    for (int r = 0; r < std::min(8, tiles_k); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
-    for (int blk = 0; blk < nblk; ++blk) {
+        for (int r = r0; r < std::min(r0 + 8, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    for (int blk = r0 / 8; blk < r1 / 8; ++blk) {
         const uint8_t* brow = base + size_t(8 * blk) * row_stride;
         for (int rr = 0; rr < 8; ++rr) {
             if constexpr (BITS2 == 0) copy_row_ext(brow + rr * row_stride, tbytes, ext + rr * 8 * EXT_STRIDE);
@@ -505,7 +514,7 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
                         reinterpret_cast<const __m128*>(X.xf + t * X.xf_stride + 16 * (8 * blk + rr) + 4 * q));
         }
         for (int j = 0; j < 8; ++j) {
-            if (8 * (blk + 1) + j < tiles_k) prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
+            if (8 * (blk + 1) + j < r1) prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
             static_for<4>([&](auto AA) CT_LAMBDA_INLINE {
                 constexpr int a = decltype(AA)::value;
                 if constexpr (M <= 3) {
@@ -647,6 +656,7 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
     const int tbytes = TB != 0 ? TB : tb.tile_bytes;
     const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const int r0 = 8 * X.blk0, r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;  // tile rows of this call
     const size_t row_stride = size_t(tiles_n) * tbytes;
     const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
     const __mmask64 m0 = tbytes >= 64 ? ~__mmask64(0) : ((__mmask64(1) << tbytes) - 1);
@@ -662,9 +672,8 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
     alignas(64) static const uint16_t xidx_tab[32] = {0,  1,  2,  3,  0,  1,  2,  3,  4,  5,  6,  7,  4,  5,  6,  7,
                                                       8,  9,  10, 11, 8,  9,  10, 11, 12, 13, 14, 15, 12, 13, 14, 15};
     const __m512i xidx = _mm512_load_si512(xidx_tab);
-    const int nblk = tiles_k / 8;
-    for (int r = 0; r < std::min(8, tiles_k); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
-    for (int blk = 0; blk < nblk; ++blk) {
+        for (int r = r0; r < std::min(r0 + 8, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    for (int blk = r0 / 8; blk < r1 / 8; ++blk) {
         const uint8_t* brow = base + size_t(8 * blk) * row_stride;
         for (int rr = 0; rr < 8; ++rr) {
             for (int t = 0; t < M; ++t) {
@@ -676,7 +685,7 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
         __m512 sc[M];
         for (int t = 0; t < M; ++t) sc[t] = _mm512_set1_ps(X.xs[t * X.xs_stride + blk]);
         for (int j = 0; j < 8; ++j) {
-            if (8 * (blk + 1) + j < tiles_k) prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
+            if (8 * (blk + 1) + j < r1) prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
             for (int c0 = 0; c0 < 8; ++c0) {
                 const __m512i perm = _mm512_load_si512(tb.perm16[c0]);
                 const __m512i msh = _mm512_load_si512(tb.mshift16[c0]);
@@ -714,7 +723,8 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
                 y[t * 128 + 16 * j + c0 + 8] = hi;
             }
         const float s = MUL1_K_AFF * X.xsum[t];
-        for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
+        if (!X.raw)
+            for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
     }
 }
 
@@ -723,6 +733,7 @@ static void band_int1(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
     const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
     const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const int r0 = 8 * X.blk0, r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;  // tile rows of this call
     const size_t row_stride = size_t(tiles_n) * tbytes;
     const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
     alignas(64) float facc[8 * 4 * 16];
@@ -742,11 +753,11 @@ static void band_int1(const MatRef& A, int band, const Acts& X, float* y) {
             _mm512_store_si512(iacc + i, _mm512_setzero_si512());
         }
     };
-    for (int r = 0; r < std::min(PREFETCH_ROWS, tiles_k); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
-    for (int r = 0; r < tiles_k; ++r) {
-        if (r > 0 && r % 8 == 0) flush(r / 8 - 1);
+    for (int r = r0; r < std::min(r0 + PREFETCH_ROWS, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    for (int r = r0; r < r1; ++r) {
+        if (r > r0 && r % 8 == 0) flush(r / 8 - 1);
         const uint8_t* row = base + r * row_stride;
-        if (r + PREFETCH_ROWS < tiles_k) prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
+        if (r + PREFETCH_ROWS < r1) prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
         if constexpr (BITS2 == 0) copy_row_ext(row, tbytes, ext);
         __m512i xp[4];
         for (int q = 0; q < 4; ++q) {
@@ -775,10 +786,11 @@ static void band_int1(const MatRef& A, int band, const Acts& X, float* y) {
             });
         }
     }
-    flush((tiles_k - 1) / 8);
+    flush((r1 - 1) / 8);
     reduce_tile_acc(facc, y);
     const float s = MUL1_K_AFF * X.xsum[0];
-    for (int c = 0; c < 128; ++c) y[c] = y[c] * MUL1_K_INV + s;
+    if (!X.raw)
+        for (int c = 0; c < 128; ++c) y[c] = y[c] * MUL1_K_INV + s;
 }
 
 template <int M, int BITS2, bool UNIFORM>
@@ -786,6 +798,7 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
     const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
     const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const int r0 = 8 * X.blk0, r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;  // tile rows of this call
     const size_t row_stride = size_t(tiles_n) * tbytes;
     const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
     constexpr int NACC = 8 * 4 * 16;  // [j][a][16 lanes = 2 halves x 8]
@@ -810,11 +823,11 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
             }
         }
     };
-    for (int r = 0; r < std::min(PREFETCH_ROWS, tiles_k); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
-    for (int r = 0; r < tiles_k; ++r) {
-        if (r > 0 && r % 8 == 0) flush(r / 8 - 1);
+    for (int r = r0; r < std::min(r0 + PREFETCH_ROWS, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    for (int r = r0; r < r1; ++r) {
+        if (r > r0 && r % 8 == 0) flush(r / 8 - 1);
         const uint8_t* row = base + r * row_stride;
-        if (r + PREFETCH_ROWS < tiles_k) prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
+        if (r + PREFETCH_ROWS < r1) prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
         if constexpr (BITS2 == 0) copy_row_ext(row, tbytes, ext);
         for (int t = 0; t < M; ++t)
             for (int pq = 0; pq < 2; ++pq) {
@@ -849,11 +862,12 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
             });
         }
     }
-    flush((tiles_k - 1) / 8);
+    flush((r1 - 1) / 8);
     for (int t = 0; t < M; ++t) {
         reduce_tile_acc(facc[t], y + 128 * t);
         const float s = MUL1_K_AFF * X.xsum[t];
-        for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
+        if (!X.raw)
+            for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
     }
 }
 
@@ -862,6 +876,7 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
     const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
     const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const int r0 = 8 * X.blk0, r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;  // tile rows of this call
     const size_t row_stride = size_t(tiles_n) * tbytes;
     const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
     alignas(64) float facc[M][8 * 4 * 16];
@@ -870,10 +885,10 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
     std::memset(facc, 0, sizeof(facc));
     const __m512i mask16 = _mm512_set1_epi32(0xFFFF);
     const __m512i sh = _mm512_load_si512(tb.shift[0]);
-    for (int r = 0; r < std::min(PREFETCH_ROWS, tiles_k); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
-    for (int r = 0; r < tiles_k; ++r) {
+    for (int r = r0; r < std::min(r0 + PREFETCH_ROWS, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    for (int r = r0; r < r1; ++r) {
         const uint8_t* row = base + r * row_stride;
-        if (r + PREFETCH_ROWS < tiles_k) prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
+        if (r + PREFETCH_ROWS < r1) prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
         if constexpr (BITS2 == 0) copy_row_ext(row, tbytes, ext);
         for (int t = 0; t < M; ++t)
             for (int q = 0; q < 4; ++q)
@@ -904,6 +919,7 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
     if constexpr (CB == CB_MUL1 && !ROUND)
         for (int t = 0; t < M; ++t) {
             const float s = MUL1_K_AFF * X.xsum[t];
+            if (!X.raw)
             for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
         }
 }

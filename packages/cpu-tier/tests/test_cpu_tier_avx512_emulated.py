@@ -67,9 +67,9 @@ def test_moe(rt) -> None:
     x = rng.standard_normal((6, 128)).astype(np.float32)
     picks = Picks.from_topk(rng.integers(0, 3, (6, 2)), rng.random((6, 2)).astype(np.float32))
     ref = ref_moe(x, picks, experts, 10.0)
-    for fast in (False, True):
+    for fast, slab_blocks in ((False, 0), (True, 0), (False, 1), (True, 1)):
         out = np.full((6, 128), np.nan, np.float32)
-        job = rt.submit_moe(layer, x, picks.tokens, picks.experts, picks.weights, out, fast, 64)
+        job = rt.submit_moe(layer, x, picks.tokens, picks.experts, picks.weights, out, fast, 64, slab_blocks)
         assert job.wait(60.0) and not job.error()
         assert np.all(job.computed() == 1)
         if fast:

@@ -53,6 +53,26 @@ def test_forward_matches_reference(small_experts, isa: str, threads: int, precis
             _check(out, ref_moe(x, picks, small_experts, limit), precision)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("slab_blocks", [1, 2])
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_row_slab_split_matches_reference(small_experts, isa: str, slab_blocks: int, precision: str) -> None:
+    # H = 256 (2 blocks), I = 384 (3 blocks): 2 and 3 slabs of one block, or 1 and 2 slabs (the last one partial)
+    rng = np.random.default_rng(slab_blocks * 7 + len(isa))
+    t = 11
+    x = (rng.standard_normal((t, 256)) * 4).astype(np.float32)
+    picks = _picks(rng, t, 6, 3)
+    picks.experts[: t] = 2  # expert 2 gets more than 8 tokens: two chunks
+    cfg = CpuTierConfig(threads=2, isa=isa, precision=precision, slab_blocks=slab_blocks)  # type: ignore[arg-type]
+    with ExpertTier(cfg) as tier:
+        tier.add_layer(0, *small_experts)
+        tier.add_layer(1, *small_experts, swiglu_limit=None)
+        for layer, limit in ((0, 10.0), (1, None)):
+            out = np.full((t, 256), np.nan, np.float32)
+            tier.forward(layer, x, picks, out)
+            _check(out, ref_moe(x, picks, small_experts, limit), precision)
+
+
 def test_clamp_follows_deepseek(small_experts) -> None:
     # Large activations: the clamp changes the result, and the gate is clamped before the silu.
     rng = np.random.default_rng(1)
@@ -113,6 +133,15 @@ def test_timeout_reports_missing_picks() -> None:
     x = rng.standard_normal((t, 256)).astype(np.float32)
     picks = _picks(rng, t, 4, 4)  # 96 picks, 12 chunks of 8
     ref_all = ref_moe(x, picks, experts, 10.0)
+    for slab_blocks in (2, 1):  # the row-slab split reports the same way (slabs of 2 blocks: 1 + 2 slabs)
+        with ExpertTier(CpuTierConfig(threads=2, slab_blocks=slab_blocks)) as tier:
+            tier.add_layer(0, *experts)
+            job = tier.submit(0, x, picks, _test_cancel_after_chunks=3)
+            assert job.wait(60.0)
+            missing = job.missing()
+            assert 0 < missing.size < len(picks.tokens)
+            done = np.setdiff1d(np.arange(len(picks.tokens)), missing)
+            assert rel_max(job.out, ref_moe(x, picks, experts, 10.0, only=done)) <= 1e-5
     with ExpertTier(CpuTierConfig(threads=1, isa="scalar")) as tier:
         tier.add_layer(0, *experts)
         # A deterministic partial run: the job cancels itself once 3 chunks are complete.

@@ -5,7 +5,11 @@ then DeepSeek-V4.1 experts (H=5120, I=2304, MUL1 K=3: 13,271,040 bytes of trelli
 ``ExpertTier`` with 1, 2, 4 and 8 tokens per expert, per ISA, on one core and on all cores. Each job runs every
 expert of a pool larger than the last-level cache, so weights come from DRAM. Reported: ms per expert, weights/s,
 trellis GB/s, per core, the ratio of trellis GB/s to the probe's GB/s for the same thread count, and core cycles per
-weight (clock from a dependent-add chain run on every worker at once).
+weight (clock from a dependent imul chain run on every worker at once).
+
+Compute ceilings (same job, weights that stay in cache, so the kernel alone sets the rate): ``llc`` = the V4.1
+expert, the pool being one expert's memory referenced n times (13.27 MB: in the last-level cache); ``l2`` = a reduced
+expert with the same gate/up band loop (H=5120, I=256: 1.47 MB, one expert referenced n times).
 """
 
 from __future__ import annotations
@@ -87,6 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="1,2,4,8", help="tokens per expert, comma separated")
     p.add_argument("--iters", type=int, default=5, help="timed jobs per case (after one warm-up)")
     p.add_argument("--probe-mib", type=int, default=1024, help="size of the bandwidth probe's buffer")
+    p.add_argument("--cases", default="fast,exact,mcg,llc,l2,kernel",
+                   help="comma separated: fast (MUL1 fast at --tokens), exact, mcg, llc, l2, kernel (compute ceilings, "
+                        "m=1)")
+    p.add_argument("--slabs", default="0",
+                   help="CpuTierConfig.slab_blocks values (comma separated) for the m=1 fast cases; the first one "
+                        "for every other case")
     p.add_argument("--quick", action="store_true", help="small shapes, few experts: a smoke test of the CLI")
     args = p.parse_args(argv)
 
@@ -99,8 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     all_threads = args.threads or len(usable_cpus())
     thread_counts = sorted({1, all_threads})
     tokens = [int(t) for t in args.tokens.split(",")]
+    want = {c.strip() for c in args.cases.split(",") if c.strip()}
+    bad = want - {"fast", "exact", "mcg", "llc", "l2", "kernel"}
+    if bad:
+        p.error(f"--cases: unknown {sorted(bad)} (known: fast, exact, mcg, llc, l2, kernel)")
+    slabs = [int(v) for v in args.slabs.split(",")]
     expert_bytes = 3 * hidden * inter * K // 8
-    weights_per_expert = 3 * hidden * inter
     n_exp = args.experts or (4 if args.quick else max(16, 4 * all_threads))
     probe_bytes = (4 if args.quick else args.probe_mib) << 20
 
@@ -113,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     t0 = time.perf_counter()
     gate, up, down = _experts(n_exp, hidden, inter, "mul1", seed=1)
-    mcg = _experts(min(n_exp, 8), hidden, inter, "mcg", seed=2) if not args.quick else None
+    mcg = _experts(min(n_exp, 8), hidden, inter, "mcg", seed=2) if not args.quick and "mcg" in want else None
+    # compute ceilings: one expert's memory referenced n_exp times (cache resident)
+    llc = ([gate[0]] * n_exp, [up[0]] * n_exp, [down[0]] * n_exp)
+    l2_inter = 256 if not args.quick else 128
+    l2e = _experts(1, hidden, l2_inter, "mul1", seed=3)
+    l2 = (l2e[0] * n_exp, l2e[1] * n_exp, l2e[2] * n_exp)
     print(f"# built {n_exp} experts in {time.perf_counter() - t0:.1f} s", flush=True)
     hdr = (f"{'case':<26}{'isa':>8}{'thr':>5}{'m':>3}{'prec':>7}{'ms/exp':>9}{'p10':>8}{'p90':>8}"
            f"{'Gw/s':>8}{'GB/s':>8}{'GB/s/core':>10}{'probe':>8}{'ratio':>7}{'cyc/w':>7}")
@@ -132,17 +151,45 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"{'probe/stream-read':<26}{isa:>8}{thr:>5}{'':>3}{'':>7}{'':>9}{'':>8}{'':>8}{'':>8}"
                   f"{bw:8.2f}{bw / thr:10.2f}{bw:8.2f}{'':>7}  (core clock ~{ghz:.2f} GHz with {thr} busy)", flush=True)
-            cases = [(m, "fast", "mul1") for m in tokens] + [(1, "exact", "mul1")]
+            if "kernel" in want:
+                # kernel alone, every worker at once on its own L2-resident band (the job's compute ceiling)
+                with ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa)) as kt:  # type: ignore[arg-type]
+                    g0 = gate[0]
+                    kb_iters = 20 if not args.quick else 4
+                    secs = np.asarray(kt._rt.kernel_band_seconds(g0.trellis, g0.suh.view(np.uint16),
+                                                                  g0.svh.view(np.uint16), 2, True, 1, 1, kb_iters))
+                band_w = hidden * 128
+                gw_core = float(np.median(band_w / secs)) / 1e9
+                gbps = gw_core * thr * K / 8
+                case = "ceiling/kernel 1 band L2"
+                rows.append({"case": case, "pool": "l2-band", "isa": isa, "threads": thr, "tokens": 1,
+                             "precision": "fast", "codebook": "mul1", "Gweights_per_s": gw_core * thr, "GBps": gbps,
+                             "GBps_per_core": gbps / thr, "probe_GBps": bw, "ratio_to_probe": gbps / bw,
+                             "clock_GHz": ghz, "cycles_per_weight": ghz / gw_core,
+                             "per_worker_Gw_s": [round(band_w / v / 1e9, 3) for v in secs]})
+                print(f"{case:<26}{isa:>8}{thr:>5}{1:>3}{'fast':>7}{'':>9}{'':>8}{'':>8}"
+                      f"{gw_core * thr:8.2f}{gbps:8.2f}{gbps / thr:10.2f}{bw:8.2f}{gbps / bw:7.2f}{ghz / gw_core:7.3f}",
+                      flush=True)
+            # (tokens, precision, codebook, pool name, slab_blocks)
+            cases = [(m, "fast", "mul1", "dram", sb) for m in tokens for sb in (slabs if m == 1 else slabs[:1])] \
+                if "fast" in want else []
+            if "exact" in want:
+                cases.append((1, "exact", "mul1", "dram", slabs[0]))
             if mcg is not None:
-                cases.append((1, "fast", "mcg"))
+                cases.append((1, "fast", "mcg", "dram", slabs[0]))
+            cases += [(1, "fast", "mul1", c, sb) for c in ("llc", "l2") if c in want for sb in slabs]
             if isa == "scalar":
-                cases = [c for c in cases if c[0] == 1][:2]
-            for m, prec, cb in cases:
-                experts = (gate, up, down) if cb == "mul1" else mcg
+                cases = [c for c in cases if c[0] == 1 and c[3] == "dram"][:2]
+            for m, prec, cb, pool, sb in cases:
+                experts = {"dram": (gate, up, down) if cb == "mul1" else mcg, "llc": llc, "l2": l2}[pool]
                 if isa == "scalar":  # a few experts suffice for a variant this slow
                     experts = tuple(p[:2] for p in experts)  # type: ignore[assignment]
                 ne = len(experts[0])
-                tier = ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa, precision=prec))  # type: ignore[arg-type]
+                e_inter = experts[0][0].n
+                e_bytes = 3 * hidden * e_inter * K // 8
+                e_weights = 3 * hidden * e_inter
+                tier = ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa, precision=prec,  # type: ignore[arg-type]
+                                                slab_blocks=sb))
                 tier.add_layer(0, *experts)
                 x = rng.standard_normal((m, hidden)).astype(np.float32)
                 picks = Picks(np.repeat(np.arange(m, dtype=np.int32), ne), np.tile(np.arange(ne, dtype=np.int32), m),
@@ -162,10 +209,15 @@ def main(argv: list[str] | None = None) -> int:
                         phases += np.asarray(job._native.phase_s()) / ne / iters
                 tier.close()
                 med, p10, p90 = _stats(times)
-                gbps = expert_bytes / med / 1e9
-                gw = weights_per_expert / med / 1e9
+                gbps = e_bytes / med / 1e9
+                gw = e_weights / med / 1e9
                 case = f"expert/{cb} K={K} {'fast' if prec == 'fast' else 'exact'}"
-                rows.append({"case": case, "isa": isa, "threads": thr, "tokens": m, "precision": prec, "codebook": cb,
+                if pool != "dram":
+                    case = f"ceiling/{pool} I={e_inter}"
+                if sb:
+                    case += f" rows/{sb}"
+                rows.append({"case": case, "pool": pool, "slab_blocks": sb, "expert_bytes": e_bytes, "isa": isa, "threads": thr, "tokens": m,
+                             "precision": prec, "codebook": cb,
                              "ms_per_expert": med * 1e3, "p10_ms": p10 * 1e3, "p90_ms": p90 * 1e3,
                              "Gweights_per_s": gw, "GBps": gbps, "GBps_per_core": gbps / thr, "probe_GBps": bw,
                              "ratio_to_probe": gbps / bw, "clock_GHz": ghz,

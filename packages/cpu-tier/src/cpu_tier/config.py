@@ -34,6 +34,10 @@ class CpuTierConfig:
     swiglu_limit : default SwiGLU clamp of ``ExpertTier.add_layer`` (10.0 for DeepSeek-V4.1's routed experts);
         None = no clamp (shared experts).
     spin_us : microseconds an idle worker spins before it parks.
+    slab_blocks : work split of ``ExpertTier``'s GEMVs. 0 = one unit per 128-column band over all rows (each unit
+        reads 32*K bytes x 8 tiles of every tile row: a strided stream); S > 0 = one unit per S 128-row blocks over
+        all columns (each unit reads whole contiguous rows, which the hardware prefetchers stream), partial sums
+        added afterwards (scratch per expert: 4 bytes x tokens x (2 I ceil(H/128/S) + H ceil(I/128/S))).
     """
 
     threads: int = 0
@@ -42,6 +46,7 @@ class CpuTierConfig:
     precision: Literal["exact", "fast"] = "exact"
     swiglu_limit: float | None = 10.0
     spin_us: int = 50
+    slab_blocks: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
@@ -70,6 +75,9 @@ class CpuTierConfig:
                 raise ValueError(f"swiglu_limit: must be a finite number > 0 or None, got {lim!r}")
         if isinstance(self.spin_us, bool) or not isinstance(self.spin_us, int) or not 0 <= self.spin_us <= 10_000_000:
             raise ValueError(f"spin_us: must be an int in [0, 10000000], got {self.spin_us!r}")
+
+        if isinstance(self.slab_blocks, bool) or not isinstance(self.slab_blocks, int) or not 0 <= self.slab_blocks <= 1024:
+            raise ValueError(f"slab_blocks: must be an int in [0, 1024] (0 = band split), got {self.slab_blocks!r}")
 
     def resolved_threads(self) -> int:
         """The number of worker threads this configuration starts."""

@@ -341,7 +341,7 @@ class ExpertTier:
         tokens, experts, weights = self._check_picks(picks, t, lay, layer)
         native = self._rt.submit_moe(
             lay.native, xa, tokens, experts, weights, oa, self.config.precision == "fast", _WAVE_CHUNKS,
-            _test_cancel_after_chunks,
+            self.config.slab_blocks, _test_cancel_after_chunks,
         )
         job = Job(native, oa, (xa, oa, tokens, experts, weights, x, out, lay), int(tokens.shape[0]))
         self._pending = [j for j in self._pending if not j.done()]
