@@ -186,8 +186,10 @@ def tune(store: HostExpertStore, cfg: PrefillConfig, T: int) -> dict:
 
     log: dict = {}
     for attr, cands in (
-        ("decode_block_tn", [16, 32, 8]),
-        ("transform_config", [(64, 4, 4), (64, 4, 8), (32, 4, 4), (64, 8, 8)]),
+        ("decode_block_tn", [8, 4, 16]),
+        ("swiglu_config", [(16, 4, 4), (16, 2, 4), (32, 2, 4)]),
+        ("transform_config", [(64, 2, 4), (64, 4, 4)]),
+        ("out_config", [(64, 2, 4), (64, 4, 4)]),
     ):
         res = {}
         for c in cands:
@@ -199,11 +201,12 @@ def tune(store: HostExpertStore, cfg: PrefillConfig, T: int) -> dict:
         print(f"tune {attr}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in res.items()) + f" -> {best}", flush=True)
     res = {}
     base = dict(TC.gemm_configs)
-    for c in [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)]:
+    gemm_cands = [(128, 64, 8, 3), (128, 64, 8, 4)]
+    for c in gemm_cands:
         TC.gemm_configs = {**base, 128: c}
         res[str(c)] = measure()
     best = min(res, key=res.get)
-    TC.gemm_configs = {**base, 128: next(c for c in [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)] if str(c) == best)}
+    TC.gemm_configs = {**base, 128: next(c for c in gemm_cands if str(c) == best)}
     log["gemm_128"] = res
     print("tune gemm BM=128 (BN, BK, warps, stages): " + ", ".join(f"{k} {v:.1f} ms" for k, v in res.items()) + f" -> {best}", flush=True)
     return log
@@ -220,6 +223,7 @@ def main() -> None:
     ap.add_argument("--profile-chunks", default="", help="chunk sizes to break down per kernel (torch.profiler)")
     ap.add_argument("--stage-chunks", default="32768", help="chunk sizes to break down per stage (CUDA events)")
     ap.add_argument("--no-promote-chunks", default="32768", help="chunk sizes to repeat without GEMM promotion")
+    ap.add_argument("--bk32-chunks", default="", help="chunk sizes to repeat with GEMM promotion every 32 (BK=32)")
     ap.add_argument("--tune-chunk", type=int, default=0, help="chunk size for a tile-tuning pass first (0: none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -267,6 +271,8 @@ def main() -> None:
     chosen = {
         "decode_block_tn": TritonCompute.decode_block_tn,
         "transform_config": TritonCompute.transform_config,
+        "swiglu_config": TritonCompute.swiglu_config,
+        "out_config": TritonCompute.out_config,
         "gemm_configs": TritonCompute.gemm_configs,
     }
     print(f"configs used: {chosen}")
@@ -275,11 +281,16 @@ def main() -> None:
         [(int(c), True, True) for c in args.chunks.split(",") if c]
         + [(int(c), False, True) for c in args.fp16_chunks.split(",") if c]
         + [(int(c), True, False) for c in args.no_promote_chunks.split(",") if c]
+        + [(int(c), True, 32) for c in args.bk32_chunks.split(",") if c]
     )
     for T, exact, promote in cases:
-        TritonCompute.promote = promote
+        TritonCompute.promote = bool(promote)
+        saved = dict(TritonCompute.gemm_configs)
+        if promote == 32:
+            TritonCompute.gemm_configs = {bm: (c[0], 32, c[2], c[3] + 1) for bm, c in saved.items()}
         r = bench_chunk(store, PrefillConfig(num_slots=args.slots, experts_per_batch=args.batch, exact=exact), T, args.steps, 7)
         TritonCompute.promote = True
+        TritonCompute.gemm_configs = saved
         r["exact"] = exact
         r["promote"] = promote
         r["ceiling_tok_per_s"] = T / ceiling_s
@@ -293,7 +304,8 @@ def main() -> None:
         f"{'copy GB/s':>11}{'eff GB/s':>10}{'copy/H2D':>10}{'copy busy':>11}{'comp busy':>11}{'VRAM GiB':>10}"
     )
     for r in rows:
-        name = f"{'exact' if r['exact'] else 'fp16'}{'' if r['promote'] else '-np'} T={r['tokens']}"
+        tag = {True: "", False: "-np", 32: "-bk32"}[r["promote"]]
+        name = f"{'exact' if r['exact'] else 'fp16'}{tag} T={r['tokens']}"
         print(
             f"{name:<19}{r['s_per_layer'] * 1e3:>10.1f}{r['tok_per_s_layer']:>13.0f}{r['ceiling_tok_per_s']:>10.0f}"
             f"{r['vs_ceiling']:>9.1%}{r['copy_gbps_engine']:>11.1f}{r['copy_gbps_effective']:>10.1f}"

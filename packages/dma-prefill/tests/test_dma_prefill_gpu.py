@@ -78,6 +78,22 @@ def test_gemm_error_bounds_per_expert(gpu_stack: SyntheticStack) -> None:
     assert fp16["ours"].max() > 10 * exact["ours"].max()
 
 
+@pytest.mark.parametrize("bk", [16, 32, 64])
+def test_gemm_promotion_granularity(gpu_stack: SyntheticStack, bk: int) -> None:
+    """Error of the exact path against how often the tensor-core partial sums are promoted (every BK)."""
+    from dma_prefill.compute import TritonCompute
+
+    saved = dict(TritonCompute.gemm_configs)
+    TritonCompute.gemm_configs = {bm: (c[0], bk, c[2], c[3]) for bm, c in saved.items()}
+    try:
+        x = torch.randn(1024, 512, generator=torch.Generator().manual_seed(2)).cuda()
+        err = per_expert_errors(gpu_stack.store, 0, _pf(gpu_stack, True), x, seed=3)
+    finally:
+        TritonCompute.gemm_configs = saved
+    _report(f"per-expert max rel err, exact path, promotion every {bk}", f"{err['ours'].max():.3e}")
+    assert err["ours"].max() < 5e-6
+
+
 def test_stack_kl_on_gpu(gpu_stack: SyntheticStack) -> None:
     h0 = gpu_stack.embed(256, seed=7)
     ref = gpu_stack.reference_logits(h0)

@@ -334,10 +334,11 @@ class TritonCompute(BatchCompute):
     promote: bool = True
     #: row transforms: (rows per program, 128-column blocks per program, num_warps) for the GEMM inputs, the
     #: gate/up outputs + SwiGLU, and the down output + weighted add
-    transform_config: tuple[int, int, int] = (64, 4, 4)
-    swiglu_config: tuple[int, int, int] = (64, 4, 4)
-    out_config: tuple[int, int, int] = (64, 4, 4)
-    decode_block_tn: int = 16
+    #: (defaults from scripts/kernel_tune.py on the H200 at the 32k-chunk shape, R = 4096 rows per batch)
+    transform_config: tuple[int, int, int] = (64, 2, 4)
+    swiglu_config: tuple[int, int, int] = (16, 4, 4)
+    out_config: tuple[int, int, int] = (64, 2, 4)
+    decode_block_tn: int = 8
 
     def __init__(self, store: HostExpertStore, config: PrefillConfig, device: Device, torch_device: torch.device) -> None:
         super().__init__(store, config, device)
