@@ -8,11 +8,21 @@ OUT="${OUT:-/tmp/dma-prefill-out}"
 mkdir -p "$OUT"
 # cpu_tier and dma_prefill look up their installed version; the source trees get a minimal dist-info
 SITE="$(mktemp -d)"
-for pair in cpu-tier:cpu_tier dma-prefill:dma_prefill; do
+for pair in cpu-tier:cpu_tier dma-prefill:dma_prefill; do  # (cpu_tier's is dropped below: pip writes a real one)
     mkdir -p "$SITE/${pair#*:}-0.1.0.dist-info"
     printf 'Metadata-Version: 2.1\nName: %s\nVersion: 0.1.0\n' "${pair%%:*}" > "$SITE/${pair#*:}-0.1.0.dist-info/METADATA"
 done
-export PYTHONPATH="packages/dma-prefill/src:packages/cpu-tier/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# the native cpu-tier (the CPU tail's kernels), built here from the tree: needs the nanobind and
+# scikit-build-core wheels in .whl (carry=[".whl"], see packages/cpu-tier/README.md)
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ctbuildenv .whl/nanobind-*.whl .whl/scikit_build_core-*.whl || exit 1
+t0=$(date +%s)
+PYTHONPATH=/tmp/ctbuildenv CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-index --no-deps \
+    --no-build-isolation --no-compile --target /tmp/ctsite --config-settings=build-dir=/tmp/ctbuild \
+    --config-settings=cmake.define.CPU_TIER_WITH_AVX512_EMULATION=OFF packages/cpu-tier > "$OUT/cpu_tier_build.log" 2>&1 \
+    || { tail -30 "$OUT/cpu_tier_build.log"; exit 1; }
+echo "cpu-tier built in $(( $(date +%s) - t0 )) s"
+rm -rf "$SITE/cpu_tier-0.1.0.dist-info"
+export PYTHONPATH="packages/dma-prefill/src:/tmp/ctsite:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,pcie.link.gen.current,pcie.link.width.current --format=csv
 python3 -m pytest packages/dma-prefill/tests -m gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"

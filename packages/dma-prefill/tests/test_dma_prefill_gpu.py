@@ -143,3 +143,27 @@ def test_swiglu_limit_on_gpu(gpu_stack: SyntheticStack) -> None:
     unclamped = reference_moe(gpu_stack.store, 2, x, ids, w)
     assert float((ref - unclamped).abs().max()) > 1e-2  # the limit really bites
     assert float((out.cpu().double() - ref).abs().max() / ref.abs().max()) < 5e-6
+
+
+def test_cpu_tier_tail_on_cuda(gpu_stack: SyntheticStack) -> None:
+    """Hybrid step on real streams: the tail's rows go to pinned host memory on a side stream, the native CPU
+    tier computes them from the registered store while the GPU computes the other batches."""
+    from cpu_tier import CpuTierConfig, ExpertTier
+
+    from dma_prefill import CpuTierTail
+
+    cfg = PrefillConfig(num_slots=2, experts_per_batch=4, backend="triton", cpu_tail_batches=2)
+    pf = DmaPrefill(gpu_stack.store, cfg)
+    g = torch.Generator().manual_seed(17)
+    x = torch.randn(300, 512, generator=g)
+    ids = torch.rand(300, 16, generator=g).argsort(1)[:, :4]
+    w = torch.rand(300, 4, generator=g)
+    plan = PrefillPlan.build(ids.cuda(), w.cuda(), 16, 4, cpu_tail_batches=2)
+    assert plan.cpu_batches == (2, 3)
+    with ExpertTier(CpuTierConfig(threads=4, precision="exact", swiglu_limit=None)) as tier:
+        tail = CpuTierTail(gpu_stack.store, tier, swiglu_limit=None, layers=(1,))
+        out = pf.run_layer(1, x.cuda(), plan, cpu_tail=tail)
+        torch.cuda.synchronize()
+    ref = reference_moe(gpu_stack.store, 1, x, ids, w)
+    assert float((out.cpu().double() - ref).abs().max() / ref.abs().max()) < 1e-5
+    assert {e for _, e in pf.compute.computed} == set(range(8))

@@ -157,20 +157,35 @@ def test_cpu_tail_batches_are_not_streamed(small_store, make_routing) -> None:
     plan = PrefillPlan.build(ids, w, 16, 4, cpu_tail_batches=1)
     assert plan.cpu_batches == (3,)
     seen = []
+    order = []
 
-    def cpu_tail(p: PrefillPlan, out: torch.Tensor) -> None:
-        for e in p.cpu_experts.tolist():
-            r0, r1 = p.rows(e)
-            tok = p.sorted_tokens[r0:r1]
-            y = reference_expert(small_store, 0, e, x[tok], dtype=torch.float32)
-            out.index_add_(0, tok, y * p.sorted_weights[r0:r1, None])
-            seen.append(e)
+    class RefTail:
+        swiglu_limit = None
+
+        def begin(self, layer: int, xx: torch.Tensor, p: PrefillPlan) -> PrefillPlan:
+            order.append(("begin", len(pf.ring.history)))
+            return p
+
+        def finish(self, p: PrefillPlan, out: torch.Tensor) -> None:
+            order.append(("finish", len(pf.ring.history)))
+            for e in p.cpu_experts.tolist():
+                r0, r1 = p.rows(e)
+                tok = p.sorted_tokens[r0:r1]
+                y = reference_expert(small_store, 0, e, x[tok], dtype=torch.float32)
+                out.index_add_(0, tok, y * p.sorted_weights[r0:r1, None])
+                seen.append(e)
 
     with pytest.raises(ValueError, match="no cpu_tail"):
         pf.run_layer(0, x, plan)
-    out = pf.run_layer(0, x, plan, cpu_tail=cpu_tail)
+    clamped = RefTail()
+    clamped.swiglu_limit = 10.0
+    with pytest.raises(ValueError, match="clamps SwiGLU"):
+        pf.run_layer(0, x, plan, cpu_tail=clamped)
+    order.clear()
+    out = pf.run_layer(0, x, plan, cpu_tail=RefTail())
     dev.synchronize()
     assert sorted(seen) == [12, 13, 14, 15]
+    assert order == [("begin", 0), ("finish", 3)]  # begun before the GPU batches were queued, finished after
     assert {e for _, e in pf.compute.computed} == set(range(12))
     assert all(st.batch != 3 for st in pf.ring.history)
     assert _rel(out, reference_moe(small_store, 0, x, ids, w)) < 2e-6
@@ -228,3 +243,29 @@ def test_run_layer_validates(small_store, make_routing) -> None:
     with pytest.raises(ValueError, match="out must be float32"):
         pf.run_layer(0, torch.randn(8, 256), plan, out=torch.zeros(8, 256, dtype=torch.float16))
     assert np.all(np.asarray(pf.compute.computed) == np.zeros((0,)))  # nothing ran
+
+
+def test_cpu_tier_tail_computes_the_tail_on_the_host(small_store, make_routing) -> None:
+    from cpu_tier import CpuTierConfig, ExpertTier
+
+    from dma_prefill import CpuTierTail
+
+    cfg = PrefillConfig(num_slots=2, experts_per_batch=4, cpu_tail_batches=2, prefetch_batches=0, backend="torch")
+    dev = FakeDevice()
+    pf = DmaPrefill(small_store, cfg, device=dev)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(3))
+    ids, w = make_routing(40, 16, 3, seed=5)
+    plan = PrefillPlan.build(ids, w, 16, 4, cpu_tail_batches=2)
+    assert plan.cpu_batches == (2, 3)
+    with ExpertTier(CpuTierConfig(threads=1, precision="exact", swiglu_limit=None)) as tier:
+        tail = CpuTierTail(small_store, tier, swiglu_limit=None, layers=(0,))
+        with pytest.raises(ValueError, match="layer 1 was not registered"):
+            pf.run_layer(1, x, PrefillPlan.build(ids, w, 16, 4, cpu_tail_batches=2), cpu_tail=tail)
+        out = pf.run_layer(0, x, plan, cpu_tail=tail)
+        dev.synchronize()
+    assert {e for _, e in pf.compute.computed} == set(range(8))  # batches 0, 1 on the "GPU"
+    assert _rel(out, reference_moe(small_store, 0, x, ids, w)) < 1e-5
+    # the tail alone equals the reference restricted to experts 8..15
+    tail_only = reference_moe(small_store, 0, x, ids, w * (ids >= 8))
+    gpu_only = reference_moe(small_store, 0, x, ids, w * (ids < 8))
+    assert _rel(out.double() - gpu_only, tail_only) < 1e-5

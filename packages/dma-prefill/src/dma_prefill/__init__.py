@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from .config import PROJECTIONS, LayerSpec, PrefillConfig, ProjSpec, StepPath, StoreConfig, choose_path
+from .cpu_tail import CpuTail, CpuTierTail
 from .device import CudaDevice, FakeDevice
 from .layout import ExpertLayout
 from .plan import PrefillPlan
@@ -24,6 +25,8 @@ except PackageNotFoundError:  # running from a source tree (e.g. PYTHONPATH on t
 
 __all__ = [
     "PROJECTIONS",
+    "CpuTail",
+    "CpuTierTail",
     "CudaDevice",
     "DmaPrefill",
     "ExpertLayout",

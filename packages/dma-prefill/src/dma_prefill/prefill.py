@@ -4,23 +4,19 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .compute import BatchCompute, TorchCompute, TritonCompute
 from .config import PrefillConfig
+from .cpu_tail import CpuTail
 from .device import CudaDevice, Device
 from .plan import PrefillPlan
 from .ring import StagingRing
 from .store import HostExpertStore
 
 __all__ = ["DmaPrefill", "PipelineStats"]
-
-#: ``cpu_tail(plan, out)``: compute ``plan.cpu_experts`` on the CPU tier and add them into ``out`` in stream order.
-CpuTail = Callable[[PrefillPlan, torch.Tensor], None]
-
 
 @dataclasses.dataclass(frozen=True)
 class PipelineStats:
@@ -151,7 +147,8 @@ class DmaPrefill:
         plan : the layer's ``PrefillPlan`` (built with ``experts_per_batch == config.experts_per_batch``).
         out : fp32 ``[T, H]`` to accumulate into; zeros when None.
         next_layer : prefetch this layer's first batches once this layer's work is queued.
-        cpu_tail : called after the GPU batches are queued, to add the experts of ``plan.cpu_batches``.
+        cpu_tail : computes the experts of ``plan.cpu_batches`` (``CpuTierTail``): ``begin`` before the GPU
+            batches are queued, ``finish`` after them.
 
         Work is queued on the device's current stream; nothing here waits for the GPU except the plan's counts.
         """
@@ -168,6 +165,11 @@ class DmaPrefill:
             )
         if plan.cpu_batches and cpu_tail is None:
             raise ValueError(f"plan leaves batches {plan.cpu_batches} to the CPU tier but no cpu_tail was given")
+        if cpu_tail is not None and cpu_tail.swiglu_limit != self.config.swiglu_limit:
+            raise ValueError(
+                f"cpu_tail clamps SwiGLU at {cpu_tail.swiglu_limit}, PrefillConfig.swiglu_limit is "
+                f"{self.config.swiglu_limit}"
+            )
         if out is None:
             out = torch.zeros((T, spec.hidden), dtype=torch.float32, device=x.device)
         elif out.shape != (T, spec.hidden) or out.dtype != torch.float32:
@@ -181,6 +183,7 @@ class DmaPrefill:
         for st in sorted(ring.pending(), key=lambda s: s.seq):
             if st.layer != layer or st.batch not in wanted:
                 ring.release(st, stream)
+        tail = cpu_tail.begin(layer, x, plan) if cpu_tail is not None and plan.cpu_batches else None
         prep = self.compute.prepare(plan, x)
         todo = deque(b for b in gpu if not ring.is_issued(layer, b))
 
@@ -205,7 +208,7 @@ class DmaPrefill:
         if todo:
             raise RuntimeError(f"layer {layer}: batches {list(todo)} were never issued")
         if cpu_tail is not None and plan.cpu_batches:
-            cpu_tail(plan, out)
+            cpu_tail.finish(tail, out)
         if next_layer is not None:
             self.prefetch(next_layer)
         self.layers_run += 1
