@@ -268,7 +268,7 @@ def post_swiglu(
     tk.post_swiglu_kernel[(-(-R // block_r), -(-(n // 128) // cpb))](
         tg, tu, tg.stride(0), ss, grp, grp_base, vec, vec_stride, svh_offs[0], svh_offs[1], hpm, act, act.stride(0),
         float(limit) if limit is not None else 0.0, R, n,
-        HAS_LIMIT=limit is not None, BLOCK_R=block_r, CPB=cpb, num_warps=num_warps,
+        HAS_LIMIT=limit is not None, BLOCK_R=block_r, CPB=cpb, LIBDEVICE=act.is_cuda, num_warps=num_warps,
     )  # fmt: skip
 
 

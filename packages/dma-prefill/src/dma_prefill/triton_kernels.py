@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 __all__ = ["decode_kernel", "grouped_gemm_kernel", "post_swiglu_kernel", "row_hadamard_kernel", "row_sumsq_kernel"]
 
@@ -283,6 +284,7 @@ def post_swiglu_kernel(
     HAS_LIMIT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     CPB: tl.constexpr,
+    LIBDEVICE: tl.constexpr,  # accurate exp (GPU); False in the interpreter
 ):
     """``g = H128(TG) * svh_g``, ``u = H128(TU) * svh_u``, ``ACT = silu(min(g, L)) * clamp(u, -L, L)``."""
     pid = tl.program_id(0)
@@ -304,7 +306,12 @@ def post_swiglu_kernel(
         if HAS_LIMIT:
             g = tl.minimum(g, limit)
             u = tl.minimum(tl.maximum(u, -limit), limit)
-        a = g / (1.0 + tl.exp(-g)) * u
+        # libdevice exp (~1 ulp) and a round-to-nearest division: tl.exp is ex2.approx after a rounded
+        # multiply by log2(e), whose error grows with |g| (~1e-6 relative at |g| = 10)
+        if LIBDEVICE:
+            a = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)) * u
+        else:  # the interpreter has no libdevice
+            a = g / (1.0 + tl.exp(-g)) * u
         tl.store(ACT + rows[:, None].to(tl.int64) * stride_a + cols[None, :], a, mask=m2)
 
 
