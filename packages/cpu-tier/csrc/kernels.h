@@ -310,6 +310,7 @@ static void band_int1(const MatRef& A, int band, const Acts& X, float* y) {
     const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
     const int tiles_k = A.k / 16, tiles_n = A.n / 16;
     const int r0 = 8 * X.blk0, r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;  // tile rows of this call
+    const bool next_band = X.blk1 >= 0 && band + 1 < tiles_n / 8;
     const size_t row_stride = size_t(tiles_n) * tbytes;
     const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
     alignas(64) float facc[8 * 4 * 2 * 8];
@@ -334,7 +335,10 @@ static void band_int1(const MatRef& A, int band, const Acts& X, float* y) {
     for (int r = r0; r < r1; ++r) {
         if (r > r0 && r % 8 == 0) flush(r / 8 - 1);
         const uint8_t* row = base + r * row_stride;
-        if (r + PREFETCH_ROWS < r1) prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
+        if (r + PREFETCH_ROWS < r1)
+            prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
+        else if (next_band)  // a row-range call: the caller's next call is the next band of the same rows
+            prefetch_row(base + 8 * tbytes + size_t(r0 + r + PREFETCH_ROWS - r1) * row_stride, 8 * tbytes);
         if constexpr (BITS2 == 0) copy_row_ext(row, tbytes, ext);
         __m256i xp[4];
         for (int q = 0; q < 4; ++q) {
@@ -657,6 +661,7 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
     const int tbytes = TB != 0 ? TB : tb.tile_bytes;
     const int tiles_k = A.k / 16, tiles_n = A.n / 16;
     const int r0 = 8 * X.blk0, r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;  // tile rows of this call
+    const bool next_band = X.blk1 >= 0 && band + 1 < tiles_n / 8;
     const size_t row_stride = size_t(tiles_n) * tbytes;
     const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
     const __mmask64 m0 = tbytes >= 64 ? ~__mmask64(0) : ((__mmask64(1) << tbytes) - 1);
@@ -685,7 +690,10 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
         __m512 sc[M];
         for (int t = 0; t < M; ++t) sc[t] = _mm512_set1_ps(X.xs[t * X.xs_stride + blk]);
         for (int j = 0; j < 8; ++j) {
-            if (8 * (blk + 1) + j < r1) prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
+            if (8 * (blk + 1) + j < r1)
+                prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
+            else if (next_band)  // a row-range call: the caller's next call is the next band of the same rows
+                prefetch_row(base + 8 * tbytes + size_t(r0 + j) * row_stride, 8 * tbytes);
             for (int c0 = 0; c0 < 8; ++c0) {
                 const __m512i perm = _mm512_load_si512(tb.perm16[c0]);
                 const __m512i msh = _mm512_load_si512(tb.mshift16[c0]);

@@ -10,9 +10,13 @@ OUT=${OUT:-/tmp/cpu_tier_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 {
-  echo "== host"; nproc; lscpu | grep -E "Model name|Socket|Core|Thread|L3|NUMA node0|Flags" | cut -c1-400
+  echo "== host"; nproc; lscpu | grep -E "Model name|Model:|CPU family|Stepping|Socket|Core|Thread|L2|L3|NUMA node0|MHz|Hypervisor|Flags" | cut -c1-400
+  echo "siblings of cpu0: $(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list 2>/dev/null)"
   python3 -c "import sys, numpy; print(sys.version.split()[0], 'numpy', numpy.__version__)"
 } 2>&1 | tee "$OUT/host.txt"
+# port-throughput probe (standalone): clock, per-instruction throughput, the kernels' op sequence, 1 and all cores
+g++ -O2 -march=native -pthread packages/cpu-tier/scripts/port_probe.cpp -o /tmp/port_probe \
+  && timeout 60 /tmp/port_probe 2>&1 | tee "$OUT/ports.txt"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/nanobind-*.whl .whl/scikit_build_core-*.whl || exit 1
 export PYTHONPATH=/tmp/site
 t0=$(date +%s)

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the rows and the environment to this file")
     p.add_argument("--isa", action="append", help="ISA to run (repeatable); default: every runnable SIMD one")
     p.add_argument("--threads", type=int, default=0, help="'all cores' thread count (default: every usable core)")
+    p.add_argument("--thread-counts", default="", help="extra thread counts to run, comma separated (1 and all always)")
     p.add_argument("--experts", type=int, default=0, help="experts per job (default: enough to exceed the LLC)")
     p.add_argument("--tokens", default="1,2,4,8", help="tokens per expert, comma separated")
     p.add_argument("--iters", type=int, default=5, help="timed jobs per case (after one warm-up)")
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         if isa not in runnable_isas():
             p.error(f"--isa {isa}: not runnable here (runnable: {runnable_isas()})")
     all_threads = args.threads or len(usable_cpus())
-    thread_counts = sorted({1, all_threads})
+    thread_counts = sorted({1, all_threads, *(int(v) for v in args.thread_counts.split(",") if v)})
     tokens = [int(t) for t in args.tokens.split(",")]
     want = {c.strip() for c in args.cases.split(",") if c.strip()}
     bad = want - {"fast", "exact", "mcg", "llc", "l2", "kernel"}
