@@ -165,6 +165,26 @@ static std::vector<Test> tests() {
                      }
                      for (int k = 0; k < 8; ++k) KEEP(acc[k]);
                  }});
+    // the same sequence on 256-bit registers (AVX-512VL + VBMI + VNNI): 16 weights per chain step, ports 0 and 1
+    t.push_back({"ymm(evex) kernel seq (weights/ns)", 128, [](long n) {
+                     const __m256i perm = _mm256_set1_epi8(9), msh = _mm256_set1_epi64x(0x3020100),
+                                   ml = _mm256_set1_epi16(short(0xD12D)), mh = _mm256_set1_epi16(short(0x83DC)),
+                                   o = _mm256_set1_epi8(1), x = _mm256_set1_epi16(77);
+                     __m256i z0[8], acc[8];
+                     const __m256i z1 = _mm256_set1_epi8(11);
+                     for (int k = 0; k < 8; ++k) z0[k] = _mm256_set1_epi8(char(k)), acc[k] = _mm256_setzero_si256();
+                     for (long i = 0; i < n; ++i) {
+                         for (int k = 0; k < 8; ++k) {
+                             KEEP(z0[k]);
+                             const __m256i st = _mm256_multishift_epi64_epi8(msh, _mm256_permutex2var_epi8(z0[k], perm, z1));
+                             const __m256i plo = _mm256_mullo_epi16(st, ml);
+                             const __m256i phi = _mm256_add_epi16(_mm256_mulhi_epu16(st, ml), _mm256_mullo_epi16(st, mh));
+                             const __m256i bs = _mm256_add_epi16(_mm256_maddubs_epi16(plo, o), _mm256_maddubs_epi16(phi, o));
+                             acc[k] = _mm256_dpwssd_epi32(acc[k], bs, x);
+                         }
+                     }
+                     for (int k = 0; k < 8; ++k) KEEP(acc[k]);
+                 }});
 #endif
     return t;
 }
