@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device-machine entry point for dma-prefill: the gpu-marked tests, then the H200 benchmark.
-# Run from anywhere:  [KERNEL_TUNE=1] bash packages/dma-prefill/scripts/run_gpu.sh [bench_prefill.py args]
+# Run from anywhere:  [KERNEL_TUNE=1] [BENCH=0] [PYTEST_K=expr] bash packages/dma-prefill/scripts/run_gpu.sh [bench_prefill.py args]
 # Results land in $OUT (the device tool's folder) or /tmp/dma-prefill-out.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
@@ -25,10 +25,13 @@ rm -rf "$SITE/cpu_tier-0.1.0.dist-info"
 export PYTHONPATH="packages/dma-prefill/src:/tmp/ctsite:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,pcie.link.gen.current,pcie.link.width.current --format=csv
-python3 -m pytest packages/dma-prefill/tests -m gpu -q -s -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log"
+python3 -m pytest packages/dma-prefill/tests -m gpu -q -s -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/pytest_gpu.log"
 rc=${PIPESTATUS[0]}
-python3 packages/dma-prefill/scripts/bench_prefill.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
-rc2=${PIPESTATUS[0]}
+rc2=0
+if [ "${BENCH:-1}" != 0 ]; then
+    python3 packages/dma-prefill/scripts/bench_prefill.py --json "$OUT/bench.json" "$@" 2>&1 | tee "$OUT/bench.log"
+    rc2=${PIPESTATUS[0]}
+fi
 rc3=0
 if [ -n "${KERNEL_TUNE:-}" ]; then  # per-kernel timings over tile configs (scripts/kernel_tune.py)
     python3 packages/dma-prefill/scripts/kernel_tune.py --json "$OUT/kernel_tune.json" 2>&1 | tee "$OUT/kernel_tune.log"

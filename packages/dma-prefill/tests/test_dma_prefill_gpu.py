@@ -167,3 +167,60 @@ def test_cpu_tier_tail_on_cuda(gpu_stack: SyntheticStack) -> None:
     ref = reference_moe(gpu_stack.store, 1, x, ids, w)
     assert float((out.cpu().double() - ref).abs().max() / ref.abs().max()) < 1e-5
     assert {e for _, e in pf.compute.computed} == set(range(8))
+
+
+def test_stage_errors_report(gpu_stack: SyntheticStack) -> None:
+    """Where the exact path's error comes from: each stage of one linear (input transform, GEMM, output
+    transform) against float64 on the stage's own input, beside a plain fp32 evaluation of the same stage,
+    with the variants (fp32 butterflies for the Hadamard; the lo products accumulated apart in the GEMM)."""
+    from dma_prefill.compute import grouped_gemm, row_hadamard, row_sumsq
+    from dma_prefill.ops_torch import hadamard_128_torch, hadamard_pm1
+
+    store = gpu_stack.store
+    suh = store.tensor(0, 0, "gate", "suh").cuda()
+    svh = store.tensor(0, 0, "gate", "svh").cuda()
+    W = torch.from_numpy(exl3.decode(store.numpy(0, 0, "gate", "trellis"), "mul1")).cuda()
+    K, N = W.shape
+    R = 256
+    x = torch.randn(R, K, generator=torch.Generator().manual_seed(4)).cuda()
+    vec = torch.cat([suh, svh]).contiguous()
+    grp = torch.zeros(R, dtype=torch.int64, device="cuda")
+    hpm = hadamard_pm1(torch.float16, "cuda")
+
+    def rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+        return float((a.double() - ref).abs().max() / ref.abs().max())
+
+    ss = torch.empty(1, R, device="cuda")
+    row_sumsq(x, K, R, grp, 0, ss, vec=vec, vec_stride=0, pre_offs=(0,))
+    ref_a = hadamard_128_torch(x.double() * suh.double())
+    errs: dict[str, float] = {"in fp32": rel(hadamard_128_torch(x * suh.float()), ref_a)}
+    split = {}
+    for fwht in (False, True):
+        hi = torch.empty(R, K, dtype=torch.float16, device="cuda")
+        lo = torch.empty_like(hi)
+        inv = torch.empty(R, device="cuda")
+        row_hadamard(x, K, R, grp, 0, hpm, ss[0], mode=0, vec=vec, vec_stride=0, pre_off=0, o_hi=hi, o_lo=lo,
+                     o_inv=inv, fwht=fwht)  # fmt: skip
+        errs[f"in ours fwht={fwht}"] = rel((hi.double() + lo.double()) * inv.double()[:, None], ref_a)
+        split[fwht] = (hi, lo, inv)
+    hi, lo, inv = split[False]
+    tiles = torch.tensor([(0, s, min(s + 64, R)) for s in range(0, R, 64)], dtype=torch.int32, device="cuda")
+    ref_g = ((hi.double() + lo.double()) @ W.double()) * inv.double()[:, None]
+    a32 = ((hi.float() + lo.float()) * inv[:, None])
+    errs["gemm fp32"] = rel(a32 @ W.float(), ref_g)
+    t = None
+    for promote, lo_acc in ((True, False), (True, True), (False, False)):
+        out = torch.empty(R, N, device="cuda")
+        grouped_gemm(hi, lo, inv, W[None].contiguous(), tiles, out, bm=64, promote=promote, lo_acc=lo_acc)
+        errs[f"gemm ours promote={promote} lo_acc={lo_acc}"] = rel(out, ref_g)
+        t = out if t is None else t
+    ref_o = hadamard_128_torch(t.double()) * svh.double()
+    errs["out fp32"] = rel(hadamard_128_torch(t) * svh.float(), ref_o)
+    sst = (t.double() ** 2).sum(1).float()
+    for fwht in (False, True):
+        o = torch.empty(R, N, device="cuda")
+        row_hadamard(t, N, R, grp, 0, hpm, sst, mode=1, vec=vec, vec_stride=0, post_off=K, out=o, fwht=fwht)
+        errs[f"out ours fwht={fwht}"] = rel(o, ref_o)
+    for k, v in errs.items():
+        _report(f"stage error {k}", f"{v:.3e}")
+    assert max(errs.values()) < 1e-5

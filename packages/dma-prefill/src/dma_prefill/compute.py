@@ -214,6 +214,7 @@ def row_hadamard(
     block_r: int = 64,
     cpb: int = 4,
     num_warps: int = 4,
+    fwht: bool = False,
 ) -> None:
     """Launch ``row_hadamard_kernel`` (see its docstring) over ``rows x n/128`` blocks (``cpb`` column blocks
     per program); ``ss`` holds each row's sum of squares (``row_sumsq``); unused pointers get a dummy tensor."""
@@ -236,7 +237,7 @@ def row_hadamard(
         w if w is not None else dummy32, dst if dst is not None else grp,
         rows, n,
         HAS_SRC=src is not None, HAS_PRE=pre_off is not None, HAS_POST=post_off is not None,
-        MODE=mode, SPLIT=split, BLOCK_R=block_r, CPB=cpb, num_warps=num_warps,
+        MODE=mode, SPLIT=split, BLOCK_R=block_r, CPB=cpb, FWHT=fwht, num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -256,6 +257,7 @@ def post_swiglu(
     block_r: int = 64,
     cpb: int = 4,
     num_warps: int = 4,
+    fwht: bool = False,
 ) -> None:
     """``act = silu(min(g, L)) * clamp(u, -L, L)`` with ``g, u = H128(tg, tu) * svh`` (``ss``: [2, R] sums of
     squares of ``tg`` and ``tu`` rows)."""
@@ -268,7 +270,7 @@ def post_swiglu(
     tk.post_swiglu_kernel[(-(-R // block_r), -(-(n // 128) // cpb))](
         tg, tu, tg.stride(0), ss, grp, grp_base, vec, vec_stride, svh_offs[0], svh_offs[1], hpm, act, act.stride(0),
         float(limit) if limit is not None else 0.0, R, n,
-        HAS_LIMIT=limit is not None, BLOCK_R=block_r, CPB=cpb, LIBDEVICE=act.is_cuda, num_warps=num_warps,
+        HAS_LIMIT=limit is not None, BLOCK_R=block_r, CPB=cpb, LIBDEVICE=act.is_cuda, FWHT=fwht, num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -287,6 +289,7 @@ def grouped_gemm(
     num_stages: int = 3,
     promote: bool = True,
     ss: torch.Tensor | None = None,
+    lo_acc: bool = False,
 ) -> None:
     """``out[rows] = (a_hi + a_lo)[rows] @ w[e] * a_inv[rows]`` per tile ``(e, row0, row1)``; ``promote`` adds
     every BK-deep tensor-core partial sum into an fp32 register accumulator (round to nearest); ``ss`` (fp32
@@ -303,7 +306,7 @@ def grouped_gemm(
     tk.grouped_gemm_kernel[(ntiles, -(-N // bn))](
         a_hi, a_lo if a_lo is not None else a_hi, a_inv, a_hi.stride(0), w, w.stride(0), out, out.stride(0),
         tiles, ss if ss is not None else a_inv, K, N, HAS_SS=ss is not None, SPLIT=a_lo is not None,
-        PROMOTE=promote, BM=bm, BN=bn, BK=bk, num_warps=num_warps, num_stages=num_stages,
+        PROMOTE=promote, BM=bm, BN=bn, BK=bk, LO_ACC=lo_acc, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
 
 

@@ -176,9 +176,25 @@ def _row_scale(ss):
 
 
 @triton.jit
-def _hadamard_scaled(v, scale, hpm):
+def _fwht128(v):
+    """Unnormalised Sylvester Hadamard-128 of each row of a [rows, 128] fp32 block: seven butterfly stages of
+    fp32 adds and subtracts (every output is a 7-level tree sum, rounded to nearest at each add)."""
+    R: tl.constexpr = v.shape[0]
+    for s in tl.static_range(7):
+        H: tl.constexpr = 1 << s
+        w = tl.permute(tl.reshape(v, [R, 64 // H, 2, H]), [0, 1, 3, 2])
+        a, b = tl.split(w)
+        v = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [R, 128])
+    return v
+
+
+@triton.jit
+def _hadamard_scaled(v, scale, hpm, FWHT: tl.constexpr = False):
     """``s * H128(v)`` per row of a [rows, 128] fp32 block: split ``v*s`` into fp16 hi + lo, exact +-1 products,
-    two fp32 sums joined by one round-to-nearest add, one scaling by 1/sqrt(128)."""
+    two fp32 sums joined by one round-to-nearest add, one scaling by 1/sqrt(128). ``FWHT``: fp32 butterflies
+    on CUDA cores instead of the tensor cores (which do not round to nearest while they accumulate)."""
+    if FWHT:
+        return _fwht128(v * scale[:, None]) * 0.08838834764831845
     y = v * scale[:, None]
     y_hi = y.to(tl.float16)
     y_lo = (y - y_hi.to(tl.float32)).to(tl.float16)
@@ -216,6 +232,7 @@ def row_hadamard_kernel(
     SPLIT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     CPB: tl.constexpr,  # 128-column blocks per program (the Hadamard matrix is loaded once for all)
+    FWHT: tl.constexpr = False,  # fp32 butterflies instead of the split tensor-core product
 ):
     """Rows x CPB 128-column blocks: ``v = X[src] * pre[grp]``; ``h = H128(v)``; then MODE 0: ``h*s`` split to
     fp16 hi/lo plus ``1/s``; MODE 1: ``h * post[grp]``; MODE 2: ``OUT[dst] += h * post[grp] * w``.
@@ -245,7 +262,7 @@ def row_hadamard_kernel(
         v = tl.load(X + src[:, None] * stride_x + cols[None, :], mask=m2, other=0.0).to(tl.float32)
         if HAS_PRE:
             v = v * tl.load(vrow + pre_off, mask=m2, other=0.0).to(tl.float32)
-        h = _hadamard_scaled(v, scale, hpm)  # s * H128(v)
+        h = _hadamard_scaled(v, scale, hpm, FWHT)  # s * H128(v)
         if MODE == 0:
             a_hi = h.to(tl.float16)
             tl.store(O_HI + rows[:, None].to(tl.int64) * stride_oa + cols[None, :], a_hi, mask=m2)
@@ -285,6 +302,7 @@ def post_swiglu_kernel(
     BLOCK_R: tl.constexpr,
     CPB: tl.constexpr,
     LIBDEVICE: tl.constexpr,  # accurate exp (GPU); False in the interpreter
+    FWHT: tl.constexpr = False,
 ):
     """``g = H128(TG) * svh_g``, ``u = H128(TU) * svh_u``, ``ACT = silu(min(g, L)) * clamp(u, -L, L)``."""
     pid = tl.program_id(0)
@@ -299,9 +317,9 @@ def post_swiglu_kernel(
         m2 = rmask[:, None] & (cols < N)[None, :]
         off = rows[:, None].to(tl.int64) * stride_t + cols[None, :]
         vrow = VEC + grp[:, None] * vec_stride + cols[None, :]
-        g = _hadamard_scaled(tl.load(TG + off, mask=m2, other=0.0), sg, hpm) * ig[:, None]
+        g = _hadamard_scaled(tl.load(TG + off, mask=m2, other=0.0), sg, hpm, FWHT) * ig[:, None]
         g = g * tl.load(vrow + svh_g, mask=m2, other=0.0).to(tl.float32)
-        u = _hadamard_scaled(tl.load(TU + off, mask=m2, other=0.0), su, hpm) * iu[:, None]
+        u = _hadamard_scaled(tl.load(TU + off, mask=m2, other=0.0), su, hpm, FWHT) * iu[:, None]
         u = u * tl.load(vrow + svh_u, mask=m2, other=0.0).to(tl.float32)
         if HAS_LIMIT:
             g = tl.minimum(g, limit)
@@ -335,6 +353,7 @@ def grouped_gemm_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    LO_ACC: tl.constexpr = False,  # accumulate the lo products apart (not on top of the hi partial sums)
 ):
     """``OUT[rows] = (A_HI[rows] + A_LO[rows]) @ W[e] * A_INV[rows]`` for each tile of one expert's rows.
 
@@ -354,6 +373,7 @@ def grouped_gemm_kernel(
     a_off = rows[:, None].to(tl.int64) * stride_a + ks[None, :]
     w_ptr = W + e * stride_we + ks[:, None].to(tl.int64) * N + cols[None, :]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_lo = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         w = tl.load(w_ptr + k0 * N, mask=cmask[None, :], other=0.0)
         a = tl.load(A_HI + a_off + k0, mask=rmask[:, None], other=0.0)
@@ -363,11 +383,16 @@ def grouped_gemm_kernel(
             part = tl.dot(a, w, acc, out_dtype=tl.float32)
         if SPLIT:
             a2 = tl.load(A_LO + a_off + k0, mask=rmask[:, None], other=0.0)
-            part = tl.dot(a2, w, part, out_dtype=tl.float32)
+            if LO_ACC:
+                acc_lo = tl.dot(a2, w, acc_lo, out_dtype=tl.float32)
+            else:
+                part = tl.dot(a2, w, part, out_dtype=tl.float32)
         if PROMOTE:
             acc += part
         else:
             acc = part
+    if LO_ACC:
+        acc += acc_lo
     inv = tl.load(A_INV + rows, mask=rmask, other=1.0)
     out = acc * inv[:, None]
     tl.store(OUT + rows[:, None].to(tl.int64) * stride_o + cols[None, :], out, mask=rmask[:, None] & cmask[None, :])
