@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device-machine entry point for dma-prefill: the gpu-marked tests, then the H200 benchmark.
-# Run from anywhere:  [KERNEL_TUNE=1] [BENCH=0] [PYTEST_K=expr] bash packages/dma-prefill/scripts/run_gpu.sh [bench_prefill.py args]
+# Run from anywhere:  [KERNEL_TUNE=1] [BENCH=0] [PYTEST_K=expr] [CPU_TIER_BUILD=0] bash packages/dma-prefill/scripts/run_gpu.sh [bench_prefill.py args]
 # Results land in $OUT (the device tool's folder) or /tmp/dma-prefill-out.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
@@ -14,6 +14,9 @@ for pair in cpu-tier:cpu_tier dma-prefill:dma_prefill; do  # (cpu_tier's is drop
 done
 # the native cpu-tier (the CPU tail's kernels), built here from the tree: needs the nanobind and
 # scikit-build-core wheels in .whl (carry=[".whl"], see packages/cpu-tier/README.md)
+if [ "${CPU_TIER_BUILD:-1}" = 0 ]; then  # (then the CPU-tail test cannot load the native tier)
+    export PYTHONPATH="packages/dma-prefill/src:packages/cpu-tier/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+else
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ctbuildenv .whl/nanobind-*.whl .whl/scikit_build_core-*.whl || exit 1
 t0=$(date +%s)
 PYTHONPATH=/tmp/ctbuildenv CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-index --no-deps \
@@ -23,6 +26,7 @@ PYTHONPATH=/tmp/ctbuildenv CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip in
 echo "cpu-tier built in $(( $(date +%s) - t0 )) s"
 rm -rf "$SITE/cpu_tier-0.1.0.dist-info"
 export PYTHONPATH="packages/dma-prefill/src:/tmp/ctsite:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,pcie.link.gen.current,pcie.link.width.current --format=csv
 python3 -m pytest packages/dma-prefill/tests -m gpu -q -s -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/pytest_gpu.log"
