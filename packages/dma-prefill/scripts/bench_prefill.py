@@ -224,6 +224,7 @@ def main() -> None:
     ap.add_argument("--stage-chunks", default="32768", help="chunk sizes to break down per stage (CUDA events)")
     ap.add_argument("--no-promote-chunks", default="32768", help="chunk sizes to repeat without GEMM promotion")
     ap.add_argument("--bk32-chunks", default="", help="chunk sizes to repeat with GEMM promotion every 32 (BK=32)")
+    ap.add_argument("--fwht-chunks", default="", help="chunk sizes to repeat with fp32-butterfly Hadamards")
     ap.add_argument("--tune-chunk", type=int, default=0, help="chunk size for a tile-tuning pass first (0: none)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -282,14 +283,18 @@ def main() -> None:
         + [(int(c), False, True) for c in args.fp16_chunks.split(",") if c]
         + [(int(c), True, False) for c in args.no_promote_chunks.split(",") if c]
         + [(int(c), True, 32) for c in args.bk32_chunks.split(",") if c]
+        + [(int(c), True, "fwht") for c in args.fwht_chunks.split(",") if c]
     )
     for T, exact, promote in cases:
         TritonCompute.promote = bool(promote)
+        fwht0 = TritonCompute.fwht
+        TritonCompute.fwht = fwht0 if promote != "fwht" else not fwht0
         saved = dict(TritonCompute.gemm_configs)
         if promote == 32:
             TritonCompute.gemm_configs = {bm: (c[0], 32, c[2], c[3] + 1) for bm, c in saved.items()}
         r = bench_chunk(store, PrefillConfig(num_slots=args.slots, experts_per_batch=args.batch, exact=exact), T, args.steps, 7)
         TritonCompute.promote = True
+        TritonCompute.fwht = fwht0
         TritonCompute.gemm_configs = saved
         r["exact"] = exact
         r["promote"] = promote
@@ -304,7 +309,7 @@ def main() -> None:
         f"{'copy GB/s':>11}{'eff GB/s':>10}{'copy/H2D':>10}{'copy busy':>11}{'comp busy':>11}{'VRAM GiB':>10}"
     )
     for r in rows:
-        tag = {True: "", False: "-np", 32: "-bk32"}[r["promote"]]
+        tag = {True: "", False: "-np", 32: "-bk32", "fwht": "-fwht-toggled"}[r["promote"]]
         name = f"{'exact' if r['exact'] else 'fp16'}{tag} T={r['tokens']}"
         print(
             f"{name:<19}{r['s_per_layer'] * 1e3:>10.1f}{r['tok_per_s_layer']:>13.0f}{r['ceiling_tok_per_s']:>10.0f}"

@@ -94,6 +94,21 @@ def test_gemm_promotion_granularity(gpu_stack: SyntheticStack, bk: int) -> None:
     assert err["ours"].max() < 5e-6
 
 
+def test_fwht_per_expert_error(gpu_stack: SyntheticStack) -> None:
+    """The exact path with fp32-butterfly Hadamards (no tensor-core accumulation in the transforms)."""
+    from dma_prefill.compute import TritonCompute
+
+    TritonCompute.fwht = not TritonCompute.fwht
+    try:
+        x = torch.randn(1024, 512, generator=torch.Generator().manual_seed(2)).cuda()
+        err = per_expert_errors(gpu_stack.store, 0, _pf(gpu_stack, True), x, seed=3)
+    finally:
+        TritonCompute.fwht = not TritonCompute.fwht
+    _report(f"per-expert max rel err, exact path, fwht={not TritonCompute.fwht}", f"{err['ours'].max():.3e}")
+    _report("per-expert max rel err, fp32 BLAS / sequential", f"{err['fp32'].max():.3e} / {err['fp32_seq'].max():.3e}")
+    assert err["ours"].max() < 5e-6
+
+
 def test_stack_kl_on_gpu(gpu_stack: SyntheticStack) -> None:
     h0 = gpu_stack.embed(256, seed=7)
     ref = gpu_stack.reference_logits(h0)

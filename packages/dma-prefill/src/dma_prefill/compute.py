@@ -335,6 +335,8 @@ class TritonCompute(BatchCompute):
     #: GEMM tile configs by BM: (BN, BK, num_warps, num_stages)
     gemm_configs: dict[int, tuple[int, int, int, int]] = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
     promote: bool = True
+    #: Hadamard transforms as fp32 butterflies (True) or split fp16 tensor-core products (False)
+    fwht: bool = False
     #: row transforms: (rows per program, 128-column blocks per program, num_warps) for the GEMM inputs, the
     #: gate/up outputs + SwiGLU, and the down output + weighted add
     #: (defaults from scripts/kernel_tune.py on the H200 at the 32k-chunk shape, R = 4096 rows per batch)
@@ -438,7 +440,7 @@ class TritonCompute(BatchCompute):
         def kcfg(c: tuple[int, int, int]) -> dict[str, int]:
             return {"block_r": c[0], "cpb": c[1], "num_warps": c[2]}
 
-        tcfg = kcfg(self.transform_config)
+        tcfg = {**kcfg(self.transform_config), "fwht": self.fwht}
 
         def gemm(
             hi: torch.Tensor, lo: torch.Tensor | None, inv: torch.Tensor, p: str, n: int, ss: torch.Tensor
@@ -480,7 +482,7 @@ class TritonCompute(BatchCompute):
         tg, tu = tgu
         act = torch.empty((R, I), dtype=torch.float32, device=dev)
         svh = (layout.elem_offset("gate", "svh", 2), layout.elem_offset("up", "svh", 2))
-        post_swiglu(tg, tu, ss_gu, grp, st.e0, slot16, s2, svh, self.hpm, act, cfg.swiglu_limit, **kcfg(self.swiglu_config))
+        post_swiglu(tg, tu, ss_gu, grp, st.e0, slot16, s2, svh, self.hpm, act, cfg.swiglu_limit, **kcfg(self.swiglu_config), fwht=self.fwht)
         del tg, tu, tgu
         self._mark("post + swiglu")
         ss_act = sumsq(act, I, ("down",), None)[0]
@@ -493,7 +495,7 @@ class TritonCompute(BatchCompute):
         self._mark("gemm down")
         row_hadamard(
             t, H, R, grp, st.e0, self.hpm, ss_t, mode=2, vec=slot16, vec_stride=s2,
-            post_off=layout.elem_offset("down", "svh", 2), out=out, w=wts, dst=tok, **kcfg(self.out_config),
+            post_off=layout.elem_offset("down", "svh", 2), out=out, w=wts, dst=tok, **kcfg(self.out_config), fwht=self.fwht,
         )  # fmt: skip
         self._mark("post + weighted add")
         self.computed.extend((st.layer, e) for e in routed)

@@ -181,8 +181,7 @@ def _fwht128(v):
     fp32 adds and subtracts (every output is a 7-level tree sum, rounded to nearest at each add)."""
     R: tl.constexpr = v.shape[0]
     for s in tl.static_range(7):
-        H: tl.constexpr = 1 << s
-        w = tl.permute(tl.reshape(v, [R, 64 // H, 2, H]), [0, 1, 3, 2])
+        w = tl.permute(tl.reshape(v, [R, 64 >> s, 2, 1 << s]), [0, 1, 3, 2])
         a, b = tl.split(w)
         v = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 1, 3, 2]), [R, 128])
     return v
