@@ -265,15 +265,17 @@ struct MoeJob : JobBase {
             auto is_int = [&](const MatRef& A, int c) { return gemv_mode(A, fast, ch[c].m) == GemvMode::Int; };
 
             const uint64_t tp1 = now_ns();
-            // phase 1: gate/up input transforms; unit = (chunk, proj, slot, group of 8 blocks)
+            // phase 1: gate/up input transforms; unit = (chunk, token slot in use, proj, group of 8 blocks)
             const int kbH = H / 128, bgH = (kbH + 7) / 8;
-            pool.parallel_for(nch * 2 * MAXM * bgH, [&](int u, int) {
+            std::vector<int> slots;  // c * MAXM + s for the slots in use
+            for (int c = 0; c < nch; ++c)
+                for (int s = 0; s < ch[c].m; ++s) slots.push_back(c * MAXM + s);
+            pool.parallel_for(int(slots.size()) * 2 * bgH, [&](int u, int) {
                 if (cancelled.load(std::memory_order_relaxed)) return;
                 const int bg = u % bgH;
-                const int s = (u / bgH) % MAXM;
-                const int proj = (u / bgH / MAXM) % 2;
-                const int c = u / bgH / MAXM / 2;
-                if (s >= ch[c].m) return;
+                const int proj = (u / bgH) % 2;
+                const int cs = slots[size_t(u / bgH / 2)];
+                const int c = cs / MAXM, s = cs % MAXM;
                 const MatRef& A = proj == 0 ? mats(c).gate : mats(c).up;
                 const float* xr = x + size_t(tokens[ch[c].pick[s]]) * H;
                 ActBuf& a = agu[size_t(2 * c + proj)];

@@ -51,6 +51,7 @@ struct Acts {
     // (y * K_INV + K_AFF * xsum), for the caller to apply once to the total.
     int blk0 = 0, blk1 = -1;
     bool raw = false;
+    int variant = 0;  // benchmark A/B of kernel forms (0 = the default; see band_int16)
 };
 
 constexpr int MAXM = 8;
@@ -655,7 +656,10 @@ CT_INLINE void load_tile2(const uint8_t* tile, int tbytes, __mmask64 m0, __mmask
     }
 }
 
-template <int M, int TB>
+// RELOAD (the default): the tile registers are loaded afresh for every column pair (a compiler memory barrier stops
+// GCC from hoisting the 8 rows' tiles out of the column-pair loop, which then costs a register copy per vpermt2b,
+// since vpermt2b overwrites its table operand); false: the hoisted form (kept for the benchmark's A/B).
+template <int M, int TB, bool RELOAD = true>
 static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
     const int tbytes = TB != 0 ? TB : tb.tile_bytes;
@@ -695,6 +699,7 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
             else if (next_band)  // a row-range call: the caller's next call is the next band of the same rows
                 prefetch_row(base + 8 * tbytes + size_t(r0 + j) * row_stride, 8 * tbytes);
             for (int c0 = 0; c0 < 8; ++c0) {
+                if constexpr (RELOAD) __asm__ volatile("" ::: "memory");
                 const __m512i perm = _mm512_load_si512(tb.perm16[c0]);
                 const __m512i msh = _mm512_load_si512(tb.mshift16[c0]);
                 __m512i acc[M];
@@ -989,8 +994,8 @@ void gemv_float_3inst(const MatRef& A, int band, const Acts& X, bool round, floa
 template <int TB>
 static void int16_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
     switch (X.m) {
-        case 1: return band_int16<1, TB>(A, band, X, y);
-        case 2: return band_int16<2, TB>(A, band, X, y);
+        case 1: return X.variant == 1 ? band_int16<1, TB, false>(A, band, X, y) : band_int16<1, TB>(A, band, X, y);
+        case 2: return X.variant == 1 ? band_int16<2, TB, false>(A, band, X, y) : band_int16<2, TB>(A, band, X, y);
         case 3: return band_int16<3, TB>(A, band, X, y);
         case 4: return band_int16<4, TB>(A, band, X, y);
         case 5: return band_int16<5, TB>(A, band, X, y);

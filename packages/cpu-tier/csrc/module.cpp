@@ -147,7 +147,7 @@ struct ClockJob : JobBase {
 // the kernel's compute rate with that many cores busy. Returns, per worker, seconds per band.
 struct KernelRateJob : JobBase {
     MatRef A;
-    int m = 1, bands = 1, iters = 1;
+    int m = 1, bands = 1, iters = 1, variant = 0;
     bool fast = true;
     std::vector<double> sec;
     void run(Pool& pool) override {
@@ -173,6 +173,7 @@ struct KernelRateJob : JobBase {
             X.xs = xs.data();
             X.xs_stride = size_t(kb);
             X.xsum = xsum;
+            X.variant = variant;
             const GemvMode mode = gemv_mode(A, fast, m);
             alignas(64) float y[MAXM * 128];
             float sink = 0.0f;
@@ -238,7 +239,7 @@ class Runtime {
     }
 
     std::vector<double> kernel_band_seconds(const I16_3D& trellis, const U16_1D& suh, const U16_1D& svh, int codebook,
-                                            bool fast, int m, int bands, int iters) {
+                                            bool fast, int m, int bands, int iters, int variant) {
         auto job = std::make_shared<KernelRateJob>();
         job->A = make_mat(trellis, suh, svh, nb::none(), codebook, "tensor");
         if (m < 1 || m > MAXM) throw std::invalid_argument("m: must be in 1..8");
@@ -248,6 +249,7 @@ class Runtime {
         job->bands = bands;
         job->iters = iters;
         job->fast = fast;
+        job->variant = variant;
         Pool& p = pool();
         {
             nb::gil_scoped_release nogil;
@@ -369,7 +371,7 @@ NB_MODULE(CPU_TIER_MODULE, m) {
         .def("read_bandwidth", &Runtime::read_bandwidth, nb::arg("bytes"), nb::arg("iters"))
         .def("clock_ghz", &Runtime::clock_ghz)
         .def("kernel_band_seconds", &Runtime::kernel_band_seconds, nb::arg("trellis"), nb::arg("suh"), nb::arg("svh"),
-             nb::arg("codebook"), nb::arg("fast"), nb::arg("m"), nb::arg("bands"), nb::arg("iters"))
+             nb::arg("codebook"), nb::arg("fast"), nb::arg("m"), nb::arg("bands"), nb::arg("iters"), nb::arg("variant") = 0)
         .def(
             "submit_moe",
             [](Runtime& rt, NativeLayer& layer, F32_2D x, I32_1D tokens, I32_1D experts, F32_1D weights, F32_2D out,

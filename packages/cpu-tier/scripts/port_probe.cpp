@@ -7,7 +7,7 @@
 //  * the throughput (instructions per cycle at that clock) of each vector instruction of the kernels' inner loops,
 //    alone and in pairs (a pair that sums to ~1/cycle shares one port), at 512 and 256 bits;
 //  * the kernels' decode+dot sequence per 32 weights from registers (no memory): the compute bound in cycles.
-// Eight independent dependency chains per instruction (6 + 6 for pairs) keep it throughput-bound.
+// Twelve independent dependency chains per instruction keep it throughput-bound (12 chains: latency <= 6 at 2 per cycle).
 #include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
@@ -65,16 +65,23 @@ struct Test {
 #define HAVE512 1
 #endif
 
+#ifdef HAVE512
+static inline __m512i PERMT2B(__m512i a, __m512i b) { return _mm512_permutex2var_epi8(a, b, b); }
+static inline __m512i DPWSSD(__m512i a, __m512i b) { return _mm512_dpwssd_epi32(a, b, b); }
+#endif
+
 static std::vector<Test> tests() {
     std::vector<Test> t;
 #define T1(NAME, TYPE, SET, OP)                                                                                    \
-    t.push_back({NAME, 8, [](long n) {                                                                             \
+    t.push_back({NAME, 12, [](long n) {                                                                            \
                      TYPE a0 = SET(1), a1 = SET(2), a2 = SET(3), a3 = SET(4), a4 = SET(5), a5 = SET(6), a6 = SET(7), \
-                          a7 = SET(8), b = SET(0x1234);                                                            \
+                          a7 = SET(8), a8 = SET(9), a9 = SET(10), a10 = SET(11), a11 = SET(12), b = SET(0x1234);     \
                      for (long i = 0; i < n; ++i) {                                                                \
                          a0 = OP(a0, b); a1 = OP(a1, b); a2 = OP(a2, b); a3 = OP(a3, b);                           \
                          a4 = OP(a4, b); a5 = OP(a5, b); a6 = OP(a6, b); a7 = OP(a7, b);                           \
+                         a8 = OP(a8, b); a9 = OP(a9, b); a10 = OP(a10, b); a11 = OP(a11, b);                       \
                          KEEP(a0); KEEP(a1); KEEP(a2); KEEP(a3); KEEP(a4); KEEP(a5); KEEP(a6); KEEP(a7);           \
+                         KEEP(a8); KEEP(a9); KEEP(a10); KEEP(a11);                                                 \
                      }                                                                                             \
                  }})
 #define T2(NAME, TYPE, SET, OPA, OPB)                                                                              \
@@ -99,21 +106,23 @@ static std::vector<Test> tests() {
     T2("ymm vpmulld+vpshufb", __m256i, _mm256_set1_epi32, _mm256_mullo_epi32, _mm256_shuffle_epi8);
     T2("ymm vpmaddubsw+vpsrlvd", __m256i, _mm256_set1_epi32, _mm256_maddubs_epi16, _mm256_srlv_epi32);
     // the AVX2 kernel's sequence per 8 weights (shuffle, srlv, and, mulld, maddubs, maddwd, add), 8 streams
-    t.push_back({"ymm kernel seq (weights/ns)", 64, [](long n) {
+    t.push_back({"ymm kernel seq (weights/ns)", 32, [](long n) {
                      const __m256i c = _mm256_set1_epi32(0x03020100), sh = _mm256_set1_epi32(3),
                                    m16 = _mm256_set1_epi32(0xFFFF), M = _mm256_set1_epi32(int(0x83DCD12Du)),
                                    o = _mm256_set1_epi8(1), x = _mm256_set1_epi32(0x00050005);
-                     __m256i L[8], acc[8];
-                     for (int k = 0; k < 8; ++k) L[k] = _mm256_set1_epi32(k * 77 + 1), acc[k] = _mm256_setzero_si256();
+                     __m256i L0 = _mm256_set1_epi32(1), L1 = _mm256_set1_epi32(2), L2 = _mm256_set1_epi32(3),
+                             L3 = _mm256_set1_epi32(4);
+                     __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0;
+                     auto step = [&](__m256i L, __m256i acc) {
+                         __m256i s = _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(L, c), sh), m16);
+                         s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_mullo_epi32(s, M), o), x);
+                         return _mm256_add_epi32(acc, s);
+                     };
                      for (long i = 0; i < n; ++i) {
-                         for (int k = 0; k < 8; ++k) {
-                             KEEP(L[k]);
-                             __m256i s = _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(L[k], c), sh), m16);
-                             s = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_mullo_epi32(s, M), o), x);
-                             acc[k] = _mm256_add_epi32(acc[k], s);
-                         }
+                         KEEP(L0); KEEP(L1); KEEP(L2); KEEP(L3);
+                         c0 = step(L0, c0); c1 = step(L1, c1); c2 = step(L2, c2); c3 = step(L3, c3);
                      }
-                     for (int k = 0; k < 8; ++k) KEEP(acc[k]);
+                     KEEP(c0); KEEP(c1); KEEP(c2); KEEP(c3);
                  }});
 #ifdef HAVE512
     T1("zmm vpmullw", __m512i, _mm512_set1_epi16, _mm512_mullo_epi16);
@@ -122,68 +131,52 @@ static std::vector<Test> tests() {
     T1("zmm vpmultishiftqb", __m512i, _mm512_set1_epi16, _mm512_multishift_epi64_epi8);
     T1("zmm vpaddw", __m512i, _mm512_set1_epi16, _mm512_add_epi16);
     T1("zmm vpshufb", __m512i, _mm512_set1_epi16, _mm512_shuffle_epi8);
-    t.push_back({"zmm vpermt2b", 8, [](long n) {
-                     __m512i a[8], b = _mm512_set1_epi8(3), c = _mm512_set1_epi8(5);
-                     for (int k = 0; k < 8; ++k) a[k] = _mm512_set1_epi8(char(k));
-                     for (long i = 0; i < n; ++i)
-                         for (int k = 0; k < 8; ++k) {
-                             a[k] = _mm512_permutex2var_epi8(a[k], b, c);
-                             KEEP(a[k]);
-                         }
-                 }});
-    t.push_back({"zmm vpdpwssd", 8, [](long n) {
-                     __m512i a[8], b = _mm512_set1_epi16(3), c = _mm512_set1_epi16(5);
-                     for (int k = 0; k < 8; ++k) a[k] = _mm512_set1_epi32(k);
-                     for (long i = 0; i < n; ++i)
-                         for (int k = 0; k < 8; ++k) {
-                             a[k] = _mm512_dpwssd_epi32(a[k], b, c);
-                             KEEP(a[k]);
-                         }
-                 }});
+    T1("zmm vpermt2b", __m512i, _mm512_set1_epi16, PERMT2B);
+    T1("zmm vpdpwssd", __m512i, _mm512_set1_epi16, DPWSSD);
     T2("zmm vpmullw+vpmultishiftqb", __m512i, _mm512_set1_epi16, _mm512_mullo_epi16, _mm512_multishift_epi64_epi8);
     T2("zmm vpmullw+vpshufb", __m512i, _mm512_set1_epi16, _mm512_mullo_epi16, _mm512_shuffle_epi8);
     T2("zmm vpmullw+vpaddw", __m512i, _mm512_set1_epi16, _mm512_mullo_epi16, _mm512_add_epi16);
     T1("ymm(evex) vpmultishiftqb", __m256i, _mm256_set1_epi16, _mm256_multishift_epi64_epi8);
     T2("ymm vpmullw+vpmaddubsw", __m256i, _mm256_set1_epi16, _mm256_mullo_epi16, _mm256_maddubs_epi16);
-    // the AVX-512 kernel's sequence per 32 weights (band_int16), 8 streams, from registers
-    t.push_back({"zmm kernel seq (weights/ns)", 256, [](long n) {
-                     const __m512i perm = _mm512_set1_epi8(9), msh = _mm512_set1_epi64(0x3020100),
-                                   ml = _mm512_set1_epi16(short(0xD12D)), mh = _mm512_set1_epi16(short(0x83DC)),
-                                   o = _mm512_set1_epi8(1), x = _mm512_set1_epi16(77);
-                     __m512i z0[8], acc[8];
-                     const __m512i z1 = _mm512_set1_epi8(11);
-                     for (int k = 0; k < 8; ++k) z0[k] = _mm512_set1_epi8(char(k)), acc[k] = _mm512_setzero_si512();
+    // the AVX-512 kernel's sequence per 32 weights (band_int16), 4 streams, from registers
+    t.push_back({"zmm kernel seq (weights/ns)", 128, [](long n) {
+                     const __m512i perm = _mm512_set1_epi8(9), msh = _mm512_set1_epi64(0x3020100), ml = _mm512_set1_epi16(short(0xD12D)),
+                                 mh = _mm512_set1_epi16(short(0x83DC)), o = _mm512_set1_epi8(1), x = _mm512_set1_epi16(77),
+                                 z1 = _mm512_set1_epi8(11);
+                     __m512i z0 = _mm512_set1_epi8(1), z2 = _mm512_set1_epi8(2), z3 = _mm512_set1_epi8(3), z4 = _mm512_set1_epi8(4);
+                     __m512i c0 = _mm512_setzero_si512(), c1 = c0, c2 = c0, c3 = c0;
+                     auto step = [&](__m512i z, __m512i acc) {
+                         const __m512i st = _mm512_multishift_epi64_epi8(msh, _mm512_permutex2var_epi8(z, perm, z1));
+                         const __m512i plo = _mm512_mullo_epi16(st, ml);
+                         const __m512i phi = _mm512_add_epi16(_mm512_mulhi_epu16(st, ml), _mm512_mullo_epi16(st, mh));
+                         const __m512i bs = _mm512_add_epi16(_mm512_maddubs_epi16(plo, o), _mm512_maddubs_epi16(phi, o));
+                         return _mm512_dpwssd_epi32(acc, bs, x);
+                     };
                      for (long i = 0; i < n; ++i) {
-                         for (int k = 0; k < 8; ++k) {
-                             KEEP(z0[k]);
-                             const __m512i st = _mm512_multishift_epi64_epi8(msh, _mm512_permutex2var_epi8(z0[k], perm, z1));
-                             const __m512i plo = _mm512_mullo_epi16(st, ml);
-                             const __m512i phi = _mm512_add_epi16(_mm512_mulhi_epu16(st, ml), _mm512_mullo_epi16(st, mh));
-                             const __m512i bs = _mm512_add_epi16(_mm512_maddubs_epi16(plo, o), _mm512_maddubs_epi16(phi, o));
-                             acc[k] = _mm512_dpwssd_epi32(acc[k], bs, x);
-                         }
+                         KEEP(z0); KEEP(z2); KEEP(z3); KEEP(z4);
+                         c0 = step(z0, c0); c1 = step(z2, c1); c2 = step(z3, c2); c3 = step(z4, c3);
                      }
-                     for (int k = 0; k < 8; ++k) KEEP(acc[k]);
+                     KEEP(c0); KEEP(c1); KEEP(c2); KEEP(c3);
                  }});
-    // the same sequence on 256-bit registers (AVX-512VL + VBMI + VNNI): 16 weights per chain step, ports 0 and 1
-    t.push_back({"ymm(evex) kernel seq (weights/ns)", 128, [](long n) {
-                     const __m256i perm = _mm256_set1_epi8(9), msh = _mm256_set1_epi64x(0x3020100),
-                                   ml = _mm256_set1_epi16(short(0xD12D)), mh = _mm256_set1_epi16(short(0x83DC)),
-                                   o = _mm256_set1_epi8(1), x = _mm256_set1_epi16(77);
-                     __m256i z0[8], acc[8];
-                     const __m256i z1 = _mm256_set1_epi8(11);
-                     for (int k = 0; k < 8; ++k) z0[k] = _mm256_set1_epi8(char(k)), acc[k] = _mm256_setzero_si256();
+    // the same sequence on 256-bit registers (AVX-512VL + VBMI + VNNI): 16 weights per step, ports 0 and 1
+    t.push_back({"ymm(evex) kernel seq (weights/ns)", 64, [](long n) {
+                     const __m256i perm = _mm256_set1_epi8(9), msh = _mm256_set1_epi64x(0x3020100), ml = _mm256_set1_epi16(short(0xD12D)),
+                                 mh = _mm256_set1_epi16(short(0x83DC)), o = _mm256_set1_epi8(1), x = _mm256_set1_epi16(77),
+                                 z1 = _mm256_set1_epi8(11);
+                     __m256i z0 = _mm256_set1_epi8(1), z2 = _mm256_set1_epi8(2), z3 = _mm256_set1_epi8(3), z4 = _mm256_set1_epi8(4);
+                     __m256i c0 = _mm256_setzero_si256(), c1 = c0, c2 = c0, c3 = c0;
+                     auto step = [&](__m256i z, __m256i acc) {
+                         const __m256i st = _mm256_multishift_epi64_epi8(msh, _mm256_permutex2var_epi8(z, perm, z1));
+                         const __m256i plo = _mm256_mullo_epi16(st, ml);
+                         const __m256i phi = _mm256_add_epi16(_mm256_mulhi_epu16(st, ml), _mm256_mullo_epi16(st, mh));
+                         const __m256i bs = _mm256_add_epi16(_mm256_maddubs_epi16(plo, o), _mm256_maddubs_epi16(phi, o));
+                         return _mm256_dpwssd_epi32(acc, bs, x);
+                     };
                      for (long i = 0; i < n; ++i) {
-                         for (int k = 0; k < 8; ++k) {
-                             KEEP(z0[k]);
-                             const __m256i st = _mm256_multishift_epi64_epi8(msh, _mm256_permutex2var_epi8(z0[k], perm, z1));
-                             const __m256i plo = _mm256_mullo_epi16(st, ml);
-                             const __m256i phi = _mm256_add_epi16(_mm256_mulhi_epu16(st, ml), _mm256_mullo_epi16(st, mh));
-                             const __m256i bs = _mm256_add_epi16(_mm256_maddubs_epi16(plo, o), _mm256_maddubs_epi16(phi, o));
-                             acc[k] = _mm256_dpwssd_epi32(acc[k], bs, x);
-                         }
+                         KEEP(z0); KEEP(z2); KEEP(z3); KEEP(z4);
+                         c0 = step(z0, c0); c1 = step(z2, c1); c2 = step(z3, c2); c3 = step(z4, c3);
                      }
-                     for (int k = 0; k < 8; ++k) KEEP(acc[k]);
+                     KEEP(c0); KEEP(c1); KEEP(c2); KEEP(c3);
                  }});
 #endif
     return t;
@@ -237,7 +230,7 @@ int main() {
             const bool kernel = std::string(t.name).find("kernel") != std::string::npos;
             if (kernel)
                 std::printf("  %-32s %7.2f weights/ns/thread (min %.2f) = %6.3f cycles/weight = %5.2f cycles per %d weights\n",
-                            t.name, r, lo, ghz / r, ghz / r * (t.per_iter / 8), t.per_iter / 8);
+                            t.name, r, lo, ghz / r, ghz / r * (t.per_iter / 4), t.per_iter / 4);
             else
                 std::printf("  %-32s %7.3f instr/cycle/thread (min %.3f)\n", t.name, r / ghz, lo / ghz);
         }

@@ -153,24 +153,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'probe/stream-read':<26}{isa:>8}{thr:>5}{'':>3}{'':>7}{'':>9}{'':>8}{'':>8}{'':>8}"
                   f"{bw:8.2f}{bw / thr:10.2f}{bw:8.2f}{'':>7}  (core clock ~{ghz:.2f} GHz with {thr} busy)", flush=True)
             if "kernel" in want:
-                # kernel alone, every worker at once on its own L2-resident band (the job's compute ceiling)
-                with ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa)) as kt:  # type: ignore[arg-type]
-                    g0 = gate[0]
-                    kb_iters = 20 if not args.quick else 4
-                    secs = np.asarray(kt._rt.kernel_band_seconds(g0.trellis, g0.suh.view(np.uint16),
-                                                                  g0.svh.view(np.uint16), 2, True, 1, 1, kb_iters))
-                band_w = hidden * 128
-                gw_core = float(np.median(band_w / secs)) / 1e9
-                gbps = gw_core * thr * K / 8
-                case = "ceiling/kernel 1 band L2"
-                rows.append({"case": case, "pool": "l2-band", "isa": isa, "threads": thr, "tokens": 1,
-                             "precision": "fast", "codebook": "mul1", "Gweights_per_s": gw_core * thr, "GBps": gbps,
-                             "GBps_per_core": gbps / thr, "probe_GBps": bw, "ratio_to_probe": gbps / bw,
-                             "clock_GHz": ghz, "cycles_per_weight": ghz / gw_core,
-                             "per_worker_Gw_s": [round(band_w / v / 1e9, 3) for v in secs]})
-                print(f"{case:<26}{isa:>8}{thr:>5}{1:>3}{'fast':>7}{'':>9}{'':>8}{'':>8}"
-                      f"{gw_core * thr:8.2f}{gbps:8.2f}{gbps / thr:10.2f}{bw:8.2f}{gbps / bw:7.2f}{ghz / gw_core:7.3f}",
-                      flush=True)
+                # kernel alone, every worker at once on its own L2-resident band (the job's compute ceiling);
+                # variant 1 = the AVX-512 int16 kernel's previous (hoisted tile registers) form, for an A/B
+                for variant in ((0, 1) if isa.startswith("avx512") else (0,)):
+                    with ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa)) as kt:  # type: ignore[arg-type]
+                        g0 = gate[0]
+                        kb_iters = 20 if not args.quick else 4
+                        secs = np.asarray(kt._rt.kernel_band_seconds(
+                            g0.trellis, g0.suh.view(np.uint16), g0.svh.view(np.uint16), 2, True, 1, 1, kb_iters,
+                            variant))
+                    band_w = hidden * 128
+                    per_worker = band_w / secs / 1e9
+                    gw = float(per_worker.sum())  # all workers together
+                    gbps = gw * K / 8
+                    case = "ceiling/kernel 1 band L2" + (" v1" if variant else "")
+                    rows.append({"case": case, "pool": "l2-band", "variant": variant, "isa": isa, "threads": thr,
+                                 "tokens": 1, "precision": "fast", "codebook": "mul1", "Gweights_per_s": gw,
+                                 "GBps": gbps, "GBps_per_core": gbps / thr, "probe_GBps": bw, "ratio_to_probe": gbps / bw,
+                                 "clock_GHz": ghz, "cycles_per_weight": ghz * thr / gw,
+                                 "per_worker_Gw_s": [round(float(v), 3) for v in per_worker]})
+                    print(f"{case:<26}{isa:>8}{thr:>5}{1:>3}{'fast':>7}{'':>9}{'':>8}{'':>8}"
+                          f"{gw:8.2f}{gbps:8.2f}{gbps / thr:10.2f}{bw:8.2f}{gbps / bw:7.2f}{ghz * thr / gw:7.3f}",
+                          flush=True)
             # (tokens, precision, codebook, pool name, slab_blocks)
             cases = [(m, "fast", "mul1", "dram", sb) for m in tokens for sb in (slabs if m == 1 else slabs[:1])] \
                 if "fast" in want else []
