@@ -75,6 +75,8 @@ def test_gemm_error_bounds_per_expert(gpu_stack: SyntheticStack) -> None:
     _report("per-expert max rel err, fp16-activation path", f"{fp16['ours'].max():.3e}")
     assert exact["ours"].max() < 4 * exact["fp32"].max() + 1e-7
     assert exact["ours"].max() < 5e-6
+    # the default path (fp32-butterfly Hadamards) sits inside the spread of fp32 evaluation orders
+    assert exact["ours"].max() <= 1.25 * max(exact["fp32"].max(), exact["fp32_seq"].max())
     assert fp16["ours"].max() > 10 * exact["ours"].max()
 
 
