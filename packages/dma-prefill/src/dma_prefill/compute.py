@@ -336,8 +336,8 @@ class TritonCompute(BatchCompute):
     gemm_configs: dict[int, tuple[int, int, int, int]] = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
     promote: bool = True
     #: Hadamard transforms as fp32 butterflies (True: per-expert error equal to a plain fp32 evaluation, 1.03e-6
-    #: vs 1.04e-6 BLAS / 1.20e-6 sequential; 32k chunk 105.8 ms) or split fp16 tensor-core products (False: 2.9e-6,
-    #: the tensor cores do not round to nearest while they accumulate; 101.3 ms), H200, results/h200-48f0d5b-*
+    #: vs 1.04e-6 BLAS / 1.20e-6 sequential; 32k chunk 101.5 ms) or split fp16 tensor-core products (False: 2.9e-6,
+    #: the tensor cores do not round to nearest while they accumulate; same speed within noise), results/h200-0d83cad-*
     fwht: bool = True
     #: row transforms: (rows per program, 128-column blocks per program, num_warps) for the GEMM inputs, the
     #: gate/up outputs + SwiGLU, and the down output + weighted add
