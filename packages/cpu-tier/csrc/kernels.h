@@ -656,10 +656,11 @@ CT_INLINE void load_tile2(const uint8_t* tile, int tbytes, __mmask64 m0, __mmask
     }
 }
 
-// RELOAD (the default): the tile registers are loaded afresh for every column pair (a compiler memory barrier stops
-// GCC from hoisting the 8 rows' tiles out of the column-pair loop, which then costs a register copy per vpermt2b,
-// since vpermt2b overwrites its table operand); false: the hoisted form (kept for the benchmark's A/B).
-template <int M, int TB, bool RELOAD = true>
+// RELOAD = false (the default): GCC hoists the 8 rows' tiles out of the column-pair loop and copies a register per
+// vpermt2b (it overwrites its table operand); true: a compiler memory barrier per column pair makes it load the
+// tiles afresh instead (no copies). Measured the same within noise on Emerald Rapids (README); true is the
+// benchmark's variant 1.
+template <int M, int TB, bool RELOAD = false>
 static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
     const int tbytes = TB != 0 ? TB : tb.tile_bytes;
@@ -994,8 +995,8 @@ void gemv_float_3inst(const MatRef& A, int band, const Acts& X, bool round, floa
 template <int TB>
 static void int16_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
     switch (X.m) {
-        case 1: return X.variant == 1 ? band_int16<1, TB, false>(A, band, X, y) : band_int16<1, TB>(A, band, X, y);
-        case 2: return X.variant == 1 ? band_int16<2, TB, false>(A, band, X, y) : band_int16<2, TB>(A, band, X, y);
+        case 1: return X.variant == 1 ? band_int16<1, TB, true>(A, band, X, y) : band_int16<1, TB>(A, band, X, y);
+        case 2: return X.variant == 1 ? band_int16<2, TB, true>(A, band, X, y) : band_int16<2, TB>(A, band, X, y);
         case 3: return band_int16<3, TB>(A, band, X, y);
         case 4: return band_int16<4, TB>(A, band, X, y);
         case 5: return band_int16<5, TB>(A, band, X, y);

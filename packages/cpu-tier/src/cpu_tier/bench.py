@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{bw:8.2f}{bw / thr:10.2f}{bw:8.2f}{'':>7}  (core clock ~{ghz:.2f} GHz with {thr} busy)", flush=True)
             if "kernel" in want:
                 # kernel alone, every worker at once on its own L2-resident band (the job's compute ceiling);
-                # variant 1 = the AVX-512 int16 kernel's previous (hoisted tile registers) form, for an A/B
+                # variant 1 = the AVX-512 int16 kernel's tile-reload form (see csrc/kernels.h), for an A/B
                 for variant in ((0, 1) if isa.startswith("avx512") else (0,)):
                     with ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa)) as kt:  # type: ignore[arg-type]
                         g0 = gate[0]
