@@ -132,6 +132,7 @@ static std::vector<Test> tests() {
     T1("zmm vpaddw", __m512i, _mm512_set1_epi16, _mm512_add_epi16);
     T1("zmm vpshufb", __m512i, _mm512_set1_epi16, _mm512_shuffle_epi8);
     T1("zmm vpermt2b", __m512i, _mm512_set1_epi16, PERMT2B);
+    T1("zmm vpermb", __m512i, _mm512_set1_epi16, _mm512_permutexvar_epi8);
     T1("zmm vpdpwssd", __m512i, _mm512_set1_epi16, DPWSSD);
     T2("zmm vpmullw+vpmultishiftqb", __m512i, _mm512_set1_epi16, _mm512_mullo_epi16, _mm512_multishift_epi64_epi8);
     T2("zmm vpmullw+vpshufb", __m512i, _mm512_set1_epi16, _mm512_mullo_epi16, _mm512_shuffle_epi8);
