@@ -62,6 +62,10 @@ class BatchCompute:
     ) -> None:
         raise NotImplementedError
 
+    def _staged(self, ring: StagingRing, st: Staged, prep: LayerPrep) -> tuple[tuple[int, ...], ExpertLayout, torch.Tensor]:
+        """The batch's routed experts, the layer's record layout and the staging slot holding them."""
+        return tuple(int(e) for e in prep.plan.routed(st.batch)), self.store.layout(st.layer), ring.slot(st)
+
 
 class TorchCompute(BatchCompute):
     """Per expert: decode from the slot (bit-exact), then the EXL3 forward in float32 with torch.
@@ -74,9 +78,7 @@ class TorchCompute(BatchCompute):
         self, ring: StagingRing, st: Staged, prep: LayerPrep, x: torch.Tensor, out: torch.Tensor, stream: Any
     ) -> None:
         plan = prep.plan
-        routed = tuple(int(e) for e in plan.routed(st.batch))
-        layout = self.store.layout(st.layer)
-        slot = ring.slot(st)
+        routed, layout, slot = self._staged(ring, st, prep)
         cfg = self.config
 
         def fn() -> None:
@@ -372,10 +374,7 @@ class TritonCompute(BatchCompute):
     def run_batch(
         self, ring: StagingRing, st: Staged, prep: LayerPrep, x: torch.Tensor, out: torch.Tensor, stream: Any
     ) -> None:
-        plan = prep.plan
-        routed = tuple(int(e) for e in plan.routed(st.batch))
-        layout = self.store.layout(st.layer)
-        slot = ring.slot(st)
+        routed, layout, slot = self._staged(ring, st, prep)
         self.device.launch(
             stream,
             lambda: self._batch(layout, slot, st, prep, routed, x, out),
