@@ -10,18 +10,6 @@ import pytest
 from engram_mmap import EngramConfig
 from engram_mmap.config import is_prime, next_prime
 
-# The published DeepSeek-V4.1-Flash text_config engram fields (exl3-format.md 8.2, reference-system.md 7.1).
-V41_TEXT = {
-    "engram_layer_ids": [1, 14],
-    "engram_num_embeddings": [384006168, 384016682],
-    "engram_max_ngram_size": 4,
-    "engram_n_heads": 8,
-    "engram_head_dim": 256,
-    "engram_vocab_size": 16000000,
-    "engram_compressed_vocab_size": 99092,
-    "engram_pad_token_id": 2,
-}
-
 # numpy default_rng(10007 * layer).integers(0, (int64max // 99092) // 2, 4) * 2 + 1, pinned: numpy does
 # not promise its Generator streams across versions, and a change would silently rehash the table.
 V41_MULTIPLIERS = {
@@ -42,18 +30,18 @@ def _sieve_primes(lo: int, hi: int) -> list[int]:
     return [n for n in range(max(lo, 2), hi) if all(n % p for p in ps if p * p <= n)]
 
 
-def test_v41_table_rows_match_engram_num_embeddings() -> None:
-    cfg = EngramConfig.from_hf_config({"text_config": V41_TEXT})
+def test_v41_table_rows_match_engram_num_embeddings(v41_text: dict) -> None:
+    cfg = EngramConfig.from_hf_config({"text_config": v41_text})
     assert [cfg.table_rows(layer) for layer in (1, 14)] == [384006168, 384016682]
     assert cfg.n_cols == 24 and cfg.scale_cols == 8 and cfg.head_dim == 256
     # Without the stated rows the geometry is still computed, and gives the same numbers.
-    text = {k: v for k, v in V41_TEXT.items() if k != "engram_num_embeddings"}
+    text = {k: v for k, v in v41_text.items() if k != "engram_num_embeddings"}
     cfg2 = EngramConfig.from_hf_config({"text_config": text})
     assert [cfg2.table_rows(layer) for layer in (1, 14)] == [384006168, 384016682]
 
 
-def test_v41_primes_are_the_48_consecutive_primes_above_vocab() -> None:
-    cfg = EngramConfig.from_hf_config({"text_config": V41_TEXT})
+def test_v41_primes_are_the_48_consecutive_primes_above_vocab(v41_text: dict) -> None:
+    cfg = EngramConfig.from_hf_config({"text_config": v41_text})
     drawn = np.concatenate([cfg.primes(1).ravel(), cfg.primes(14).ravel()]).tolist()
     expected = _sieve_primes(16_000_000, 16_001_000)[:48]
     assert drawn == expected
@@ -64,8 +52,8 @@ def test_v41_primes_are_the_48_consecutive_primes_above_vocab() -> None:
         assert offsets[-1] + primes[-1] == cfg.table_rows(layer)
 
 
-def test_v41_multipliers_pinned() -> None:
-    cfg = EngramConfig.from_hf_config({"text_config": V41_TEXT})
+def test_v41_multipliers_pinned(v41_text: dict) -> None:
+    cfg = EngramConfig.from_hf_config({"text_config": v41_text})
     bound = (np.iinfo(np.int64).max // 99092) // 2
     for layer, expected in V41_MULTIPLIERS.items():
         got = cfg.multipliers(layer)
@@ -100,16 +88,16 @@ def test_is_prime_against_sieve_and_known_values() -> None:
     assert next_prime(16000056, {16000057}) == 16000079
 
 
-def test_from_hf_config_sources(tmp_path) -> None:
-    flat = dict(V41_TEXT)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "text_config": V41_TEXT}))
+def test_from_hf_config_sources(tmp_path, v41_text: dict) -> None:
+    flat = dict(v41_text)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v41", "text_config": v41_text}))
     a = EngramConfig.from_hf_config(tmp_path)
     b = EngramConfig.from_hf_config(tmp_path / "config.json")
     c = EngramConfig.from_hf_config(flat)
     assert a == b == c
     assert a.layer_ids == (1, 14) and a.vocab_sizes == (16000000,) * 3 and a.pad_token_id == 2 and a.seed == 0
     # A per-order list and the engram_pad_id spelling.
-    text = {k: v for k, v in V41_TEXT.items() if k not in ("engram_num_embeddings", "engram_pad_token_id")}
+    text = {k: v for k, v in v41_text.items() if k not in ("engram_num_embeddings", "engram_pad_token_id")}
     text.update(engram_vocab_size=[100, 200, 300], engram_pad_id=7)
     d = EngramConfig.from_hf_config({"text_config": text})
     assert d.vocab_sizes == (100, 200, 300) and d.pad_token_id == 7
@@ -130,8 +118,8 @@ def test_from_hf_config_sources(tmp_path) -> None:
         ({"engram_layer_ids": [1, 1]}, "layer_ids: must be distinct"),
     ],
 )
-def test_from_hf_config_errors_name_the_field(change: dict, message: str) -> None:
-    text = dict(V41_TEXT)
+def test_from_hf_config_errors_name_the_field(change: dict, message: str, v41_text: dict) -> None:
+    text = dict(v41_text)
     for key, value in change.items():
         if value is None:
             del text[key]
@@ -141,8 +129,8 @@ def test_from_hf_config_errors_name_the_field(change: dict, message: str) -> Non
         EngramConfig.from_hf_config({"text_config": text})
 
 
-def test_config_is_frozen_and_layer_checked() -> None:
-    cfg = EngramConfig.from_hf_config(V41_TEXT)
+def test_config_is_frozen_and_layer_checked(v41_text: dict) -> None:
+    cfg = EngramConfig.from_hf_config(v41_text)
     with pytest.raises(AttributeError):
         cfg.n_heads = 4  # type: ignore[misc]
     with pytest.raises(ValueError, match="layer 2 is not an Engram layer"):

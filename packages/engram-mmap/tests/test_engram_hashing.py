@@ -10,17 +10,6 @@ import pytest
 
 from engram_mmap import EngramConfig, EngramHasher, build_token_map
 
-V41_TEXT = {
-    "engram_layer_ids": [1, 14],
-    "engram_num_embeddings": [384006168, 384016682],
-    "engram_max_ngram_size": 4,
-    "engram_n_heads": 8,
-    "engram_head_dim": 256,
-    "engram_vocab_size": 16000000,
-    "engram_compressed_vocab_size": 99092,
-    "engram_pad_token_id": 2,
-}
-
 
 # ------------------------------------------------------------------------------ slow reference
 
@@ -199,8 +188,8 @@ def test_padding_at_start_and_mask_semantics(small) -> None:
     np.testing.assert_array_equal(a, base[5:])
 
 
-def test_v41_geometry_with_large_multipliers() -> None:
-    cfg = EngramConfig.from_hf_config({"text_config": V41_TEXT})
+def test_v41_geometry_with_large_multipliers(v41_text: dict) -> None:
+    cfg = EngramConfig.from_hf_config({"text_config": v41_text})
     hasher = EngramHasher(cfg)  # identity map: ids are compressed classes
     rng = np.random.default_rng(2)
     tokens = rng.integers(0, cfg.compressed_vocab_size, size=64)
@@ -293,10 +282,10 @@ def test_build_token_map_matches_unicodedata_reference() -> None:
     assert cls["Ã"] != cls["Ã©"]
 
 
-def test_from_tokenizer_checks_class_count(tmp_path) -> None:
+def test_from_tokenizer_checks_class_count(tmp_path, v41_text: dict) -> None:
     tok = _byte_level_tokenizer(WORDS)
     _, n_classes = build_token_map(tok)
-    text = {**V41_TEXT, "engram_compressed_vocab_size": n_classes, "engram_vocab_size": 101}
+    text = {**v41_text, "engram_compressed_vocab_size": n_classes, "engram_vocab_size": 101}
     del text["engram_num_embeddings"]
     cfg = EngramConfig.from_hf_config(text)
     hasher = EngramHasher.from_tokenizer(cfg, tok)
