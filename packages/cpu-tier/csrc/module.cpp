@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "clock_probe.h"
 #include "common.h"
 #include "jobs.h"
 #include "kernels.h"
@@ -100,43 +101,13 @@ struct BandwidthJob : JobBase {
     }
 };
 
-// Core clock estimate: chains of dependent 64-bit imul (latency 3 cycles on every x86 core we target; a chain of
-// immediate adds is not usable: recent Intel cores fold immediate adds at rename). Two chain lengths are timed
-// (n and 2n iterations of 4 imul) and the clock is taken from the difference, so loop and timer overheads cancel;
-// fastest of 5 per length and worker, all workers at once (the clock with that many cores busy, scalar code).
-CT_NOINLINE inline uint64_t imul_chain(uint64_t n, uint64_t x) {
-    const uint64_t m = 3;
-    for (uint64_t i = 0; i < n; ++i) {
-#if defined(__x86_64__)
-        __asm__ volatile("imul %1, %0\n\timul %1, %0\n\timul %1, %0\n\timul %1, %0" : "+r"(x) : "r"(m));
-#else
-        x *= m * m * m * m;
-#endif
-    }
-    return x;
-}
-
+// Core clock of every worker at once (clock_probe.h; the clock with that many cores busy, scalar code).
 struct ClockJob : JobBase {
     int units = 1;
     std::vector<double> ghz;
     void run(Pool& pool) override {
         ghz.assign(size_t(units), 0.0);
-        pool.parallel_for(units, [&](int u, int) {
-            const uint64_t n = 2000000;  // x 4 imul x 3 cycles: 24 M cycles, ~8 ms at 3 GHz
-            uint64_t x = uint64_t(u) | 1u;
-            uint64_t best1 = ~uint64_t(0), best2 = ~uint64_t(0);  // fastest of 5 per length
-            for (int rep = 0; rep < 5; ++rep) {
-                const uint64_t t0 = now_ns();
-                x = imul_chain(n, x);
-                const uint64_t t1 = now_ns();
-                x = imul_chain(2 * n, x);
-                const uint64_t t2 = now_ns();
-                best1 = std::min(best1, t1 - t0);
-                best2 = std::min(best2, t2 - t1);
-            }
-            const int64_t d = int64_t(best2) - int64_t(best1);  // the time of n iterations
-            ghz[size_t(u)] = (d > 0 ? double(12 * n) / double(d) : 0.0) + double(x & 1) * 0.0;  // keeps x live
-        });
+        pool.parallel_for(units, [&](int u, int) { ghz[size_t(u)] = cpu_tier_clock::core_ghz(2000000, uint64_t(u)); });
     }
 };
 

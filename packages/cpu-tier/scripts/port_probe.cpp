@@ -22,34 +22,11 @@
 #include <thread>
 #include <vector>
 
-static uint64_t now_ns() {
-    return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(
-                        std::chrono::steady_clock::now().time_since_epoch()).count());
-}
+#include "../csrc/clock_probe.h"
 
-__attribute__((noinline)) static uint64_t imul_chain(uint64_t n, uint64_t x) {
-    const uint64_t m = 3;
-    for (uint64_t i = 0; i < n; ++i)
-        __asm__ volatile("imul %1, %0\n\timul %1, %0\n\timul %1, %0\n\timul %1, %0" : "+r"(x) : "r"(m));
-    return x;
-}
+static uint64_t now_ns() { return cpu_tier_clock::steady_ns(); }
 
-static double clock_ghz() {
-    const uint64_t n = 2000000;
-    uint64_t x = 7;
-    uint64_t best1 = ~uint64_t(0), best2 = ~uint64_t(0);  // fastest of 5 per chain length
-    for (int rep = 0; rep < 5; ++rep) {
-        const uint64_t t0 = now_ns();
-        x = imul_chain(n, x);
-        const uint64_t t1 = now_ns();
-        x = imul_chain(2 * n, x);
-        const uint64_t t2 = now_ns();
-        best1 = std::min(best1, t1 - t0);
-        best2 = std::min(best2, t2 - t1);
-    }
-    const double d = double(int64_t(best2) - int64_t(best1));
-    return (d > 0 ? 12.0 * n / d : 0.0) + double(x & 1) * 1e-12;
-}
+static double clock_ghz() { return cpu_tier_clock::core_ghz(); }
 
 #define KEEP(v) __asm__ volatile("" : "+v"(v))
 constexpr long ITERS = 16000000;
