@@ -153,6 +153,12 @@ CT_EMU_FN V512 permutex2var_epi8(V512 a, V512 idx, V512 b) {
     for (int i = 0; i < 64; ++i) r.u8[i] = (idx.u8[i] & 64) ? b.u8[idx.u8[i] & 63] : a.u8[idx.u8[i] & 63];
     return r;
 }
+// vpermb: idx bits 0-5 pick a byte of a
+CT_EMU_FN V512 permutexvar_epi8(V512 idx, V512 a) {
+    V512 r;
+    for (int i = 0; i < 64; ++i) r.u8[i] = a.u8[idx.u8[i] & 63];
+    return r;
+}
 // vpmultishiftqb: byte j of qword q = 8 bits of b's qword q starting at bit (a.u8[8q + j] & 63), wrapping
 CT_EMU_FN V512 multishift_epi64_epi8(V512 ctrl, V512 b) {
     V512 r;
@@ -282,6 +288,7 @@ CT_EMU_FN F512 cvtph_ps(__m256i a) {
 #define _mm512_srli_epi32 ::cpu_tier::emu::srli_epi32
 #define _mm512_shuffle_epi8 ::cpu_tier::emu::shuffle_epi8
 #define _mm512_permutex2var_epi8 ::cpu_tier::emu::permutex2var_epi8
+#define _mm512_permutexvar_epi8 ::cpu_tier::emu::permutexvar_epi8
 #define _mm512_multishift_epi64_epi8 ::cpu_tier::emu::multishift_epi64_epi8
 #define _mm512_unpacklo_epi16 ::cpu_tier::emu::unpacklo_epi16
 #define _mm512_permutexvar_epi16 ::cpu_tier::emu::permutexvar_epi16

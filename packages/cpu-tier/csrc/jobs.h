@@ -91,6 +91,7 @@ struct LinearJob : JobBase {
     float* out = nullptr;      // [m][n]
     int m = 0;
     bool fast = false;
+    int variant = 0;  // kernel form (Acts::variant; tests and benchmarks)
 
     void run(Pool& pool) override {
         const int nchunks = (m + MAXM - 1) / MAXM;
@@ -114,7 +115,9 @@ struct LinearJob : JobBase {
             const int c = u / nb, band = u % nb;
             const int mc = std::min(MAXM, m - c * MAXM);
             alignas(64) float y[MAXM * 128];
-            gemv_band(A, band, acts[size_t(c)].acts(mc), gemv_mode(A, fast, mc), y);
+            Acts X = acts[size_t(c)].acts(mc);
+            X.variant = variant;
+            gemv_band(A, band, X, gemv_mode(A, fast, mc), y);
             for (int s = 0; s < mc; ++s) {
                 out_block(y + 128 * s, A.svh + 128 * band, A.bias ? A.bias + 128 * band : nullptr);
                 std::memcpy(out + size_t(c * MAXM + s) * A.n + 128 * band, y + 128 * s, 128 * sizeof(float));

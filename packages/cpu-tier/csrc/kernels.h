@@ -51,7 +51,7 @@ struct Acts {
     // (y * K_INV + K_AFF * xsum), for the caller to apply once to the total.
     int blk0 = 0, blk1 = -1;
     bool raw = false;
-    int variant = 0;  // benchmark A/B of kernel forms (0 = the default; see band_int16)
+    int variant = 0;  // benchmark A/B of kernel forms (0 = the default; 1, 2: see band_int16)
 };
 
 constexpr int MAXM = 8;
@@ -660,7 +660,10 @@ CT_INLINE void load_tile2(const uint8_t* tile, int tbytes, __mmask64 m0, __mmask
 // vpermt2b (it overwrites its table operand); true: a compiler memory barrier per column pair makes it load the
 // tiles afresh instead (no copies). Measured the same within noise on Emerald Rapids (README); true is the
 // benchmark's variant 1.
-template <int M, int TB, bool RELOAD = false>
+// VPERMB = true (variant 2): column pairs whose stream bytes lie in one in-tile 64-byte window
+// (TrellisTables::vperm1_base) take one load there and a one-register vpermb instead of vpermt2b (2 port-cycles
+// on Emerald Rapids' two 512-bit ports); the pairs that wrap the tile's end keep vpermt2b.
+template <int M, int TB, bool RELOAD = false, bool VPERMB = false>
 static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
     const int tbytes = TB != 0 ? TB : tb.tile_bytes;
@@ -703,14 +706,21 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
                 if constexpr (RELOAD) __asm__ volatile("" ::: "memory");
                 const __m512i perm = _mm512_load_si512(tb.perm16[c0]);
                 const __m512i msh = _mm512_load_si512(tb.mshift16[c0]);
+                const int vb = VPERMB && TB != 0 ? tb.vperm1_base[c0] : -1;
+                const __m512i perm1 = _mm512_load_si512(tb.perm1[c0]);
                 __m512i acc[M];
                 for (int t = 0; t < M; ++t) acc[t] = _mm512_setzero_si512();
 #pragma GCC unroll 8
                 for (int rr = 0; rr < 8; ++rr) {
                     const uint8_t* tile = brow + rr * row_stride + j * tbytes;
-                    __m512i z0, z1;
-                    load_tile2<TB>(tile, tbytes, m0, m1, z0, z1);
-                    const __m512i st = _mm512_multishift_epi64_epi8(msh, _mm512_permutex2var_epi8(z0, perm, z1));
+                    __m512i st;
+                    if (vb >= 0) {  // [tile + vb, tile + vb + 64) lies inside the tile (vperm1_base)
+                        st = _mm512_multishift_epi64_epi8(msh, _mm512_permutexvar_epi8(perm1, _mm512_loadu_si512(tile + vb)));
+                    } else {
+                        __m512i z0, z1;
+                        load_tile2<TB>(tile, tbytes, m0, m1, z0, z1);
+                        st = _mm512_multishift_epi64_epi8(msh, _mm512_permutex2var_epi8(z0, perm, z1));
+                    }
                     const __m512i plo = _mm512_mullo_epi16(st, ml);
                     const __m512i phi = _mm512_add_epi16(_mm512_mulhi_epu16(st, ml), _mm512_mullo_epi16(st, mh));
                     const __m512i bs = _mm512_add_epi16(_mm512_maddubs_epi16(plo, ones8), _mm512_maddubs_epi16(phi, ones8));
@@ -995,8 +1005,14 @@ void gemv_float_3inst(const MatRef& A, int band, const Acts& X, bool round, floa
 template <int TB>
 static void int16_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
     switch (X.m) {
-        case 1: return X.variant == 1 ? band_int16<1, TB, true>(A, band, X, y) : band_int16<1, TB>(A, band, X, y);
-        case 2: return X.variant == 1 ? band_int16<2, TB, true>(A, band, X, y) : band_int16<2, TB>(A, band, X, y);
+        case 1:
+            if (X.variant == 1) return band_int16<1, TB, true>(A, band, X, y);
+            if (X.variant == 2) return band_int16<1, TB, false, true>(A, band, X, y);
+            return band_int16<1, TB>(A, band, X, y);
+        case 2:
+            if (X.variant == 1) return band_int16<2, TB, true>(A, band, X, y);
+            if (X.variant == 2) return band_int16<2, TB, false, true>(A, band, X, y);
+            return band_int16<2, TB>(A, band, X, y);
         case 3: return band_int16<3, TB>(A, band, X, y);
         case 4: return band_int16<4, TB>(A, band, X, y);
         case 5: return band_int16<5, TB>(A, band, X, y);

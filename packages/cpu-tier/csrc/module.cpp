@@ -178,7 +178,7 @@ class Runtime {
     std::vector<int> cpus() { return pool().cpus(); }
 
     void matmul(F32_2D x, const I16_3D& trellis, const U16_1D& suh, const U16_1D& svh, nb::object bias, int codebook,
-                bool fast, F32_2D out) {
+                bool fast, F32_2D out, int variant) {
         auto job = std::make_shared<LinearJob>();
         job->A = make_mat(trellis, suh, svh, bias, codebook, "tensor");
         if (x.shape(1) != size_t(job->A.k)) throw std::invalid_argument("x: wrong number of columns");
@@ -187,6 +187,7 @@ class Runtime {
         job->out = out.data();
         job->m = int(x.shape(0));
         job->fast = fast;
+        job->variant = variant;
         Pool& p = pool();
         {
             nb::gil_scoped_release nogil;
@@ -338,7 +339,7 @@ NB_MODULE(CPU_TIER_MODULE, m) {
         .def_prop_ro("cpus", &Runtime::cpus)
         .def("close", &Runtime::close)
         .def("matmul", &Runtime::matmul, nb::arg("x"), nb::arg("trellis"), nb::arg("suh"), nb::arg("svh"),
-             nb::arg("bias").none(), nb::arg("codebook"), nb::arg("fast"), nb::arg("out"))
+             nb::arg("bias").none(), nb::arg("codebook"), nb::arg("fast"), nb::arg("out"), nb::arg("variant") = 0)
         .def("read_bandwidth", &Runtime::read_bandwidth, nb::arg("bytes"), nb::arg("iters"))
         .def("clock_ghz", &Runtime::clock_ghz)
         .def("kernel_band_seconds", &Runtime::kernel_band_seconds, nb::arg("trellis"), nb::arg("suh"), nb::arg("svh"),

@@ -10,6 +10,8 @@
 // The AVX-512 kernels decode two groups per 512-bit vector from a 32-byte window (pair 0 wraps likewise).
 #pragma once
 
+#include <algorithm>
+
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -91,6 +93,11 @@ struct TrellisTables {
     bool has16 = false;
     alignas(64) uint8_t perm16[8][64];
     alignas(64) uint8_t mshift16[8][64];
+    // vpermb form (AVX-512 variant 2): when every index of perm16[c] lies in one 64-byte window [b, b + 64) inside
+    // the tile (b a multiple of 32), vperm1_base[c] = b and perm1[c] = perm16[c] - b: one load at tile + b and a
+    // one-register vpermb replace the two-register vpermt2b. -1 where the pair's stream wraps the tile's end.
+    int32_t vperm1_base[8];
+    alignas(64) uint8_t perm1[8][64];
 };
 
 namespace detail {
@@ -163,6 +170,18 @@ inline void build(TrellisTables& tb, int bits2) {
                     tb.mshift16[c][8 * k + 2 * l + 1] = uint8_t(56 - pbit);
                 }
             }
+        for (int c = 0; c < 8; ++c) {
+            const int lo = *std::min_element(tb.perm16[c], tb.perm16[c] + 64);
+            const int hi = *std::max_element(tb.perm16[c], tb.perm16[c] + 64);
+            tb.vperm1_base[c] = -1;
+            for (int b = 0; b + 64 <= tbytes; b += 32)
+                if (lo >= b && hi < b + 64) {
+                    tb.vperm1_base[c] = b;
+                    break;
+                }
+            for (int i = 0; i < 64; ++i)
+                tb.perm1[c][i] = uint8_t(tb.vperm1_base[c] >= 0 ? tb.perm16[c][i] - tb.vperm1_base[c] : 0);
+        }
     }
     if (!half)
         for (int s = 0; s < 16; ++s)

@@ -76,3 +76,31 @@ def test_moe(rt) -> None:
             assert rel_rms(out, ref) <= 5e-3
         else:
             assert rel_max(out, ref) <= 1e-5
+
+
+@pytest.mark.parametrize("bits", [1, 1.5, 2, 2.5, 3, 3.5, 4])
+def test_int16_kernel_forms_agree(bits: float) -> None:
+    """The AVX-512 int16 kernel's benchmark forms (1: tile reload, 2: vpermb on an in-tile window) compute the same
+    integer sums as the default form: identical outputs, emulated here and natively where the host runs AVX-512."""
+    from cpu_tier import runnable_isas
+    from cpu_tier._loader import load
+
+    mods = [EMU] + ([load("avx512")] if "avx512" in runnable_isas() else [])
+    rng = np.random.default_rng(int(bits * 10))
+    t = exl3.random_tensor(256, 256, bits, "mul1", seed=rng)
+    w = t.reconstruct().astype(np.float64)
+    for mod in mods:
+        r = mod.Runtime(1, [], 50)
+        try:
+            for m in (1, 2, 3):
+                x = np.ascontiguousarray(rng.standard_normal((m, 256)).astype(np.float32))
+                outs = []
+                for variant in (0, 1, 2):
+                    out = np.full((m, 256), np.nan, np.float32)
+                    r.matmul(x, t.trellis, t.suh.view(np.uint16), t.svh.view(np.uint16), None, CB_ID["mul1"], True, out,
+                             variant)  # fmt: skip
+                    outs.append(out)
+                assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2]), (mod.isa(), m)
+                assert rel_rms(outs[0], x.astype(np.float64) @ w) <= 5e-3
+        finally:
+            r.close()

@@ -154,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{bw:8.2f}{bw / thr:10.2f}{bw:8.2f}{'':>7}  (core clock ~{ghz:.2f} GHz with {thr} busy)", flush=True)
             if "kernel" in want:
                 # kernel alone, every worker at once on its own L2-resident band (the job's compute ceiling);
-                # variant 1 = the AVX-512 int16 kernel's tile-reload form (see csrc/kernels.h), for an A/B
-                for variant in ((0, 1) if isa.startswith("avx512") else (0,)):
+                # variants of the AVX-512 int16 kernel (see csrc/kernels.h), for an A/B: 1 = tile-reload form,
+                # 2 = vpermb on an in-tile 64-byte window for the column pairs that do not wrap
+                for variant in ((0, 1, 2) if isa.startswith("avx512") else (0,)):
                     with ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa)) as kt:  # type: ignore[arg-type]
                         g0 = gate[0]
                         kb_iters = 200 if not args.quick else 4  # ~12 ms per worker: sustained clock
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                     per_worker = band_w / secs / 1e9
                     gw = float(per_worker.sum())  # all workers together
                     gbps = gw * K / 8
-                    case = "ceiling/kernel 1 band L2" + (" v1" if variant else "")
+                    case = "ceiling/kernel 1 band L2" + (f" v{variant}" if variant else "")
                     rows.append({"case": case, "pool": "l2-band", "variant": variant, "isa": isa, "threads": thr,
                                  "tokens": 1, "precision": "fast", "codebook": "mul1", "Gweights_per_s": gw,
                                  "GBps": gbps, "GBps_per_core": gbps / thr, "probe_GBps": bw, "ratio_to_probe": gbps / bw,
