@@ -330,9 +330,10 @@ def make_tiles(plan: PrefillPlan, bm: int) -> tuple[np.ndarray, dict[int, tuple[
 
 class TritonCompute(BatchCompute):
     """Per batch: decode the B experts' three projections into fp16 scratch, then for all rows of the batch
-    at once: input transform (split), grouped GEMM gate and up, output transforms, SwiGLU, input transform,
-    grouped GEMM down, output transform with the routing weight, atomically added into the layer output.
-    About 20 launches per batch, none per expert."""
+    at once: input transforms (split), grouped GEMM gate and up (their epilogues sum the squares of the output
+    rows), output transforms + SwiGLU, input transform, grouped GEMM down, output transform with the routing
+    weight, atomically added into the layer output. 13 kernels (and two small memsets) per batch, none per expert; with
+    ``stage_events`` set, CUDA events between the stages time them (``stage_times``)."""
 
     #: GEMM tile configs by BM: (BN, BK, num_warps, num_stages)
     gemm_configs: dict[int, tuple[int, int, int, int]] = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
@@ -438,6 +439,7 @@ class TritonCompute(BatchCompute):
         H, I = spec.hidden, spec.intermediate
         dev = self.torch_device
         split = cfg.exact
+
         def kcfg(c: tuple[int, int, int]) -> dict[str, int]:
             return {"block_r": c[0], "cpb": c[1], "num_warps": c[2]}
 
@@ -483,7 +485,10 @@ class TritonCompute(BatchCompute):
         tg, tu = tgu
         act = torch.empty((R, I), dtype=torch.float32, device=dev)
         svh = (layout.elem_offset("gate", "svh", 2), layout.elem_offset("up", "svh", 2))
-        post_swiglu(tg, tu, ss_gu, grp, st.e0, slot16, s2, svh, self.hpm, act, cfg.swiglu_limit, **kcfg(self.swiglu_config), fwht=self.fwht)
+        post_swiglu(
+            tg, tu, ss_gu, grp, st.e0, slot16, s2, svh, self.hpm, act, cfg.swiglu_limit, **kcfg(self.swiglu_config),
+            fwht=self.fwht,
+        )  # fmt: skip
         del tg, tu, tgu
         self._mark("post + swiglu")
         ss_act = sumsq(act, I, ("down",), None)[0]
@@ -496,7 +501,8 @@ class TritonCompute(BatchCompute):
         self._mark("gemm down")
         row_hadamard(
             t, H, R, grp, st.e0, self.hpm, ss_t, mode=2, vec=slot16, vec_stride=s2,
-            post_off=layout.elem_offset("down", "svh", 2), out=out, w=wts, dst=tok, **kcfg(self.out_config), fwht=self.fwht,
+            post_off=layout.elem_offset("down", "svh", 2), out=out, w=wts, dst=tok, **kcfg(self.out_config),
+            fwht=self.fwht,
         )  # fmt: skip
         self._mark("post + weighted add")
         self.computed.extend((st.layer, e) for e in routed)
