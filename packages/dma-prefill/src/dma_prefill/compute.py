@@ -332,8 +332,8 @@ class TritonCompute(BatchCompute):
     """Per batch: decode the B experts' three projections into fp16 scratch, then for all rows of the batch
     at once: input transforms (split), grouped GEMM gate and up (their epilogues sum the squares of the output
     rows), output transforms + SwiGLU, input transform, grouped GEMM down, output transform with the routing
-    weight, atomically added into the layer output. 13 kernels (and two small memsets) per batch, none per expert; with
-    ``stage_events`` set, CUDA events between the stages time them (``stage_times``)."""
+    weight, atomically added into the layer output. 13 kernels (and two small memsets) per batch, none per
+    expert; with ``stage_events`` set, CUDA events between the stages time them (``stage_times``)."""
 
     #: GEMM tile configs by BM: (BN, BK, num_warps, num_stages)
     gemm_configs: dict[int, tuple[int, int, int, int]] = {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
