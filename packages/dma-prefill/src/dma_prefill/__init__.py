@@ -16,6 +16,7 @@ from .layout import ExpertLayout
 from .plan import PrefillPlan
 from .prefill import DmaPrefill, PipelineStats
 from .ring import Staged, StagingRing
+from .steps import StepCostModel, derive_thresholds
 from .store import HostExpertStore
 
 try:
@@ -39,8 +40,10 @@ __all__ = [
     "ProjSpec",
     "Staged",
     "StagingRing",
+    "StepCostModel",
     "StepPath",
     "StoreConfig",
     "__version__",
     "choose_path",
+    "derive_thresholds",
 ]
