@@ -174,6 +174,16 @@ class Runtime {
         if (!pool_ || pool_->stopping()) throw std::runtime_error("cpu_tier runtime is closed");
         return *pool_;
     }
+    // Run a job to completion on the pool with the GIL released; rethrow what its run() threw.
+    void run_blocking(const std::shared_ptr<JobBase>& job) {
+        Pool& p = pool();
+        {
+            nb::gil_scoped_release nogil;
+            p.submit(job);
+            job->wait(-1);
+        }
+        if (!job->error.empty()) throw std::runtime_error(job->error);
+    }
     int threads() { return pool().threads(); }
     std::vector<int> cpus() { return pool().cpus(); }
 
@@ -188,13 +198,7 @@ class Runtime {
         job->m = int(x.shape(0));
         job->fast = fast;
         job->variant = variant;
-        Pool& p = pool();
-        {
-            nb::gil_scoped_release nogil;
-            p.submit(job);
-            job->wait(-1);
-        }
-        if (!job->error.empty()) throw std::runtime_error(job->error);
+        run_blocking(job);
     }
 
     // Per-worker clock (GHz) with all workers busy at once.
@@ -202,11 +206,7 @@ class Runtime {
         Pool& p = pool();
         auto job = std::make_shared<ClockJob>();
         job->units = p.threads();
-        {
-            nb::gil_scoped_release nogil;
-            p.submit(job);
-            job->wait(-1);
-        }
+        run_blocking(job);
         return job->ghz;
     }
 
@@ -222,13 +222,7 @@ class Runtime {
         job->iters = iters;
         job->fast = fast;
         job->variant = variant;
-        Pool& p = pool();
-        {
-            nb::gil_scoped_release nogil;
-            p.submit(job);
-            job->wait(-1);
-        }
-        if (!job->error.empty()) throw std::runtime_error(job->error);
+        run_blocking(job);
         return job->sec;
     }
 
