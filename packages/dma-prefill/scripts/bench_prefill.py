@@ -21,10 +21,9 @@ import time
 
 import torch
 
-from dma_prefill import DmaPrefill, HostExpertStore, LayerSpec, PrefillConfig, PrefillPlan, StoreConfig
+from dma_prefill import V41_FLASH, DmaPrefill, HostExpertStore, PrefillConfig, PrefillPlan, StoreConfig
 from dma_prefill.config import PROJECTIONS
 
-FLASH = LayerSpec(num_experts=384, hidden=5120, intermediate=2304, bits=(3, 3, 3), codebooks=("mul1",) * 3)
 
 
 def fill_layer(store: HostExpertStore, layer: int, seed: int) -> None:
@@ -105,17 +104,17 @@ def routing(T: int, E: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tens
 def bench_chunk(store: HostExpertStore, cfg: PrefillConfig, T: int, steps: int, seed: int) -> dict:
     pf = DmaPrefill(store, cfg, timing=True)
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(T, FLASH.hidden, device="cuda", generator=g).to(torch.bfloat16)
-    routes = [routing(T, FLASH.num_experts, 6, seed + 1 + s) for s in range(steps + 1)]
+    x = torch.randn(T, V41_FLASH.hidden, device="cuda", generator=g).to(torch.bfloat16)
+    routes = [routing(T, V41_FLASH.num_experts, 6, seed + 1 + s) for s in range(steps + 1)]
     # warm-up layer (JIT, allocator), no prefetch so the timed window starts cold
-    pf.run_layer(1, x, PrefillPlan.build(*routes[0], FLASH.num_experts, cfg.experts_per_batch))
+    pf.run_layer(1, x, PrefillPlan.build(*routes[0], V41_FLASH.num_experts, cfg.experts_per_batch))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     pf.start_window()
     t_host = time.perf_counter()
     for s in range(steps):
         layer = s % 2
-        plan = PrefillPlan.build(*routes[s + 1], FLASH.num_experts, cfg.experts_per_batch)
+        plan = PrefillPlan.build(*routes[s + 1], V41_FLASH.num_experts, cfg.experts_per_batch)
         pf.run_layer(layer, x, plan, next_layer=(s + 1) % 2 if s + 1 < steps else None)
     st = pf.stats()
     host_s = time.perf_counter() - t_host
@@ -142,12 +141,12 @@ def profile_layer(store: HostExpertStore, cfg: PrefillConfig, T: int, seed: int,
     from torch.profiler import ProfilerActivity, profile
 
     pf = DmaPrefill(store, cfg)
-    x = torch.randn(T, FLASH.hidden, device="cuda").to(torch.bfloat16)
-    r0, r1 = routing(T, FLASH.num_experts, 6, seed), routing(T, FLASH.num_experts, 6, seed + 1)
-    pf.run_layer(0, x, PrefillPlan.build(*r0, FLASH.num_experts, cfg.experts_per_batch))
+    x = torch.randn(T, V41_FLASH.hidden, device="cuda").to(torch.bfloat16)
+    r0, r1 = routing(T, V41_FLASH.num_experts, 6, seed), routing(T, V41_FLASH.num_experts, 6, seed + 1)
+    pf.run_layer(0, x, PrefillPlan.build(*r0, V41_FLASH.num_experts, cfg.experts_per_batch))
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        pf.run_layer(1, x, PrefillPlan.build(*r1, FLASH.num_experts, cfg.experts_per_batch))
+        pf.run_layer(1, x, PrefillPlan.build(*r1, V41_FLASH.num_experts, cfg.experts_per_batch))
         torch.cuda.synchronize()
     rows = []
     for ev in prof.key_averages():
@@ -164,12 +163,12 @@ def stage_profile(store: HostExpertStore, cfg: PrefillConfig, T: int, seed: int)
     """Compute-stream milliseconds per stage for one layer at chunk ``T`` (after a warm-up layer), from CUDA
     events recorded between the stages of every batch (copies run concurrently on their own stream)."""
     pf = DmaPrefill(store, cfg)
-    x = torch.randn(T, FLASH.hidden, device="cuda").to(torch.bfloat16)
-    r0, r1 = routing(T, FLASH.num_experts, 6, seed), routing(T, FLASH.num_experts, 6, seed + 1)
-    pf.run_layer(0, x, PrefillPlan.build(*r0, FLASH.num_experts, cfg.experts_per_batch))
+    x = torch.randn(T, V41_FLASH.hidden, device="cuda").to(torch.bfloat16)
+    r0, r1 = routing(T, V41_FLASH.num_experts, 6, seed), routing(T, V41_FLASH.num_experts, 6, seed + 1)
+    pf.run_layer(0, x, PrefillPlan.build(*r0, V41_FLASH.num_experts, cfg.experts_per_batch))
     torch.cuda.synchronize()
     pf.compute.stage_events = []
-    pf.run_layer(1, x, PrefillPlan.build(*r1, FLASH.num_experts, cfg.experts_per_batch))
+    pf.run_layer(1, x, PrefillPlan.build(*r1, V41_FLASH.num_experts, cfg.experts_per_batch))
     times = pf.compute.stage_times()
     pf.compute.stage_events = None
     return times
@@ -244,7 +243,7 @@ def main() -> None:
         f"slots {args.slots} x {args.batch} experts"
     )
     t = time.perf_counter()
-    store = HostExpertStore({0: FLASH, 1: FLASH}, StoreConfig(progress=False))
+    store = HostExpertStore({0: V41_FLASH, 1: V41_FLASH}, StoreConfig(progress=False))
     t_reg = time.perf_counter() - t
     for lid in (0, 1):
         fill_layer(store, lid, seed=100 + lid)
@@ -278,26 +277,30 @@ def main() -> None:
     }
     print(f"configs used: {chosen}")
     rows = []
+    # (chunk, exact, variant): "" = the defaults; "-np" no GEMM promotion; "-bk32" promotion every 32 K;
+    # "-fwht-toggled" the other Hadamard (TritonCompute.fwht flipped)
     cases = (
-        [(int(c), True, True) for c in args.chunks.split(",") if c]
-        + [(int(c), False, True) for c in args.fp16_chunks.split(",") if c]
-        + [(int(c), True, False) for c in args.no_promote_chunks.split(",") if c]
-        + [(int(c), True, 32) for c in args.bk32_chunks.split(",") if c]
-        + [(int(c), True, "fwht") for c in args.fwht_chunks.split(",") if c]
+        [(int(c), True, "") for c in args.chunks.split(",") if c]
+        + [(int(c), False, "") for c in args.fp16_chunks.split(",") if c]
+        + [(int(c), True, "-np") for c in args.no_promote_chunks.split(",") if c]
+        + [(int(c), True, "-bk32") for c in args.bk32_chunks.split(",") if c]
+        + [(int(c), True, "-fwht-toggled") for c in args.fwht_chunks.split(",") if c]
     )
-    for T, exact, promote in cases:
-        TritonCompute.promote = bool(promote)
-        fwht0 = TritonCompute.fwht
-        TritonCompute.fwht = fwht0 if promote != "fwht" else not fwht0
-        saved = dict(TritonCompute.gemm_configs)
-        if promote == 32:
-            TritonCompute.gemm_configs = {bm: (c[0], 32, c[2], c[3] + 1) for bm, c in saved.items()}
-        r = bench_chunk(store, PrefillConfig(num_slots=args.slots, experts_per_batch=args.batch, exact=exact), T, args.steps, 7)
-        TritonCompute.promote = True
-        TritonCompute.fwht = fwht0
-        TritonCompute.gemm_configs = saved
+    for T, exact, variant in cases:
+        saved = (TritonCompute.promote, TritonCompute.fwht, dict(TritonCompute.gemm_configs))
+        if variant == "-np":
+            TritonCompute.promote = False
+        elif variant == "-bk32":
+            TritonCompute.gemm_configs = {bm: (c[0], 32, c[2], c[3] + 1) for bm, c in saved[2].items()}
+        elif variant == "-fwht-toggled":
+            TritonCompute.fwht = not saved[1]
+        try:
+            cfg_t = PrefillConfig(num_slots=args.slots, experts_per_batch=args.batch, exact=exact)
+            r = bench_chunk(store, cfg_t, T, args.steps, 7)
+        finally:
+            TritonCompute.promote, TritonCompute.fwht, TritonCompute.gemm_configs = saved
         r["exact"] = exact
-        r["promote"] = promote
+        r["variant"] = variant
         r["ceiling_tok_per_s"] = T / ceiling_s
         r["vs_ceiling"] = r["tok_per_s_layer"] / r["ceiling_tok_per_s"]
         r["copy_vs_h2d"] = r["copy_gbps_effective"] / h2d
@@ -309,8 +312,7 @@ def main() -> None:
         f"{'copy GB/s':>11}{'eff GB/s':>10}{'copy/H2D':>10}{'copy busy':>11}{'comp busy':>11}{'VRAM GiB':>10}"
     )
     for r in rows:
-        tag = {True: "", False: "-np", 32: "-bk32", "fwht": "-fwht-toggled"}[r["promote"]]
-        name = f"{'exact' if r['exact'] else 'fp16'}{tag} T={r['tokens']}"
+        name = f"{'exact' if r['exact'] else 'fp16'}{r['variant']} T={r['tokens']}"
         print(
             f"{name:<19}{r['s_per_layer'] * 1e3:>10.1f}{r['tok_per_s_layer']:>13.0f}{r['ceiling_tok_per_s']:>10.0f}"
             f"{r['vs_ceiling']:>9.1%}{r['copy_gbps_engine']:>11.1f}{r['copy_gbps_effective']:>10.1f}"

@@ -19,12 +19,11 @@ import sys
 import torch
 import triton.testing
 
-from dma_prefill import LayerSpec
+from dma_prefill import V41_FLASH
 from dma_prefill.compute import decode_into, grouped_gemm, post_swiglu, row_hadamard, row_sumsq
 from dma_prefill.layout import ExpertLayout
 from dma_prefill.ops_torch import hadamard_pm1
 
-FLASH = LayerSpec(num_experts=384, hidden=5120, intermediate=2304, bits=(3, 3, 3), codebooks=("mul1",) * 3)
 
 
 def main() -> int:
@@ -37,12 +36,12 @@ def main() -> int:
     args = ap.parse_args()
     dev = torch.device("cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
-    lay = ExpertLayout.build(FLASH)
-    B, R, T, H, I = args.experts, args.rows, args.tokens, FLASH.hidden, FLASH.intermediate
+    lay = ExpertLayout.build(V41_FLASH)
+    B, R, T, H, I = args.experts, args.rows, args.tokens, V41_FLASH.hidden, V41_FLASH.intermediate
     slot = torch.randint(0, 256, (B * lay.stride + 4096,), dtype=torch.uint8, device=dev, generator=g)
     recs = slot[: B * lay.stride].view(B, lay.stride)
     for p in ("gate", "up", "down"):
-        ps = FLASH.proj(p)
+        ps = V41_FLASH.proj(p)
         for name, n in (("suh", ps.k), ("svh", ps.n)):
             v = (torch.randint(0, 2, (B, n), device=dev, generator=g) * 2 - 1) * (torch.rand(B, n, device=dev, generator=g) + 0.5)
             v = v / math.sqrt(ps.k) if name == "suh" else v
@@ -56,7 +55,7 @@ def main() -> int:
     wts = torch.rand(R, device=dev, generator=g)
     x = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
     hpm = hadamard_pm1(torch.float16, dev)
-    w = {p: torch.empty((B, FLASH.proj(p).k, FLASH.proj(p).n), dtype=torch.float16, device=dev) for p in ("gate", "up", "down")}
+    w = {p: torch.empty((B, V41_FLASH.proj(p).k, V41_FLASH.proj(p).n), dtype=torch.float16, device=dev) for p in ("gate", "up", "down")}
     tiles_l = []
     bm = 128
     for e in range(B):
@@ -79,23 +78,25 @@ def main() -> int:
     results: dict[str, dict[str, float]] = {}
     nb = args.batches_per_layer
 
-    def run(kernel: str, cfg: object, fn, nbytes: float) -> None:
+    def run(kernel: str, cfg: object, fn, nbytes: float = 0.0, flops: float = 0.0) -> None:
+        """Time ``fn``; print ms per batch and layer with the HBM rate (``nbytes``) or tensor rate (``flops``)."""
         try:
             ms = triton.testing.do_bench(fn, warmup=10, rep=40)
         except Exception as exc:  # a config that does not compile or fit is reported, not fatal
             print(f"  {kernel:<22}{str(cfg):<22} failed: {type(exc).__name__}: {str(exc)[:80]}")
             return
         results.setdefault(kernel, {})[str(cfg)] = ms
-        print(f"  {kernel:<22}{str(cfg):<22}{ms * 1e3:>9.1f} us/batch{ms * nb:>8.2f} ms/layer{nbytes / ms / 1e6:>8.0f} GB/s")
+        rate = f"{flops / ms / 1e9:>8.0f} TFLOP/s" if flops else f"{nbytes / ms / 1e6:>8.0f} GB/s"
+        print(f"  {kernel:<22}{str(cfg):<22}{ms * 1e3:>9.1f} us/batch{ms * nb:>8.2f} ms/layer{rate}")
 
     print(f"# kernel_tune | {torch.cuda.get_device_name()} | R={R} rows, {B} experts, layer = {nb} batches")
-    ps = FLASH.proj("gate")
+    ps = V41_FLASH.proj("gate")
     dec_bytes = B * (ps.trellis_bytes + ps.k * ps.n * 2)
     for btn in (4, 8, 16):
         run("decode gate", btn, lambda btn=btn: decode_into(slot32, s4, lay.elem_offset("gate", "trellis", 4), counts, w["gate"],
                                                             ps.k, ps.n, ps.bits, ps.codebook, block_tn=btn), dec_bytes)  # fmt: skip
     for p in ("up", "down"):
-        q = FLASH.proj(p)
+        q = V41_FLASH.proj(p)
         decode_into(slot32, s4, lay.elem_offset(p, "trellis", 4), counts, w[p], q.k, q.n, q.bits, q.codebook)
     run("row_sumsq in (x2)", "-", lambda: row_sumsq(x, H, R, grp, 0, ss_in, src=tok, vec=slot16, vec_stride=s2,
         pre_offs=(lay.elem_offset("gate", "suh", 2), lay.elem_offset("up", "suh", 2))), R * H * 4)  # fmt: skip
@@ -113,18 +114,11 @@ def main() -> int:
             t, H, R, grp, 0, hpm, ss_t, mode=2, vec=slot16, vec_stride=s2,
             post_off=lay.elem_offset("down", "svh", 2), out=out, w=wts, dst=tok,
             block_r=c[0], cpb=c[1], num_warps=c[2]), R * H * 8)  # fmt: skip
+    tgo = torch.empty(R, I, device=dev)
+    ssg = torch.zeros(R, device=dev)
     for c in [(128, 64, 8, 3), (128, 32, 8, 4), (128, 16, 8, 5), (64, 64, 4, 4)]:
-        flops = 2 * 2 * R * H * I  # hi + lo
-        tgo = torch.empty(R, I, device=dev)
-        ssg = torch.zeros(R, device=dev)
-        try:
-            ms = triton.testing.do_bench(lambda c=c: grouped_gemm(hi, lo, inv, w["gate"], tiles, tgo, bm=bm, bn=c[0], bk=c[1],
-                                                                   num_warps=c[2], num_stages=c[3], ss=ssg), warmup=10, rep=40)  # fmt: skip
-        except Exception as exc:
-            print(f"  {'gemm gate (split)':<22}{str(c):<22} failed: {type(exc).__name__}: {str(exc)[:80]}")
-            continue
-        results.setdefault("gemm gate (split)", {})[str(c)] = ms
-        print(f"  {'gemm gate (split)':<22}{str(c):<22}{ms * 1e3:>9.1f} us/batch{ms * nb:>8.2f} ms/layer{flops / ms / 1e9:>8.0f} TFLOP/s")
+        run("gemm gate (split)", c, lambda c=c: grouped_gemm(hi, lo, inv, w["gate"], tiles, tgo, bm=bm, bn=c[0], bk=c[1],
+            num_warps=c[2], num_stages=c[3], ss=ssg), flops=2 * 2 * R * H * I)  # fmt: skip  (hi + lo)
     best = {k: min(v, key=v.get) for k, v in results.items()}
     print("best:", best)
     if args.json:

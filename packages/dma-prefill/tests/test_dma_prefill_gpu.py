@@ -65,9 +65,25 @@ def _pf(stack: SyntheticStack, exact: bool, **kw) -> DmaPrefill:
     return DmaPrefill(stack.store, cfg, **kw)
 
 
+def _exact_errors_with(stack: SyntheticStack, **compute_attrs: object) -> dict[str, np.ndarray]:
+    """``per_expert_errors`` of the exact path (layer 0, the error-bound test's rows) with ``TritonCompute``'s
+    class attributes temporarily set to ``compute_attrs``."""
+    from dma_prefill.compute import TritonCompute
+
+    saved = {k: getattr(TritonCompute, k) for k in compute_attrs}
+    for k, v in compute_attrs.items():
+        setattr(TritonCompute, k, v)
+    try:
+        x = torch.randn(1024, 512, generator=torch.Generator().manual_seed(2)).cuda()
+        return per_expert_errors(stack.store, 0, _pf(stack, True), x, seed=3)
+    finally:
+        for k, v in saved.items():
+            setattr(TritonCompute, k, v)
+
+
 def test_gemm_error_bounds_per_expert(gpu_stack: SyntheticStack) -> None:
     x = torch.randn(1024, 512, generator=torch.Generator().manual_seed(2)).cuda()
-    exact = per_expert_errors(gpu_stack.store, 0, _pf(gpu_stack, True), x, seed=3)
+    exact = _exact_errors_with(gpu_stack)
     fp16 = per_expert_errors(gpu_stack.store, 0, _pf(gpu_stack, False), x, seed=3)
     _report("per-expert max rel err, exact path (max over experts)", f"{exact['ours'].max():.3e}")
     _report("per-expert max rel err, plain fp32 evaluation, BLAS order (yardstick)", f"{exact['fp32'].max():.3e}")
@@ -85,27 +101,17 @@ def test_gemm_promotion_granularity(gpu_stack: SyntheticStack, bk: int) -> None:
     """Error of the exact path against how often the tensor-core partial sums are promoted (every BK)."""
     from dma_prefill.compute import TritonCompute
 
-    saved = dict(TritonCompute.gemm_configs)
-    TritonCompute.gemm_configs = {bm: (c[0], bk, c[2], c[3]) for bm, c in saved.items()}
-    try:
-        x = torch.randn(1024, 512, generator=torch.Generator().manual_seed(2)).cuda()
-        err = per_expert_errors(gpu_stack.store, 0, _pf(gpu_stack, True), x, seed=3)
-    finally:
-        TritonCompute.gemm_configs = saved
+    configs = {bm: (c[0], bk, c[2], c[3]) for bm, c in TritonCompute.gemm_configs.items()}
+    err = _exact_errors_with(gpu_stack, gemm_configs=configs)
     _report(f"per-expert max rel err, exact path, promotion every {bk}", f"{err['ours'].max():.3e}")
     assert err["ours"].max() < 5e-6
 
 
 def test_fwht_per_expert_error(gpu_stack: SyntheticStack) -> None:
-    """The exact path with fp32-butterfly Hadamards (no tensor-core accumulation in the transforms)."""
+    """The exact path with the other Hadamard than the default (fp32 butterflies vs tensor cores)."""
     from dma_prefill.compute import TritonCompute
 
-    TritonCompute.fwht = not TritonCompute.fwht
-    try:
-        x = torch.randn(1024, 512, generator=torch.Generator().manual_seed(2)).cuda()
-        err = per_expert_errors(gpu_stack.store, 0, _pf(gpu_stack, True), x, seed=3)
-    finally:
-        TritonCompute.fwht = not TritonCompute.fwht
+    err = _exact_errors_with(gpu_stack, fwht=not TritonCompute.fwht)
     _report(f"per-expert max rel err, exact path, fwht={not TritonCompute.fwht}", f"{err['ours'].max():.3e}")
     _report("per-expert max rel err, fp32 BLAS / sequential", f"{err['fp32'].max():.3e} / {err['fp32_seq'].max():.3e}")
     assert err["ours"].max() < 5e-6

@@ -9,7 +9,7 @@ decode, fp32-accurate grouped GEMM) while the next batches are in flight.
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from .config import PROJECTIONS, LayerSpec, PrefillConfig, ProjSpec, StepPath, StoreConfig, choose_path
+from .config import PROJECTIONS, V41_FLASH, LayerSpec, PrefillConfig, ProjSpec, StepPath, StoreConfig, choose_path
 from .cpu_tail import CpuTail, CpuTierTail
 from .device import CudaDevice, FakeDevice
 from .layout import ExpertLayout
@@ -43,6 +43,7 @@ __all__ = [
     "StepCostModel",
     "StepPath",
     "StoreConfig",
+    "V41_FLASH",
     "__version__",
     "choose_path",
     "derive_thresholds",

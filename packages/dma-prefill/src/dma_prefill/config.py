@@ -18,6 +18,7 @@ __all__ = [
     "ProjSpec",
     "Projection",
     "StepPath",
+    "V41_FLASH",
     "StoreConfig",
     "choose_path",
 ]
@@ -88,6 +89,10 @@ class LayerSpec:
         if p == "down":
             return ProjSpec(self.intermediate, self.hidden, self.bits[i], self.codebooks[i])
         return ProjSpec(self.hidden, self.intermediate, self.bits[i], self.codebooks[i])
+
+
+#: One DeepSeek-V4.1-Flash MoE layer: 384 routed experts, H = 5120, I = 2304, MUL1 K = 3 (3.0 bpw).
+V41_FLASH = LayerSpec(num_experts=384, hidden=5120, intermediate=2304, bits=(3, 3, 3), codebooks=("mul1",) * 3)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -14,7 +14,6 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from cpu_tier import ExpertTier, Picks
-from cpu_tier.exl3 import Exl3Tensor
 
 from .config import PROJECTIONS
 from .plan import PrefillPlan
@@ -72,19 +71,7 @@ class CpuTierTail:
         self.swiglu_limit = swiglu_limit
         self.layers = tuple(store.layer_ids if layers is None else layers)
         for lid in self.layers:
-            spec = store.spec(lid)
-            views: dict[str, list[Exl3Tensor]] = {p: [] for p in PROJECTIONS}
-            for e in range(spec.num_experts):
-                for p in PROJECTIONS:
-                    views[p].append(
-                        Exl3Tensor.from_arrays(
-                            store.numpy(lid, e, p, "trellis"),
-                            store.numpy(lid, e, p, "suh"),
-                            store.numpy(lid, e, p, "svh"),
-                            spec.proj(p).codebook,
-                            name=f"layer {lid} expert {e} {p}",
-                        )
-                    )
+            views = {p: [store.view(lid, e, p) for e in range(store.spec(lid).num_experts)] for p in PROJECTIONS}
             tier.add_layer(lid, views["gate"], views["up"], views["down"], swiglu_limit=swiglu_limit)
 
     def begin(self, layer: int, x: torch.Tensor, plan: PrefillPlan) -> _Pending | None:

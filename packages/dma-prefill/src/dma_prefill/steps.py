@@ -13,7 +13,8 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
-from .config import StepPath
+from .config import V41_FLASH, StepPath
+from .layout import ExpertLayout
 
 __all__ = ["StepCostModel", "derive_thresholds"]
 
@@ -68,9 +69,9 @@ class StepCostModel:
         expert (decode, per-batch launches) + 0.302 us per row; the CPU tier on the 16 host cores (run 3,
         packages/cpu-tier/results); the expert cache's hybrid policy hit rate on synthetic traces (~0.43)."""
         return cls(
-            num_experts=384,
+            num_experts=V41_FLASH.num_experts,
             top_k=6,
-            expert_bytes=13_315_584,
+            expert_bytes=ExpertLayout.build(V41_FLASH).stride,
             h2d_gbps=55.2,
             gpu_expert_s=100.5e-6,
             gpu_row_s=0.302e-6,
@@ -104,10 +105,14 @@ class StepCostModel:
             return 0.0
         return experts * self.cpu_expert_s(rows / experts)
 
+    def _stream_s(self, experts: float, rows: float) -> float:
+        """Stream ``experts`` through the staging ring and compute ``rows`` on them: the copy and the GPU compute
+        overlap; the slower bounds it."""
+        return max(experts * self.expert_bytes / (self.h2d_gbps * 1e9), experts * self.gpu_expert_s + rows * self.gpu_row_s)
+
     def dma_s(self, tokens: int) -> float:
-        """Every touched expert streamed: the copy and the GPU compute overlap; the slower bounds the layer."""
-        e = self.touched(tokens)
-        return max(e * self.expert_bytes / (self.h2d_gbps * 1e9), e * self.gpu_expert_s + tokens * self.top_k * self.gpu_row_s)
+        """Every touched expert streamed."""
+        return self._stream_s(self.touched(tokens), tokens * self.top_k)
 
     def decode_s(self, tokens: int) -> float:
         """Hits on the GPU from VRAM, misses on the CPU tier read in place, concurrently."""
@@ -124,9 +129,7 @@ class StepCostModel:
         best = (math.inf, 0.0)
         for i in range(65):
             f = i / 64
-            g = (1 - f) * e
-            gpu = max(g * self.expert_bytes / (self.h2d_gbps * 1e9), g * self.gpu_expert_s + (1 - f) * rows * self.gpu_row_s)
-            t = max(gpu, self._cpu_s(f * e, f * rows))
+            t = max(self._stream_s((1 - f) * e, (1 - f) * rows), self._cpu_s(f * e, f * rows))
             if t < best[0]:
                 best = (t, f)
         return best

@@ -224,15 +224,21 @@ class HostExpertStore:
         for name, arr in (("trellis", t.trellis), ("suh", t.suh), ("svh", t.svh)):
             np.copyto(self.numpy(layer, expert, proj, name), arr, casting="no")
 
+    def view(self, layer: int, expert: int, proj: Projection) -> Exl3Tensor:
+        """One stored linear as an ``Exl3Tensor`` whose arrays are views of the store's memory (no copy; valid
+        while the store is open)."""
+        return Exl3Tensor.from_arrays(
+            self.numpy(layer, expert, proj, "trellis"),
+            self.numpy(layer, expert, proj, "suh"),
+            self.numpy(layer, expert, proj, "svh"),
+            self.spec(layer).proj(proj).codebook,
+            name=f"layer {layer} expert {expert} {proj}",
+        )
+
     def read(self, layer: int, expert: int, proj: Projection) -> Exl3Tensor:
         """A copy of one stored linear as an ``Exl3Tensor``."""
-        ps = self.spec(layer).proj(proj)
-        return Exl3Tensor.from_arrays(
-            self.numpy(layer, expert, proj, "trellis").copy(),
-            self.numpy(layer, expert, proj, "suh").copy(),
-            self.numpy(layer, expert, proj, "svh").copy(),
-            ps.codebook,
-        )
+        v = self.view(layer, expert, proj)
+        return Exl3Tensor.from_arrays(v.trellis.copy(), v.suh.copy(), v.svh.copy(), v.codebook)
 
     # ------------------------------------------------------------------------------------- safetensors
 
