@@ -27,6 +27,8 @@ enum Codebook : int { CB_3INST = 0, CB_MCG = 1, CB_MUL1 = 2 };
 // MUL1 GPU decode: one fp16 FMA, (1024 + bytesum) * half(0x1EEE) + half(0xC931). Its affine part is exact in fp32:
 // value = bytesum * K_INV + K_AFF (before the fp16 rounding), K_AFF = 1024 * K_INV + K_BIAS.
 constexpr float MUL1_K_INV = 0.00676727294921875f;
+// Largest |x^| of the int16 activations (ops.h prep_block_int; the AMX kernel needs <= 127 * 256 + 127).
+constexpr int XQ_MAX = 32639;
 constexpr float MUL1_K_BIAS = -10.3828125f;
 constexpr float MUL1_K_AFF = 1024.0f * MUL1_K_INV + MUL1_K_BIAS;  // -3.453125 exactly
 constexpr uint32_t MUL1_MULT = 0x83DCD12Du;

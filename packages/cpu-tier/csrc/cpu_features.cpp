@@ -1,5 +1,6 @@
 // Host CPU feature probe: CPUID leaves 1 and 7 plus XGETBV, so a feature counts only when the OS
-// also saves the register state it needs (AVX: XCR0 bits 1-2; AVX-512: bits 5-7).
+// also saves the register state it needs (AVX: XCR0 bits 1-2; AVX-512: bits 5-7; AMX: bits 17-18, and on Linux
+// the process's grant of the tile-data state, which this probe requests: arch_prctl ARCH_REQ_XCOMP_PERM).
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
@@ -7,6 +8,8 @@
 #include <cstdint>
 #include <map>
 #include <string>
+
+#include "amx.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
@@ -22,7 +25,7 @@ static std::map<std::string, bool> cpu_features() {
         {"sse42", false}, {"avx", false}, {"avx2", false}, {"fma", false}, {"f16c", false},
         {"bmi2", false}, {"avx512f", false}, {"avx512bw", false}, {"avx512vl", false},
         {"avx512dq", false}, {"avx512vnni", false}, {"avx512vbmi", false}, {"os_avx", false},
-        {"os_avx512", false},
+        {"os_avx512", false}, {"amx_tile", false}, {"amx_int8", false}, {"os_amx", false},
     };
 #ifdef CPU_TIER_X86
     unsigned a, b, c, d;
@@ -57,6 +60,10 @@ static std::map<std::string, bool> cpu_features() {
         f["avx512vl"] = ((b >> 31) & 1) && os_avx512;
         f["avx512vbmi"] = ((c >> 1) & 1) && os_avx512;
         f["avx512vnni"] = ((c >> 11) & 1) && os_avx512;
+        const bool os_amx_state = osxsave && ((xcr0 & 0x60000) == 0x60000);
+        f["amx_tile"] = ((d >> 24) & 1) && os_amx_state;
+        f["amx_int8"] = ((d >> 25) & 1) && os_amx_state;
+        if (f["amx_tile"] && f["amx_int8"]) f["os_amx"] = cpu_tier::amx_request_permission().empty();
     }
 #endif
     return f;

@@ -24,6 +24,7 @@
 #if defined(CPU_TIER_ISA_AVX512) && defined(CT_EMU512)
 #include "emu512.h"
 #endif
+#include "amx.h"
 
 namespace cpu_tier {
 namespace CPU_TIER_NS {
@@ -52,6 +53,7 @@ struct Acts {
     int blk0 = 0, blk1 = -1;
     bool raw = false;
     int variant = 0;  // benchmark A/B of kernel forms (0 = the default; 1, 2: see band_int16)
+    bool amx = false;  // MUL1 integer path, K <= 4: the AMX kernel (band_amx; the caller has the OS permission)
 };
 
 constexpr int MAXM = 8;
@@ -752,6 +754,125 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
     }
 }
 
+#if defined(CT_HAVE_AMX)
+// MUL1 integer path with AMX-INT8 (K <= 4). The vector units only decode: per tile (256 weights) four vpermt2b
+// (one per two registers, TrellisTables::amx_perm) + eight vpmultishiftqb extract the states of 8 row pairs x 16
+// columns, three 16-bit multiplies form lo16 / hi16 of s * 0x83DCD12D (plo, phi), and 16 stores stage them as one
+// 16 x 64-byte B tile: row p (0..7) = plo of q-order rows (2p, 2p + 1), row 8 + p = their phi, dword n' = the two
+// rows of column n'/2 + 8 (n' & 1). The tile unit does the byte sums and the activation products in one TDPBSUD:
+// A row 2t (token t) = the high bytes ah of the int16 activations, row 2t + 1 = the low bytes al
+// (x = 256 ah + al, al in [-128, 127]; prep_block_int keeps |x| <= 32639 so ah fits int8 too), each byte twice
+// (the two rows of a dword), the 32-byte pattern twice (plo rows, phi rows). So C[2t][n'] = sum ah * bs and
+// C[2t + 1][n'] = sum al * bs, exact int32 per 128-row block, as in band_int16; the block's scale is applied at
+// the flush. Tiles: tmm0/1 = C (even/odd tile rows), tmm2/3 = A, tmm4..7 = B (4 staging buffers in rotation).
+#define CT_AMX_STEP(RR, CT, AT, BT)                                                                      \
+    do {                                                                                                 \
+        const uint8_t* tile = brow + (RR) * row_stride + j * tbytes;                                     \
+        __m512i z0, z1;                                                                                  \
+        load_tile2<TB>(tile, tbytes, m0, m1, z0, z1);                                                    \
+        uint8_t* bt = bbuf[(RR) & 3][0];                                                                 \
+        _Pragma("GCC unroll 4") for (int qp = 0; qp < 4; ++qp) {                                         \
+            const __m512i s2 = _mm512_permutex2var_epi8(z0, perm[qp], z1);                               \
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {                                        \
+                const __m512i st = _mm512_multishift_epi64_epi8(msh[2 * qp + h], s2);                    \
+                const __m512i plo = _mm512_mullo_epi16(st, ml);                                          \
+                const __m512i phi = _mm512_add_epi16(_mm512_mulhi_epu16(st, ml), _mm512_mullo_epi16(st, mh)); \
+                _mm512_store_si512(bt + 64 * (2 * qp + h), plo);                                         \
+                _mm512_store_si512(bt + 64 * (8 + 2 * qp + h), phi);                                     \
+            }                                                                                            \
+        }                                                                                                \
+        CT_TILE_LOADD(BT, bt, 64);                                                                       \
+        CT_TILE_LOADD(AT, abuf[RR][0], 64);                                                              \
+        CT_TILE_DPBSUD(CT, AT, BT);                                                                      \
+    } while (0)
+
+template <int M, int TB>
+static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
+    const TrellisTables& tb = *A.tb;
+    const int tbytes = TB != 0 ? TB : tb.tile_bytes;
+    const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    const int r0 = 8 * X.blk0, r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;  // tile rows of this call
+    const bool next_band = X.blk1 >= 0 && band + 1 < tiles_n / 8;
+    const size_t row_stride = size_t(tiles_n) * tbytes;
+    const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
+    const __mmask64 m0 = tbytes >= 64 ? ~__mmask64(0) : ((__mmask64(1) << tbytes) - 1);
+    const __mmask64 m1 = tbytes <= 64 ? __mmask64(0) : (tbytes >= 128 ? ~__mmask64(0) : ((__mmask64(1) << (tbytes - 64)) - 1));
+    TileConfig cfg;
+    for (int t = 0; t < 4; ++t) {
+        cfg.rows[t] = uint8_t(2 * M);
+        cfg.colsb[t] = 64;
+    }
+    for (int t = 4; t < 8; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    CT_TILE_LOADCONFIG(&cfg);
+    alignas(64) int8_t abuf[8][2 * M][64];
+    alignas(64) uint8_t bbuf[4][16][64];
+    alignas(64) int32_t cbuf[2][2 * M][16];
+    alignas(64) float facc[M][8][16];
+    std::memset(facc, 0, sizeof(facc));
+    const __m512i ml = _mm512_set1_epi16(short(MUL1_MULT & 0xFFFF));
+    const __m512i mh = _mm512_set1_epi16(short(MUL1_MULT >> 16));
+    __m512i perm[4], msh[8];
+    for (int i = 0; i < 4; ++i) perm[i] = _mm512_load_si512(tb.amx_perm[i]);
+    for (int i = 0; i < 8; ++i) msh[i] = _mm512_load_si512(tb.amx_mshift[i]);
+    for (int r = r0; r < std::min(r0 + 8, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    for (int blk = r0 / 8; blk < r1 / 8; ++blk) {
+        const uint8_t* brow = base + size_t(8 * blk) * row_stride;
+        const __m256i c128 = _mm256_set1_epi16(128), lo8 = _mm256_set1_epi16(0xFF), dup = _mm256_set1_epi16(0x0101);
+        for (int rr = 0; rr < 8; ++rr)
+            for (int t = 0; t < M; ++t) {
+                const __m256i x = _mm256_loadu_si256(
+                    reinterpret_cast<const __m256i*>(X.xq + t * X.xq_stride + 16 * (8 * blk + rr)));
+                const __m256i ah = _mm256_srai_epi16(_mm256_add_epi16(x, c128), 8);
+                const __m256i al = _mm256_sub_epi16(x, _mm256_slli_epi16(ah, 8));
+                const __m256i dh = _mm256_mullo_epi16(_mm256_and_si256(ah, lo8), dup);  // word = its low byte twice
+                const __m256i dl = _mm256_mullo_epi16(_mm256_and_si256(al, lo8), dup);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(abuf[rr][2 * t]), dh);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(abuf[rr][2 * t] + 32), dh);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(abuf[rr][2 * t + 1]), dl);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(abuf[rr][2 * t + 1] + 32), dl);
+            }
+        for (int j = 0; j < 8; ++j) {
+            if (8 * (blk + 1) + j < r1)
+                prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
+            else if (next_band)  // a row-range call: the caller's next call is the next band of the same rows
+                prefetch_row(base + 8 * tbytes + size_t(r0 + j) * row_stride, 8 * tbytes);
+            CT_TILE_ZERO(0);
+            CT_TILE_ZERO(1);
+            CT_AMX_STEP(0, 0, 2, 4);
+            CT_AMX_STEP(1, 1, 3, 5);
+            CT_AMX_STEP(2, 0, 2, 6);
+            CT_AMX_STEP(3, 1, 3, 7);
+            CT_AMX_STEP(4, 0, 2, 4);
+            CT_AMX_STEP(5, 1, 3, 5);
+            CT_AMX_STEP(6, 0, 2, 6);
+            CT_AMX_STEP(7, 1, 3, 7);
+            CT_TILE_STORED(0, cbuf[0], 64);
+            CT_TILE_STORED(1, cbuf[1], 64);
+            const __m512 s256 = _mm512_set1_ps(256.0f);
+            for (int t = 0; t < M; ++t) {
+                const __m512i h = _mm512_add_epi32(_mm512_load_si512(cbuf[0][2 * t]), _mm512_load_si512(cbuf[1][2 * t]));
+                const __m512i l = _mm512_add_epi32(_mm512_load_si512(cbuf[0][2 * t + 1]), _mm512_load_si512(cbuf[1][2 * t + 1]));
+                const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h), s256, _mm512_cvtepi32_ps(l));
+                const __m512 sc = _mm512_set1_ps(X.xs[t * X.xs_stride + blk]);
+                _mm512_store_ps(facc[t][j], _mm512_fmadd_ps(v, sc, _mm512_load_ps(facc[t][j])));
+            }
+        }
+    }
+    CT_TILE_RELEASE();
+    for (int t = 0; t < M; ++t) {
+        for (int j = 0; j < 8; ++j)
+            for (int n = 0; n < 16; ++n) y[t * 128 + 16 * j + (n >> 1) + 8 * (n & 1)] = facc[t][j][n];
+        const float s = MUL1_K_AFF * X.xsum[t];
+        if (!X.raw)
+            for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
+    }
+}
+#undef CT_AMX_STEP
+#endif
+
 template <int BITS2, bool UNIFORM>
 static void band_int1(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
@@ -1002,8 +1123,27 @@ void gemv_float_3inst(const MatRef& A, int band, const Acts& X, bool round, floa
 
 #if defined(CT_DEFINE_GEMV_INT)
 #if defined(CPU_TIER_ISA_AVX512)
+#if defined(CT_HAVE_AMX)
+template <int TB>
+static void amx_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
+    switch (X.m) {
+        case 1: return band_amx<1, TB>(A, band, X, y);
+        case 2: return band_amx<2, TB>(A, band, X, y);
+        case 3: return band_amx<3, TB>(A, band, X, y);
+        case 4: return band_amx<4, TB>(A, band, X, y);
+        case 5: return band_amx<5, TB>(A, band, X, y);
+        case 6: return band_amx<6, TB>(A, band, X, y);
+        case 7: return band_amx<7, TB>(A, band, X, y);
+        case 8: return band_amx<8, TB>(A, band, X, y);
+        default: return;
+    }
+}
+#endif
 template <int TB>
 static void int16_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
+#if defined(CT_HAVE_AMX)
+    if (X.amx && A.tb->has_amx) return amx_dispatch<TB>(A, band, X, y);
+#endif
     switch (X.m) {
         case 1:
             if (X.variant == 1) return band_int16<1, TB, true>(A, band, X, y);

@@ -126,13 +126,13 @@ struct KernelRateJob : JobBase {
         sec.assign(size_t(W), 0.0);
         pool.parallel_for(W, [&](int u, int) {
             const int kb = A.k / 128;
-            std::vector<float> xf(size_t(MAXM) * A.k), xs(size_t(MAXM) * kb, 1.0f / 32767.0f);
+            std::vector<float> xf(size_t(MAXM) * A.k), xs(size_t(MAXM) * kb, 1.0f / float(XQ_MAX));
             std::vector<int16_t> xq(size_t(MAXM) * A.k);
             uint32_t r = 12345u + uint32_t(u);
             for (size_t i = 0; i < xq.size(); ++i) {
                 r = r * 1664525u + 1013904223u;
-                xq[i] = int16_t(int32_t(r >> 16) - 32768);
-                xf[i] = float(xq[i]) / 32767.0f;
+                xq[i] = int16_t((int32_t(r >> 16) - 32768) % (XQ_MAX + 1));  // |xq| <= XQ_MAX, as prep_block_int makes them
+                xf[i] = float(xq[i]) / float(XQ_MAX);
             }
             float xsum[MAXM] = {};
             Acts X;
@@ -145,6 +145,7 @@ struct KernelRateJob : JobBase {
             X.xs_stride = size_t(kb);
             X.xsum = xsum;
             X.variant = variant;
+            X.amx = pool.amx();
             const GemvMode mode = gemv_mode(A, fast, m);
             alignas(64) float y[MAXM * 128];
             float sink = 0.0f;
@@ -162,7 +163,20 @@ struct KernelRateJob : JobBase {
 
 class Runtime {
    public:
-    Runtime(int threads, std::vector<int> cpus, int spin_us) : pool_(std::make_unique<Pool>(threads, std::move(cpus), spin_us)) {}
+    // amx = true: the MUL1 integer path ("fast", K <= 4) runs the AMX kernel. Needs a build with AMX kernels (the
+    // avx512 variant, or the emulated one) and, on hardware, the OS grant, requested here.
+    Runtime(int threads, std::vector<int> cpus, int spin_us, bool amx) {
+        if (amx) {
+#if !defined(CT_HAVE_AMX)
+            throw std::invalid_argument("amx: this kernel variant (" + std::string(ISA_NAME) + ") has no AMX kernels");
+#elif !defined(CT_EMU512)
+            const std::string why = amx_request_permission();
+            if (!why.empty()) throw std::runtime_error("amx: " + why);
+#endif
+        }
+        pool_ = std::make_unique<Pool>(threads, std::move(cpus), spin_us, amx);
+    }
+    bool amx() { return pool().amx(); }
     ~Runtime() { close(); }
     void close() {
         if (pool_) {
@@ -326,10 +340,21 @@ NB_MODULE(CPU_TIER_MODULE, m) {
     m.doc() = "cpu_tier native EXL3 kernels, one ISA variant";
     m.def("isa", [] { return std::string(ISA_NAME); });
     m.def("max_tokens_per_chunk", [] { return MAXM; });
+#if defined(CT_EMU512)
+    m.def("_emu_amx_fault", [](bool on) { cpu_tier::emu::tile_fault_injection().store(on); },
+          "test hook: the emulated TDPBSUD drops its last K group while on");
+#endif
+#if defined(CT_HAVE_AMX)
+    m.def("has_amx_kernels", [] { return true; });
+#else
+    m.def("has_amx_kernels", [] { return false; });
+#endif
 
     nb::class_<Runtime>(m, "Runtime")
-        .def(nb::init<int, std::vector<int>, int>(), nb::arg("threads"), nb::arg("cpus"), nb::arg("spin_us"))
+        .def(nb::init<int, std::vector<int>, int, bool>(), nb::arg("threads"), nb::arg("cpus"), nb::arg("spin_us"),
+             nb::arg("amx") = false)
         .def_prop_ro("threads", &Runtime::threads)
+        .def_prop_ro("amx", &Runtime::amx)
         .def_prop_ro("cpus", &Runtime::cpus)
         .def("close", &Runtime::close)
         .def("matmul", &Runtime::matmul, nb::arg("x"), nb::arg("trellis"), nb::arg("suh"), nb::arg("svh"),

@@ -72,7 +72,9 @@ class JobBase {
 
 class Pool {
    public:
-    Pool(int threads, std::vector<int> cpus, int spin_us) : nthreads_(threads), cpus_(std::move(cpus)), spin_us_(spin_us) {
+    // amx: jobs on this pool run the AMX kernels where they apply (the caller checked the host and the OS grant).
+    Pool(int threads, std::vector<int> cpus, int spin_us, bool amx = false)
+        : nthreads_(threads), cpus_(std::move(cpus)), spin_us_(spin_us), amx_(amx) {
         if (threads < 1) throw std::invalid_argument("threads must be >= 1");
         for (int w = 0; w < nthreads_; ++w) workers_.emplace_back([this, w] { w == 0 ? coordinator_main() : helper_main(w); });
     }
@@ -118,6 +120,7 @@ class Pool {
 
     int threads() const { return nthreads_; }
     const std::vector<int>& cpus() const { return cpus_; }
+    bool amx() const { return amx_; }
     bool stopping() const { return stopping_.load(std::memory_order_relaxed); }
 
     // Run fn(unit, worker) for unit in [0, n) on every worker; only the coordinator thread may call this.
@@ -256,6 +259,7 @@ class Pool {
     int nthreads_;
     std::vector<int> cpus_;
     int spin_us_;
+    bool amx_ = false;
     std::vector<std::thread> workers_;
 
     std::mutex qmu_;

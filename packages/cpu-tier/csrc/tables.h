@@ -98,6 +98,15 @@ struct TrellisTables {
     // one-register vpermb replace the two-register vpermt2b. -1 where the pair's stream wraps the tile's end.
     int32_t vperm1_base[8];
     alignas(64) uint8_t perm1[8][64];
+    // AMX form (AVX-512 + AMX-INT8, K <= 4): register p = 2 * qp + h (p = 0..7) holds the 32 states of the row pair
+    // (2 qp + 8 h, 2 qp + 8 h + 1) = q-order positions (2p, 2p + 1), all 16 columns: qword c = words
+    // [(row a, col c), (row b, col c), (row a, col c + 8), (row b, col c + 8)], so dword 2c is column c and dword
+    // 2c + 1 column c + 8 (an AMX B-tile row of 16 columns x 2 rows). amx_perm[qp]: vpermt2b indices filling
+    // qword c with the 8 stream bytes from the first byte of element 32c + 8qp on (elements 32c + 8qp .. + 7 are
+    // the two registers 2qp, 2qp + 1: one vpermt2b serves both); amx_mshift[p]: their vpmultishiftqb offsets.
+    bool has_amx = false;
+    alignas(64) uint8_t amx_perm[4][64];
+    alignas(64) uint8_t amx_mshift[8][64];
 };
 
 namespace detail {
@@ -182,6 +191,27 @@ inline void build(TrellisTables& tb, int bits2) {
             for (int i = 0; i < 64; ++i)
                 tb.perm1[c][i] = uint8_t(tb.vperm1_base[c] >= 0 ? tb.perm16[c][i] - tb.vperm1_base[c] : 0);
         }
+    }
+    tb.has_amx = tb.has16;
+    if (tb.has_amx) {
+        for (int qp = 0; qp < 4; ++qp)
+            for (int c = 0; c < 8; ++c) {
+                const int e0 = 32 * c + 8 * qp;
+                const int b = floordiv(st[e0], 8);
+                for (int i = 0; i < 8; ++i) {
+                    const int q = (((b + 7 - i) % tbytes) + tbytes) % tbytes;
+                    tb.amx_perm[qp][8 * c + i] = uint8_t(4 * (q / 4) + 3 - q % 4);
+                }
+                for (int h = 0; h < 2; ++h) {
+                    static constexpr int lane_elem[4] = {0, 1, 4, 5};  // + 2h: rows a, b of column c, then c + 8
+                    for (int l = 0; l < 4; ++l) {
+                        const int pbit = st[e0 + lane_elem[l] + 2 * h] - 8 * b;
+                        if (pbit < 0 || pbit + 16 > 64) throw std::logic_error("trellis table: AMX state outside its qword");
+                        tb.amx_mshift[2 * qp + h][8 * c + 2 * l] = uint8_t(48 - pbit);
+                        tb.amx_mshift[2 * qp + h][8 * c + 2 * l + 1] = uint8_t(56 - pbit);
+                    }
+                }
+            }
     }
     if (!half)
         for (int s = 0; s < 16; ++s)

@@ -1,6 +1,6 @@
 #!/bin/bash
 # cpu-tier on the lent device machine (16-core H200 host), in ONE call: build the native variants there
-# (scalar/avx2/avx512), run the package's non-gpu tests (this exercises the real AVX-512 kernels), then the
+# (scalar/avx2/avx512, and the emulated avx512 one unless EMU=OFF), run the package's non-gpu tests (this exercises the real AVX-512 kernels), then the
 # benchmark on one core and on all cores. Logs go to $OUT.
 #   run(command="bash packages/cpu-tier/scripts/device_run.sh", carry=[".whl"])
 # .whl must hold nanobind and scikit-build-core wheels for CPython 3.12 (see the package README).
@@ -14,16 +14,18 @@ export PYTHONUNBUFFERED=1
   echo "siblings of cpu0: $(cat /sys/devices/system/cpu/cpu0/topology/thread_siblings_list 2>/dev/null)"
   python3 -c "import sys, numpy; print(sys.version.split()[0], 'numpy', numpy.__version__)"
 } 2>&1 | tee "$OUT/host.txt"
-# port-throughput probe (standalone): clock, per-instruction throughput, the kernels' op sequence, 1 and all cores
-g++ -O2 -march=native -pthread packages/cpu-tier/scripts/port_probe.cpp -o /tmp/port_probe \
-  && timeout 60 /tmp/port_probe 2>&1 | tee "$OUT/ports.txt"
+# port-throughput probe (standalone, PORT_PROBE=1): clock, per-instruction throughput, the kernels' op sequence
+if [ "${PORT_PROBE:-0}" = 1 ]; then
+  g++ -O2 -march=native -pthread packages/cpu-tier/scripts/port_probe.cpp -o /tmp/port_probe \
+    && timeout 60 /tmp/port_probe 2>&1 | tee "$OUT/ports.txt"
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/nanobind-*.whl .whl/scikit_build_core-*.whl || exit 1
 export PYTHONPATH=/tmp/site
 t0=$(date +%s)
 CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-index --no-deps --no-build-isolation --no-compile \
-  --config-settings=cmake.define.CPU_TIER_WITH_AVX512_EMULATION=OFF --config-settings=build-dir=/tmp/ctbuild \
+  --config-settings=cmake.define.CPU_TIER_WITH_AVX512_EMULATION=${EMU:-ON} --config-settings=build-dir=/tmp/ctbuild \
   packages/cpu-tier > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 echo "== built in $(( $(date +%s) - t0 )) s"
-python3 -c "import cpu_tier; print('runnable', cpu_tier.runnable_isas(), 'selected', cpu_tier.selected_isa())"
+python3 -c "import cpu_tier; print('runnable', cpu_tier.runnable_isas(), 'selected', cpu_tier.selected_isa()); print({k: v for k, v in cpu_tier.cpu_features().items() if 'amx' in k})"
 timeout 170 python3 -m pytest packages/cpu-tier/tests -m "not gpu" -q -p no:cacheprovider -x 2>&1 | tee "$OUT/tests.txt" | tail -15
-timeout 200 python3 -m cpu_tier.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+timeout ${BENCH_TIMEOUT:-200} python3 -m cpu_tier.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"

@@ -104,3 +104,77 @@ def test_int16_kernel_forms_agree(bits: float) -> None:
                 assert rel_rms(outs[0], x.astype(np.float64) @ w) <= 5e-3
         finally:
             r.close()
+
+
+def _amx_modules() -> list:
+    """The emulated module, and the real avx512 one where this host runs the "amx" variant."""
+    from cpu_tier import runnable_isas
+    from cpu_tier._loader import load
+
+    return [EMU] + ([load("amx")] if "amx" in runnable_isas() else [])
+
+
+@pytest.mark.parametrize("bits", [1, 1.5, 2, 2.5, 3, 3.5, 4])
+def test_amx_kernel_matches_int16_kernel(bits: float) -> None:
+    """The AMX kernel (tile unit does the byte sums and activation products) sums the same int32 per block as the
+    int16 kernel; only the float accumulation of the blocks differs. Every token count 1..9 (9 = two chunks), k a
+    multiple of 128 but not 256, non-square."""
+    rng = np.random.default_rng(int(bits * 10) + 7)
+    t = exl3.random_tensor(384, 256, bits, "mul1", seed=rng)
+    w = t.reconstruct().astype(np.float64)
+    x = rng.standard_normal((9, 384)).astype(np.float32)
+    x[2] *= 1e3  # a token with a very different scale
+    for mod in _amx_modules():
+        r_int16, r_amx = mod.Runtime(1, [], 50), mod.Runtime(2, [], 50, amx=True)
+        assert r_amx.amx and not r_int16.amx
+        try:
+            for m in range(1, 10):
+                xm = np.ascontiguousarray(x[:m])
+                a, b = _matmul(r_int16, xm, t, True), _matmul(r_amx, xm, t, True)
+                ref = xm.astype(np.float64) @ w
+                assert rel_max(b, a) <= 1e-6, (mod.isa(), bits, m)
+                assert rel_rms(b, ref) <= 5e-3, (mod.isa(), bits, m)
+        finally:
+            r_int16.close()
+            r_amx.close()
+
+
+def test_amx_moe_and_untouched_paths() -> None:
+    """An MoE layer through the AMX runtime (integer path on AMX; the "exact" float path and K = 5 are unchanged)."""
+    rng = np.random.default_rng(11)
+    for mod in _amx_modules():
+        rt = mod.Runtime(2, [], 50, amx=True)
+        try:
+            for bits in (3, 5):
+                experts = make_experts(3, 128, 256, bits, "mul1", seed=bits)
+                layer = mod.Layer(128, 256, 10.0)
+                for g, u, d in zip(*experts, strict=True):
+                    layer.add_expert(*(a for t in (g, u, d) for a in (t.trellis, t.suh.view(np.uint16), t.svh.view(np.uint16), None, 2)))  # fmt: skip
+                x = rng.standard_normal((6, 128)).astype(np.float32)
+                picks = Picks.from_topk(rng.integers(0, 3, (6, 2)), rng.random((6, 2)).astype(np.float32))
+                ref = ref_moe(x, picks, experts, 10.0)
+                for fast, slab_blocks in ((True, 0), (True, 1), (False, 0)):
+                    out = np.full((6, 128), np.nan, np.float32)
+                    job = rt.submit_moe(layer, x, picks.tokens, picks.experts, picks.weights, out, fast, 64, slab_blocks)
+                    assert job.wait(60.0) and not job.error()
+                    assert (rel_rms(out, ref) <= 5e-3) if fast else (rel_max(out, ref) <= 1e-5), (mod.isa(), bits, fast)
+        finally:
+            rt.close()
+
+
+def test_amx_kernel_really_runs() -> None:
+    """A broken emulated tile product must change the result: proof that the runtime's amx flag reaches the kernel."""
+    t = exl3.random_tensor(256, 128, 3, "mul1", seed=5)
+    x = np.random.default_rng(6).standard_normal((2, 256)).astype(np.float32)
+    r_amx = EMU.Runtime(1, [], 50, amx=True)
+    try:
+        good = _matmul(r_amx, x, t, True)
+        EMU._emu_amx_fault(True)  # the emulated TDPBSUD then drops its last K group
+        try:
+            bad = _matmul(r_amx, x, t, True)
+        finally:
+            EMU._emu_amx_fault(False)
+        assert not np.allclose(good, bad)
+        assert np.array_equal(_matmul(r_amx, x, t, True), good)
+    finally:
+        r_amx.close()

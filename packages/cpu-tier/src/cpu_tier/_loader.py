@@ -10,13 +10,18 @@ import importlib
 import threading
 from types import ModuleType
 
-#: Features (as named by ``cpu_features()``) each variant is compiled for.
+_AVX512 = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx512vbmi")
+#: Features (as named by ``cpu_features()``) each variant needs. "amx" is the avx512 module with its AMX-INT8
+#: kernel for the MUL1 integer path (``os_amx``: the OS saves the tile state and granted it to this process).
 REQUIRED: dict[str, tuple[str, ...]] = {
     "scalar": (),
     "avx2": ("avx2", "fma", "f16c"),
-    "avx512": ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni", "avx512vbmi"),
+    "avx512": _AVX512,
+    "amx": (*_AVX512, "amx_tile", "amx_int8", "os_amx"),
 }
-PREFERENCE: tuple[str, ...] = ("avx512", "avx2", "scalar")
+#: The native module each variant runs on.
+MODULE: dict[str, str] = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512", "amx": "avx512"}
+PREFERENCE: tuple[str, ...] = ("amx", "avx512", "avx2", "scalar")
 
 _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}
@@ -51,8 +56,9 @@ def resolve_isa(isa: str = "auto") -> str:
 
 
 def load(isa: str = "auto") -> ModuleType:
-    """The native module of a runnable variant (imported once)."""
-    name = resolve_isa(isa)
+    """The native module of a runnable variant (imported once; "amx" shares the avx512 module, whose runtimes take
+    ``amx=True``)."""
+    name = MODULE[resolve_isa(isa)]
     with _lock:
         mod = _modules.get(name)
         if mod is None:

@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     n_exp = args.experts or (4 if args.quick else max(16, 4 * all_threads))
     probe_bytes = (4 if args.quick else args.probe_mib) << 20
 
-    feats = [f for f in ("avx2", "avx512f", "avx512bw", "avx512vnni", "avx512vbmi") if cpu_features().get(f)]
+    feats = [f for f in ("avx2", "avx512f", "avx512bw", "avx512vnni", "avx512vbmi", "amx_int8", "os_amx")
+             if cpu_features().get(f)]
     print(
         f"# cpu-tier bench | git {_git()} | {_cpu_model()} | {len(usable_cpus())} cores | {' '.join(feats)} | "
         f"expert H={hidden} I={inter} MUL1 K={K} ({expert_bytes / 1e6:.2f} MB) x {n_exp} per job | "

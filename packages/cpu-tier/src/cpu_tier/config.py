@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-ISAS: tuple[str, ...] = ("auto", "scalar", "avx2", "avx512")
+ISAS: tuple[str, ...] = ("auto", "scalar", "avx2", "avx512", "amx")
 PRECISIONS: tuple[str, ...] = ("exact", "fast")
 
 
@@ -27,7 +27,8 @@ class CpuTierConfig:
     ----------
     threads : worker threads; 0 = one per core in ``cpus``, or per usable core when ``cpus`` is empty.
     cpus : cores to pin the workers to (worker w -> ``cpus[w % len(cpus)]``); () = no pinning.
-    isa : kernel variant: "auto" (the best the host runs), "scalar", "avx2" or "avx512".
+    isa : kernel variant: "auto" (the best the host runs), "scalar", "avx2", "avx512" or "amx" (the avx512 kernels
+        plus the AMX-INT8 kernel for MUL1 "fast" with K <= 4; Sapphire Rapids and newer, Linux grants the tile state).
     precision : "exact" (fp32 activations, exact fp16 codebook values; max relative error <= 1e-5 against
         ``cpu_tier.exl3.linear``) or "fast" (MUL1: int16 activations and the integer byte-sum path; MCG/3INST:
         no fp16 rounding of the codebook value; relative RMS error <= 5e-3, see the README's error model).
@@ -42,7 +43,7 @@ class CpuTierConfig:
 
     threads: int = 0
     cpus: tuple[int, ...] = ()
-    isa: Literal["auto", "scalar", "avx2", "avx512"] = "auto"
+    isa: Literal["auto", "scalar", "avx2", "avx512", "amx"] = "auto"
     precision: Literal["exact", "fast"] = "exact"
     swiglu_limit: float | None = 10.0
     spin_us: int = 50

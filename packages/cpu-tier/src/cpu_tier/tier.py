@@ -25,7 +25,7 @@ _WAVE_CHUNKS = 64  # expert chunks (<= 8 tokens each) whose scratch is live at o
 
 
 def selected_isa(config: CpuTierConfig | None = None) -> str:
-    """The kernel variant ``config`` runs on this host: "scalar", "avx2" or "avx512".
+    """The kernel variant ``config`` runs on this host: "scalar", "avx2", "avx512" or "amx".
 
     Raises ValueError when ``config.isa`` names a variant the host cannot run.
     """
@@ -92,7 +92,7 @@ def _shared_runtime(config: CpuTierConfig) -> Any:
     with _runtimes_lock:
         rt = _runtimes.get(key)
         if rt is None:
-            rt = _loader.load(isa).Runtime(config.resolved_threads(), list(config.cpus), config.spin_us)
+            rt = _loader.load(isa).Runtime(config.resolved_threads(), list(config.cpus), config.spin_us, amx=isa == "amx")
             _runtimes[key] = rt
     return rt
 
@@ -248,7 +248,7 @@ class ExpertTier:
         self.config = config
         self.isa = _loader.resolve_isa(config.isa)
         self._mod = _loader.load(self.isa)
-        self._rt = self._mod.Runtime(config.resolved_threads(), list(config.cpus), config.spin_us)
+        self._rt = self._mod.Runtime(config.resolved_threads(), list(config.cpus), config.spin_us, amx=self.isa == "amx")
         self._layers: dict[int, _Layer] = {}
         self._pending: list[Job] = []
         self._closed = False
