@@ -764,26 +764,17 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
 // (x = 256 ah + al, al in [-128, 127]; prep_block_int keeps |x| <= 32639 so ah fits int8 too), each byte twice
 // (the two rows of a dword), the 32-byte pattern twice (plo rows, phi rows). So C[2t][n'] = sum ah * bs and
 // C[2t + 1][n'] = sum al * bs, exact int32 per 128-row block, as in band_int16; the block's scale is applied at
-// the flush. Tiles: tmm0/1 = C (even/odd tile rows), tmm2/3 = A, tmm4..7 = B (4 staging buffers in rotation).
-#define CT_AMX_STEP(RR, CT, AT, BT)                                                                      \
-    do {                                                                                                 \
-        const uint8_t* tile = brow + (RR) * row_stride + j * tbytes;                                     \
-        __m512i z0, z1;                                                                                  \
-        load_tile2<TB>(tile, tbytes, m0, m1, z0, z1);                                                    \
-        uint8_t* bt = bbuf[(RR) & 3][0];                                                                 \
-        _Pragma("GCC unroll 4") for (int qp = 0; qp < 4; ++qp) {                                         \
-            const __m512i s2 = _mm512_permutex2var_epi8(z0, perm[qp], z1);                               \
-            _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {                                        \
-                const __m512i st = _mm512_multishift_epi64_epi8(msh[2 * qp + h], s2);                    \
-                const __m512i plo = _mm512_mullo_epi16(st, ml);                                          \
-                const __m512i phi = _mm512_add_epi16(_mm512_mulhi_epu16(st, ml), _mm512_mullo_epi16(st, mh)); \
-                _mm512_store_si512(bt + 64 * (2 * qp + h), plo);                                         \
-                _mm512_store_si512(bt + 64 * (8 + 2 * qp + h), phi);                                     \
-            }                                                                                            \
-        }                                                                                                \
-        CT_TILE_LOADD(BT, bt, 64);                                                                       \
-        CT_TILE_LOADD(AT, abuf[RR][0], 64);                                                              \
-        CT_TILE_DPBSUD(CT, AT, BT);                                                                      \
+// the flush.
+// Software pipeline over columns s = (block, tile column j), 8 tiles each: decode column s + 1 into one staging
+// buffer, then the tile work of column s from the other, then the flush of column s - 1. A tile load never reads
+// stores younger than a whole decode phase (tile loads do not take store forwarding: a load right after its
+// stores waits for them to reach L1; the first form of this kernel did that per tile and ran at 0.31 cycles per
+// weight). Tiles: tmm0..3 = C (tile rows rr % 4), tmm4/5 = A, tmm6/7 = B.
+#define CT_AMX_STEP(RR, CT, AT, BT)                      \
+    do {                                                 \
+        CT_TILE_LOADD(BT, stg[RR][0], 64);               \
+        CT_TILE_LOADD(AT, ab[RR][0], 64);                \
+        CT_TILE_DPBSUD(CT, AT, BT);                      \
     } while (0)
 
 template <int M, int TB>
@@ -797,19 +788,9 @@ static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
     const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
     const __mmask64 m0 = tbytes >= 64 ? ~__mmask64(0) : ((__mmask64(1) << tbytes) - 1);
     const __mmask64 m1 = tbytes <= 64 ? __mmask64(0) : (tbytes >= 128 ? ~__mmask64(0) : ((__mmask64(1) << (tbytes - 64)) - 1));
-    TileConfig cfg;
-    for (int t = 0; t < 4; ++t) {
-        cfg.rows[t] = uint8_t(2 * M);
-        cfg.colsb[t] = 64;
-    }
-    for (int t = 4; t < 8; ++t) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    CT_TILE_LOADCONFIG(&cfg);
-    alignas(64) int8_t abuf[8][2 * M][64];
-    alignas(64) uint8_t bbuf[4][16][64];
-    alignas(64) int32_t cbuf[2][2 * M][16];
+    alignas(64) int8_t abuf[2][8][2 * M][64];      // activations, by block parity
+    alignas(64) uint8_t stage[2][8][16][64];       // B tiles of a column's 8 tiles, by column parity
+    alignas(64) int32_t cbuf[2][4][2 * M][16];     // C tiles stored for the flush, by column parity
     alignas(64) float facc[M][8][16];
     std::memset(facc, 0, sizeof(facc));
     const __m512i ml = _mm512_set1_epi16(short(MUL1_MULT & 0xFFFF));
@@ -817,9 +798,9 @@ static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
     __m512i perm[4], msh[8];
     for (int i = 0; i < 4; ++i) perm[i] = _mm512_load_si512(tb.amx_perm[i]);
     for (int i = 0; i < 8; ++i) msh[i] = _mm512_load_si512(tb.amx_mshift[i]);
-    for (int r = r0; r < std::min(r0 + 8, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
-    for (int blk = r0 / 8; blk < r1 / 8; ++blk) {
-        const uint8_t* brow = base + size_t(8 * blk) * row_stride;
+    const int blk_first = r0 / 8, S = 8 * (r1 / 8 - blk_first);  // columns of this call
+
+    auto build_acts = [&](int blk) {
         const __m256i c128 = _mm256_set1_epi16(128), lo8 = _mm256_set1_epi16(0xFF), dup = _mm256_set1_epi16(0x0101);
         for (int rr = 0; rr < 8; ++rr)
             for (int t = 0; t < M; ++t) {
@@ -829,39 +810,116 @@ static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
                 const __m256i al = _mm256_sub_epi16(x, _mm256_slli_epi16(ah, 8));
                 const __m256i dh = _mm256_mullo_epi16(_mm256_and_si256(ah, lo8), dup);  // word = its low byte twice
                 const __m256i dl = _mm256_mullo_epi16(_mm256_and_si256(al, lo8), dup);
-                _mm256_store_si256(reinterpret_cast<__m256i*>(abuf[rr][2 * t]), dh);
-                _mm256_store_si256(reinterpret_cast<__m256i*>(abuf[rr][2 * t] + 32), dh);
-                _mm256_store_si256(reinterpret_cast<__m256i*>(abuf[rr][2 * t + 1]), dl);
-                _mm256_store_si256(reinterpret_cast<__m256i*>(abuf[rr][2 * t + 1] + 32), dl);
+                int8_t* a = abuf[blk & 1][rr][2 * t];
+                _mm256_store_si256(reinterpret_cast<__m256i*>(a), dh);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(a + 32), dh);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(a + 64), dl);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(a + 96), dl);
             }
-        for (int j = 0; j < 8; ++j) {
-            if (8 * (blk + 1) + j < r1)
-                prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
-            else if (next_band)  // a row-range call: the caller's next call is the next band of the same rows
-                prefetch_row(base + 8 * tbytes + size_t(r0 + j) * row_stride, 8 * tbytes);
-            CT_TILE_ZERO(0);
-            CT_TILE_ZERO(1);
-            CT_AMX_STEP(0, 0, 2, 4);
-            CT_AMX_STEP(1, 1, 3, 5);
-            CT_AMX_STEP(2, 0, 2, 6);
-            CT_AMX_STEP(3, 1, 3, 7);
-            CT_AMX_STEP(4, 0, 2, 4);
-            CT_AMX_STEP(5, 1, 3, 5);
-            CT_AMX_STEP(6, 0, 2, 6);
-            CT_AMX_STEP(7, 1, 3, 7);
-            CT_TILE_STORED(0, cbuf[0], 64);
-            CT_TILE_STORED(1, cbuf[1], 64);
-            const __m512 s256 = _mm512_set1_ps(256.0f);
-            for (int t = 0; t < M; ++t) {
-                const __m512i h = _mm512_add_epi32(_mm512_load_si512(cbuf[0][2 * t]), _mm512_load_si512(cbuf[1][2 * t]));
-                const __m512i l = _mm512_add_epi32(_mm512_load_si512(cbuf[0][2 * t + 1]), _mm512_load_si512(cbuf[1][2 * t + 1]));
-                const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h), s256, _mm512_cvtepi32_ps(l));
-                const __m512 sc = _mm512_set1_ps(X.xs[t * X.xs_stride + blk]);
-                _mm512_store_ps(facc[t][j], _mm512_fmadd_ps(v, sc, _mm512_load_ps(facc[t][j])));
+    };
+    auto decode_column = [&](int s) {
+        const int blk = blk_first + s / 8, j = s % 8;
+        const uint8_t* brow = base + size_t(8 * blk) * row_stride;
+        if (8 * (blk + 1) + j < r1)
+            prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
+        else if (next_band)  // a row-range call: the caller's next call is the next band of the same rows
+            prefetch_row(base + 8 * tbytes + size_t(r0 + j) * row_stride, 8 * tbytes);
+#pragma GCC unroll 2
+        for (int rr = 0; rr < 8; ++rr) {
+            __m512i z0, z1;
+            load_tile2<TB>(brow + rr * row_stride + j * tbytes, tbytes, m0, m1, z0, z1);
+            uint8_t* bt = stage[s & 1][rr][0];
+#pragma GCC unroll 4
+            for (int qp = 0; qp < 4; ++qp) {
+                const __m512i s2 = _mm512_permutex2var_epi8(z0, perm[qp], z1);
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; ++h) {
+                    const __m512i st = _mm512_multishift_epi64_epi8(msh[2 * qp + h], s2);
+                    const __m512i plo = _mm512_mullo_epi16(st, ml);
+                    const __m512i phi = _mm512_add_epi16(_mm512_mulhi_epu16(st, ml), _mm512_mullo_epi16(st, mh));
+                    _mm512_store_si512(bt + 64 * (2 * qp + h), plo);
+                    _mm512_store_si512(bt + 64 * (8 + 2 * qp + h), phi);
+                }
             }
         }
+    };
+    auto tile_column = [&](int s, int kv) {
+        const int blk = blk_first + s / 8;
+        const uint8_t(*stg)[16][64] = stage[s & 1];
+        const int8_t(*ab)[2 * M][64] = abuf[blk & 1];
+        if (kv == 5) {
+            CT_TILE_ZERO(0);
+            CT_AMX_STEP(0, 0, 4, 6);
+            CT_AMX_STEP(1, 0, 5, 7);
+            CT_AMX_STEP(2, 0, 4, 6);
+            CT_AMX_STEP(3, 0, 5, 7);
+            CT_AMX_STEP(4, 0, 4, 6);
+            CT_AMX_STEP(5, 0, 5, 7);
+            CT_AMX_STEP(6, 0, 4, 6);
+            CT_AMX_STEP(7, 0, 5, 7);
+            CT_TILE_STORED(0, cbuf[s & 1][0], 64);
+            return;
+        }
+        CT_TILE_ZERO(0);
+        CT_TILE_ZERO(1);
+        CT_TILE_ZERO(2);
+        CT_TILE_ZERO(3);
+        CT_AMX_STEP(0, 0, 4, 6);
+        CT_AMX_STEP(1, 1, 5, 7);
+        CT_AMX_STEP(2, 2, 4, 6);
+        CT_AMX_STEP(3, 3, 5, 7);
+        CT_AMX_STEP(4, 0, 4, 6);
+        CT_AMX_STEP(5, 1, 5, 7);
+        CT_AMX_STEP(6, 2, 4, 6);
+        CT_AMX_STEP(7, 3, 5, 7);
+        if (kv == 4) return;
+        CT_TILE_STORED(0, cbuf[s & 1][0], 64);
+        CT_TILE_STORED(1, cbuf[s & 1][1], 64);
+        CT_TILE_STORED(2, cbuf[s & 1][2], 64);
+        CT_TILE_STORED(3, cbuf[s & 1][3], 64);
+    };
+    auto flush_column = [&](int s) {
+        const int blk = blk_first + s / 8, j = s % 8;
+        const __m512 s256 = _mm512_set1_ps(256.0f);
+        const int32_t(*cb)[2 * M][16] = cbuf[s & 1];
+        for (int t = 0; t < M; ++t) {
+            const __m512i h = _mm512_add_epi32(_mm512_add_epi32(_mm512_load_si512(cb[0][2 * t]), _mm512_load_si512(cb[1][2 * t])),
+                                               _mm512_add_epi32(_mm512_load_si512(cb[2][2 * t]), _mm512_load_si512(cb[3][2 * t])));
+            const __m512i l = _mm512_add_epi32(
+                _mm512_add_epi32(_mm512_load_si512(cb[0][2 * t + 1]), _mm512_load_si512(cb[1][2 * t + 1])),
+                _mm512_add_epi32(_mm512_load_si512(cb[2][2 * t + 1]), _mm512_load_si512(cb[3][2 * t + 1])));
+            const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h), s256, _mm512_cvtepi32_ps(l));
+            const __m512 sc = _mm512_set1_ps(X.xs[t * X.xs_stride + blk]);
+            _mm512_store_ps(facc[t][j], _mm512_fmadd_ps(v, sc, _mm512_load_ps(facc[t][j])));
+        }
+    };
+
+    if (S > 0) {
+        TileConfig cfg;
+        for (int t = 0; t < 6; ++t) {
+            cfg.rows[t] = uint8_t(2 * M);
+            cfg.colsb[t] = 64;
+        }
+        for (int t = 6; t < 8; ++t) {
+            cfg.rows[t] = 16;
+            cfg.colsb[t] = 64;
+        }
+        CT_TILE_LOADCONFIG(&cfg);
+        for (int r = r0; r < std::min(r0 + 8, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+        build_acts(blk_first);
+        decode_column(0);
+        const int kv = X.variant;  // EXPERIMENT knock-outs: 1 = no tile work, 2 = no decode, 3 = no flush
+        for (int s = 0; s < S; ++s) {
+            if (s + 1 < S) {
+                if ((s + 1) % 8 == 0) build_acts(blk_first + (s + 1) / 8);
+                if (kv != 2) decode_column(s + 1);
+            }
+            if (s >= 1 && kv != 3 && kv != 4) flush_column(s - 1);
+            if (kv != 1) tile_column(s, kv);
+        }
+        flush_column(S - 1);
+        CT_TILE_RELEASE();
     }
-    CT_TILE_RELEASE();
     for (int t = 0; t < M; ++t) {
         for (int j = 0; j < 8; ++j)
             for (int n = 0; n < 16; ++n) y[t * 128 + 16 * j + (n >> 1) + 8 * (n & 1)] = facc[t][j][n];
