@@ -52,7 +52,7 @@ struct Acts {
     // (y * K_INV + K_AFF * xsum), for the caller to apply once to the total.
     int blk0 = 0, blk1 = -1;
     bool raw = false;
-    int variant = 0;  // benchmark A/B of kernel forms (0 = the default; 1, 2: see band_int16)
+    int variant = 0;  // benchmark A/B of kernel forms (0 = the default; 1, 2: the vpermt2b forms, see band_int16)
     bool amx = false;  // MUL1 integer path, K <= 4: the AMX kernel (band_amx; the caller has the OS permission)
 };
 
@@ -658,14 +658,15 @@ CT_INLINE void load_tile2(const uint8_t* tile, int tbytes, __mmask64 m0, __mmask
     }
 }
 
-// RELOAD = false (the default): GCC hoists the 8 rows' tiles out of the column-pair loop and copies a register per
-// vpermt2b (it overwrites its table operand); true: a compiler memory barrier per column pair makes it load the
-// tiles afresh instead (no copies). Measured the same within noise on Emerald Rapids (README); true is the
-// benchmark's variant 1.
-// VPERMB = true (variant 2): column pairs whose stream bytes lie in one in-tile 64-byte window
+// VPERMB = true (the default): column pairs whose stream bytes lie in one in-tile 64-byte window
 // (TrellisTables::vperm1_base) take one load there and a one-register vpermb instead of vpermt2b (2 port-cycles
-// on Emerald Rapids' two 512-bit ports); the pairs that wrap the tile's end keep vpermt2b.
-template <int M, int TB, bool RELOAD = false, bool VPERMB = false>
+// on Emerald Rapids' two 512-bit ports); the pairs that wrap the tile's end keep vpermt2b. Measured 7-14% faster
+// on one core of Emerald Rapids, equal within noise on 16 (README).
+// VPERMB = false, the benchmark's variants 1 and 2 (the former default forms): every pair takes vpermt2b on the
+// whole tile in two registers. RELOAD = false (variant 2): GCC hoists the 8 rows' tiles out of the column-pair
+// loop and copies a register per vpermt2b (it overwrites its table operand); true (variant 1): a compiler memory
+// barrier per column pair makes it load the tiles afresh instead (no copies).
+template <int M, int TB, bool RELOAD = false, bool VPERMB = true>
 static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
     const int tbytes = TB != 0 ? TB : tb.tile_bytes;
@@ -769,7 +770,10 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
 // buffer, then the tile work of column s from the other, then the flush of column s - 1. A tile load never reads
 // stores younger than a whole decode phase (tile loads do not take store forwarding: a load right after its
 // stores waits for them to reach L1; the first form of this kernel did that per tile and ran at 0.31 cycles per
-// weight). Tiles: tmm0..3 = C (tile rows rr % 4), tmm4/5 = A, tmm6/7 = B.
+// weight). Tiles: tmm0 = C (one accumulator: one TILESTORED per column), tmm2/3 = A, tmm4..7 = B.
+// Measured on Emerald Rapids (README, results/h200host_run7_*): the tile unit runs its work in order (~27 cycles
+// per 256 weights at m = 1: TILELOADD 1 KiB ~9, TDPBSUD ~10) and it does not overlap the vector decode (~29), so
+// this kernel is not faster than band_int16 at m = 1; at m = 8 (same tile cost, no per-token vector work) it is.
 #define CT_AMX_STEP(RR, CT, AT, BT)                      \
     do {                                                 \
         CT_TILE_LOADD(BT, stg[RR][0], 64);               \
@@ -790,7 +794,7 @@ static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
     const __mmask64 m1 = tbytes <= 64 ? __mmask64(0) : (tbytes >= 128 ? ~__mmask64(0) : ((__mmask64(1) << (tbytes - 64)) - 1));
     alignas(64) int8_t abuf[2][8][2 * M][64];      // activations, by block parity
     alignas(64) uint8_t stage[2][8][16][64];       // B tiles of a column's 8 tiles, by column parity
-    alignas(64) int32_t cbuf[2][4][2 * M][16];     // C tiles stored for the flush, by column parity
+    alignas(64) int32_t cbuf[2][2 * M][16];        // the C tile stored for the flush, by column parity
     alignas(64) float facc[M][8][16];
     std::memset(facc, 0, sizeof(facc));
     const __m512i ml = _mm512_set1_epi16(short(MUL1_MULT & 0xFFFF));
@@ -843,52 +847,28 @@ static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
             }
         }
     };
-    auto tile_column = [&](int s, int kv) {
+    auto tile_column = [&](int s) {
         const int blk = blk_first + s / 8;
         const uint8_t(*stg)[16][64] = stage[s & 1];
         const int8_t(*ab)[2 * M][64] = abuf[blk & 1];
-        if (kv == 5) {
-            CT_TILE_ZERO(0);
-            CT_AMX_STEP(0, 0, 4, 6);
-            CT_AMX_STEP(1, 0, 5, 7);
-            CT_AMX_STEP(2, 0, 4, 6);
-            CT_AMX_STEP(3, 0, 5, 7);
-            CT_AMX_STEP(4, 0, 4, 6);
-            CT_AMX_STEP(5, 0, 5, 7);
-            CT_AMX_STEP(6, 0, 4, 6);
-            CT_AMX_STEP(7, 0, 5, 7);
-            CT_TILE_STORED(0, cbuf[s & 1][0], 64);
-            return;
-        }
         CT_TILE_ZERO(0);
-        CT_TILE_ZERO(1);
-        CT_TILE_ZERO(2);
-        CT_TILE_ZERO(3);
-        CT_AMX_STEP(0, 0, 4, 6);
-        CT_AMX_STEP(1, 1, 5, 7);
-        CT_AMX_STEP(2, 2, 4, 6);
-        CT_AMX_STEP(3, 3, 5, 7);
-        CT_AMX_STEP(4, 0, 4, 6);
-        CT_AMX_STEP(5, 1, 5, 7);
-        CT_AMX_STEP(6, 2, 4, 6);
-        CT_AMX_STEP(7, 3, 5, 7);
-        if (kv == 4) return;
-        CT_TILE_STORED(0, cbuf[s & 1][0], 64);
-        CT_TILE_STORED(1, cbuf[s & 1][1], 64);
-        CT_TILE_STORED(2, cbuf[s & 1][2], 64);
-        CT_TILE_STORED(3, cbuf[s & 1][3], 64);
+        CT_AMX_STEP(0, 0, 2, 4);
+        CT_AMX_STEP(1, 0, 3, 5);
+        CT_AMX_STEP(2, 0, 2, 6);
+        CT_AMX_STEP(3, 0, 3, 7);
+        CT_AMX_STEP(4, 0, 2, 4);
+        CT_AMX_STEP(5, 0, 3, 5);
+        CT_AMX_STEP(6, 0, 2, 6);
+        CT_AMX_STEP(7, 0, 3, 7);
+        CT_TILE_STORED(0, cbuf[s & 1], 64);
     };
     auto flush_column = [&](int s) {
         const int blk = blk_first + s / 8, j = s % 8;
         const __m512 s256 = _mm512_set1_ps(256.0f);
-        const int32_t(*cb)[2 * M][16] = cbuf[s & 1];
+        const int32_t(*cb)[16] = cbuf[s & 1];
         for (int t = 0; t < M; ++t) {
-            const __m512i h = _mm512_add_epi32(_mm512_add_epi32(_mm512_load_si512(cb[0][2 * t]), _mm512_load_si512(cb[1][2 * t])),
-                                               _mm512_add_epi32(_mm512_load_si512(cb[2][2 * t]), _mm512_load_si512(cb[3][2 * t])));
-            const __m512i l = _mm512_add_epi32(
-                _mm512_add_epi32(_mm512_load_si512(cb[0][2 * t + 1]), _mm512_load_si512(cb[1][2 * t + 1])),
-                _mm512_add_epi32(_mm512_load_si512(cb[2][2 * t + 1]), _mm512_load_si512(cb[3][2 * t + 1])));
-            const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h), s256, _mm512_cvtepi32_ps(l));
+            const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cb[2 * t])), s256,
+                                             _mm512_cvtepi32_ps(_mm512_load_si512(cb[2 * t + 1])));
             const __m512 sc = _mm512_set1_ps(X.xs[t * X.xs_stride + blk]);
             _mm512_store_ps(facc[t][j], _mm512_fmadd_ps(v, sc, _mm512_load_ps(facc[t][j])));
         }
@@ -896,11 +876,11 @@ static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
 
     if (S > 0) {
         TileConfig cfg;
-        for (int t = 0; t < 6; ++t) {
+        for (int t = 0; t < 4; ++t) {
             cfg.rows[t] = uint8_t(2 * M);
             cfg.colsb[t] = 64;
         }
-        for (int t = 6; t < 8; ++t) {
+        for (int t = 4; t < 8; ++t) {
             cfg.rows[t] = 16;
             cfg.colsb[t] = 64;
         }
@@ -908,14 +888,13 @@ static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
         for (int r = r0; r < std::min(r0 + 8, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
         build_acts(blk_first);
         decode_column(0);
-        const int kv = X.variant;  // EXPERIMENT knock-outs: 1 = no tile work, 2 = no decode, 3 = no flush
         for (int s = 0; s < S; ++s) {
             if (s + 1 < S) {
                 if ((s + 1) % 8 == 0) build_acts(blk_first + (s + 1) / 8);
-                if (kv != 2) decode_column(s + 1);
+                decode_column(s + 1);
             }
-            if (s >= 1 && kv != 3 && kv != 4) flush_column(s - 1);
-            if (kv != 1) tile_column(s, kv);
+            if (s >= 1) flush_column(s - 1);
+            tile_column(s);
         }
         flush_column(S - 1);
         CT_TILE_RELEASE();
@@ -1204,12 +1183,12 @@ static void int16_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
 #endif
     switch (X.m) {
         case 1:
-            if (X.variant == 1) return band_int16<1, TB, true>(A, band, X, y);
-            if (X.variant == 2) return band_int16<1, TB, false, true>(A, band, X, y);
+            if (X.variant == 1) return band_int16<1, TB, true, false>(A, band, X, y);
+            if (X.variant == 2) return band_int16<1, TB, false, false>(A, band, X, y);
             return band_int16<1, TB>(A, band, X, y);
         case 2:
-            if (X.variant == 1) return band_int16<2, TB, true>(A, band, X, y);
-            if (X.variant == 2) return band_int16<2, TB, false, true>(A, band, X, y);
+            if (X.variant == 1) return band_int16<2, TB, true, false>(A, band, X, y);
+            if (X.variant == 2) return band_int16<2, TB, false, false>(A, band, X, y);
             return band_int16<2, TB>(A, band, X, y);
         case 3: return band_int16<3, TB>(A, band, X, y);
         case 4: return band_int16<4, TB>(A, band, X, y);

@@ -145,7 +145,7 @@ struct KernelRateJob : JobBase {
             X.xs_stride = size_t(kb);
             X.xsum = xsum;
             X.variant = variant;
-            X.amx = pool.amx();
+            X.amx = pool.amx_for(m);
             const GemvMode mode = gemv_mode(A, fast, m);
             alignas(64) float y[MAXM * 128];
             float sink = 0.0f;
@@ -163,9 +163,12 @@ struct KernelRateJob : JobBase {
 
 class Runtime {
    public:
-    // amx = true: the MUL1 integer path ("fast", K <= 4) runs the AMX kernel. Needs a build with AMX kernels (the
-    // avx512 variant, or the emulated one) and, on hardware, the OS grant, requested here.
-    Runtime(int threads, std::vector<int> cpus, int spin_us, bool amx) {
+    // amx = true: the MUL1 integer path ("fast", K <= 4) runs the AMX kernel for chunks of at least amx_min_tokens
+    // tokens. Needs a build with AMX kernels (the avx512 variant, or the emulated one) and, on hardware, the OS
+    // grant, requested here.
+    Runtime(int threads, std::vector<int> cpus, int spin_us, bool amx, int amx_min_tokens) {
+        if (amx_min_tokens < 1 || amx_min_tokens > MAXM + 1)
+            throw std::invalid_argument("amx_min_tokens: must be in 1..9 (9 = never)");
         if (amx) {
 #if !defined(CT_HAVE_AMX)
             throw std::invalid_argument("amx: this kernel variant (" + std::string(ISA_NAME) + ") has no AMX kernels");
@@ -174,9 +177,10 @@ class Runtime {
             if (!why.empty()) throw std::runtime_error("amx: " + why);
 #endif
         }
-        pool_ = std::make_unique<Pool>(threads, std::move(cpus), spin_us, amx);
+        pool_ = std::make_unique<Pool>(threads, std::move(cpus), spin_us, amx ? amx_min_tokens : 0);
     }
-    bool amx() { return pool().amx(); }
+    bool amx() { return pool().amx_min_tokens() > 0; }
+    int amx_min_tokens() { return pool().amx_min_tokens(); }
     ~Runtime() { close(); }
     void close() {
         if (pool_) {
@@ -351,10 +355,11 @@ NB_MODULE(CPU_TIER_MODULE, m) {
 #endif
 
     nb::class_<Runtime>(m, "Runtime")
-        .def(nb::init<int, std::vector<int>, int, bool>(), nb::arg("threads"), nb::arg("cpus"), nb::arg("spin_us"),
-             nb::arg("amx") = false)
+        .def(nb::init<int, std::vector<int>, int, bool, int>(), nb::arg("threads"), nb::arg("cpus"), nb::arg("spin_us"),
+             nb::arg("amx") = false, nb::arg("amx_min_tokens") = 1)
         .def_prop_ro("threads", &Runtime::threads)
         .def_prop_ro("amx", &Runtime::amx)
+        .def_prop_ro("amx_min_tokens", &Runtime::amx_min_tokens)
         .def_prop_ro("cpus", &Runtime::cpus)
         .def("close", &Runtime::close)
         .def("matmul", &Runtime::matmul, nb::arg("x"), nb::arg("trellis"), nb::arg("suh"), nb::arg("svh"),

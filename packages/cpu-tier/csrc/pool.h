@@ -72,9 +72,10 @@ class JobBase {
 
 class Pool {
    public:
-    // amx: jobs on this pool run the AMX kernels where they apply (the caller checked the host and the OS grant).
-    Pool(int threads, std::vector<int> cpus, int spin_us, bool amx = false)
-        : nthreads_(threads), cpus_(std::move(cpus)), spin_us_(spin_us), amx_(amx) {
+    // amx_min_tokens > 0: jobs on this pool run the AMX kernels for chunks of at least that many tokens where they
+    // apply (the caller checked the host and the OS grant); 0: never.
+    Pool(int threads, std::vector<int> cpus, int spin_us, int amx_min_tokens = 0)
+        : nthreads_(threads), cpus_(std::move(cpus)), spin_us_(spin_us), amx_min_tokens_(amx_min_tokens) {
         if (threads < 1) throw std::invalid_argument("threads must be >= 1");
         for (int w = 0; w < nthreads_; ++w) workers_.emplace_back([this, w] { w == 0 ? coordinator_main() : helper_main(w); });
     }
@@ -120,7 +121,8 @@ class Pool {
 
     int threads() const { return nthreads_; }
     const std::vector<int>& cpus() const { return cpus_; }
-    bool amx() const { return amx_; }
+    int amx_min_tokens() const { return amx_min_tokens_; }
+    bool amx_for(int m) const { return amx_min_tokens_ > 0 && m >= amx_min_tokens_; }
     bool stopping() const { return stopping_.load(std::memory_order_relaxed); }
 
     // Run fn(unit, worker) for unit in [0, n) on every worker; only the coordinator thread may call this.
@@ -259,7 +261,7 @@ class Pool {
     int nthreads_;
     std::vector<int> cpus_;
     int spin_us_;
-    bool amx_ = false;
+    int amx_min_tokens_ = 0;
     std::vector<std::thread> workers_;
 
     std::mutex qmu_;

@@ -80,8 +80,9 @@ def test_moe(rt) -> None:
 
 @pytest.mark.parametrize("bits", [1, 1.5, 2, 2.5, 3, 3.5, 4])
 def test_int16_kernel_forms_agree(bits: float) -> None:
-    """The AVX-512 int16 kernel's benchmark forms (1: tile reload, 2: vpermb on an in-tile window) compute the same
-    integer sums as the default form: identical outputs, emulated here and natively where the host runs AVX-512."""
+    """The AVX-512 int16 kernel's benchmark forms (1, 2: vpermt2b on the whole tile, reloaded / hoisted) compute the
+    same integer sums as the default form (vpermb on an in-tile window): identical outputs, emulated here and natively
+    where the host runs AVX-512."""
     from cpu_tier import runnable_isas
     from cpu_tier._loader import load
 
@@ -160,6 +161,29 @@ def test_amx_moe_and_untouched_paths() -> None:
                     assert (rel_rms(out, ref) <= 5e-3) if fast else (rel_max(out, ref) <= 1e-5), (mod.isa(), bits, fast)
         finally:
             rt.close()
+
+
+def test_amx_min_tokens_threshold() -> None:
+    """Chunks below amx_min_tokens run the int16 kernel, chunks at or above it the AMX kernel (the emulated tile
+    product, broken on purpose, shows which one ran)."""
+    t = exl3.random_tensor(256, 128, 3, "mul1", seed=8)
+    x = np.random.default_rng(9).standard_normal((8, 256)).astype(np.float32)
+    rt = EMU.Runtime(1, [], 50, amx=True, amx_min_tokens=4)
+    assert rt.amx_min_tokens == 4
+    try:
+        for m in (1, 3, 4, 8):
+            good = _matmul(rt, x[:m], t, True)
+            EMU._emu_amx_fault(True)
+            try:
+                bad = _matmul(rt, x[:m], t, True)
+            finally:
+                EMU._emu_amx_fault(False)
+            assert np.array_equal(good, bad) == (m < 4), m
+    finally:
+        rt.close()
+    for bad_min in (0, 10):
+        with pytest.raises(ValueError, match="amx_min_tokens"):
+            EMU.Runtime(1, [], 50, amx=True, amx_min_tokens=bad_min)
 
 
 def test_amx_kernel_really_runs() -> None:

@@ -23,6 +23,9 @@ from cpu_tier.config import usable_cpus
         ({"swiglu_limit": float("inf")}, "swiglu_limit"),
         ({"swiglu_limit": "10"}, "swiglu_limit"),
         ({"spin_us": -5}, "spin_us"),
+        ({"amx_min_tokens": 0}, "amx_min_tokens"),
+        ({"amx_min_tokens": 10}, "amx_min_tokens"),
+        ({"amx_min_tokens": True}, "amx_min_tokens"),
     ],
 )
 def test_bad_fields(kwargs: dict, field: str) -> None:

@@ -21,6 +21,8 @@ REQUIRED: dict[str, tuple[str, ...]] = {
 }
 #: The native module each variant runs on.
 MODULE: dict[str, str] = {"scalar": "scalar", "avx2": "avx2", "avx512": "avx512", "amx": "avx512"}
+#: "auto" order ("amx" runs the avx512 kernels except for chunks of ``CpuTierConfig.amx_min_tokens`` or more
+#: tokens per expert, where its AMX kernel is measured faster).
 PREFERENCE: tuple[str, ...] = ("amx", "avx512", "avx2", "scalar")
 
 _lock = threading.Lock()

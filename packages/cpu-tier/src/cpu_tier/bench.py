@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slabs", default="0",
                    help="CpuTierConfig.slab_blocks values (comma separated) for the m=1 fast cases; the first one "
                         "for every other case")
+    p.add_argument("--amx-min-tokens", type=int, default=6,
+                   help="CpuTierConfig.amx_min_tokens of the isa 'amx' job cases (its kernel ceiling always runs the "
+                        "AMX kernel)")
     p.add_argument("--quick", action="store_true", help="small shapes, few experts: a smoke test of the CLI")
     args = p.parse_args(argv)
 
@@ -155,10 +158,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"{bw:8.2f}{bw / thr:10.2f}{bw:8.2f}{'':>7}  (core clock ~{ghz:.2f} GHz with {thr} busy)", flush=True)
             if "kernel" in want:
                 # kernel alone, every worker at once on its own L2-resident band (the job's compute ceiling);
-                # variants of the AVX-512 int16 kernel (see csrc/kernels.h), for an A/B: 1 = tile-reload form,
-                # 2 = vpermb on an in-tile 64-byte window for the column pairs that do not wrap
-                for variant in ((0, 1, 2) if isa.startswith("avx512") else (0,)):
-                    with ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa)) as kt:  # type: ignore[arg-type]
+                # variants of the AVX-512 int16 kernel (see csrc/kernels.h), for an A/B against the default
+                # (vpermb on an in-tile 64-byte window for the column pairs that do not wrap): 1 = vpermt2b on the
+                # whole tile reloaded per column pair, 2 = vpermt2b with the tiles hoisted (the former default)
+                for variant in ((0, 1, 2) if isa == "avx512" else (0,)):
+                    with ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa,  # type: ignore[arg-type]
+                                                  amx_min_tokens=1)) as kt:
                         g0 = gate[0]
                         kb_iters = 200 if not args.quick else 4  # ~12 ms per worker: sustained clock
                         secs = np.asarray(kt._rt.kernel_band_seconds(
@@ -196,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 e_bytes = 3 * hidden * e_inter * K // 8
                 e_weights = 3 * hidden * e_inter
                 tier = ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa, precision=prec,  # type: ignore[arg-type]
-                                                slab_blocks=sb))
+                                                slab_blocks=sb, amx_min_tokens=args.amx_min_tokens))
                 tier.add_layer(0, *experts)
                 x = rng.standard_normal((m, hidden)).astype(np.float32)
                 picks = Picks(np.repeat(np.arange(m, dtype=np.int32), ne), np.tile(np.arange(ne, dtype=np.int32), m),

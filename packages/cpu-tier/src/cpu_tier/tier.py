@@ -88,11 +88,12 @@ _runtimes_lock = threading.Lock()
 def _shared_runtime(config: CpuTierConfig) -> Any:
     """A worker pool per (isa, threads, cpus, spin) for exl3_matmul, created on first use."""
     isa = _loader.resolve_isa(config.isa)
-    key = (isa, config.resolved_threads(), config.cpus, config.spin_us)
+    key = (isa, config.resolved_threads(), config.cpus, config.spin_us, config.amx_min_tokens)
     with _runtimes_lock:
         rt = _runtimes.get(key)
         if rt is None:
-            rt = _loader.load(isa).Runtime(config.resolved_threads(), list(config.cpus), config.spin_us, amx=isa == "amx")
+            rt = _loader.load(isa).Runtime(config.resolved_threads(), list(config.cpus), config.spin_us, amx=isa == "amx",
+                                           amx_min_tokens=config.amx_min_tokens)
             _runtimes[key] = rt
     return rt
 
@@ -248,7 +249,8 @@ class ExpertTier:
         self.config = config
         self.isa = _loader.resolve_isa(config.isa)
         self._mod = _loader.load(self.isa)
-        self._rt = self._mod.Runtime(config.resolved_threads(), list(config.cpus), config.spin_us, amx=self.isa == "amx")
+        self._rt = self._mod.Runtime(config.resolved_threads(), list(config.cpus), config.spin_us, amx=self.isa == "amx",
+                                     amx_min_tokens=config.amx_min_tokens)
         self._layers: dict[int, _Layer] = {}
         self._pending: list[Job] = []
         self._closed = False
