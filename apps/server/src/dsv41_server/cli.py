@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     g.description = "Unset options keep the pack's setting (config.json 'dsv41'), else the plugin's default."
     g.add_argument("--cpu-threads", type=int, help="worker threads (0: one per usable CPU)")
     g.add_argument("--cpu-cores", type=_cores, help="CPUs to pin the workers to, e.g. 0-7")
-    g.add_argument("--cpu-isa", choices=("auto", "scalar", "avx2", "avx512"))
+    g.add_argument("--cpu-isa", choices=("auto", "scalar", "avx2", "avx512", "amx"))
     g.add_argument("--precision", choices=("exact", "fast"))
     g.add_argument("--spin-us", type=int, help="idle spin before sleeping, microseconds")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))

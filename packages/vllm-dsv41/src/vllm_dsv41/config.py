@@ -20,9 +20,9 @@ from typing import Any, Literal
 #: The key under which the plugin's settings live in ``config.json`` and in vLLM's ``additional_config``.
 CONFIG_KEY = "dsv41"
 
-Isa = Literal["auto", "scalar", "avx2", "avx512"]
+Isa = Literal["auto", "scalar", "avx2", "avx512", "amx"]
 Precision = Literal["exact", "fast"]
-_ISAS: tuple[str, ...] = ("auto", "scalar", "avx2", "avx512")
+_ISAS: tuple[str, ...] = ("auto", "scalar", "avx2", "avx512", "amx")
 _PRECISIONS: tuple[str, ...] = ("exact", "fast")
 
 
