@@ -634,6 +634,33 @@ CT_INLINE __m512 decode_values16(__m512i s) {
     }
 }
 
+// The walk of one band call of the 16-bit-lane kernels (band_int16, band_amx): tile bytes, the tile rows
+// [r0, r1) of the call, the stride between tile rows, the band's first tile, the next band's first tile when the
+// caller's next call is that band over the same rows (a row-range call: prefetch it; else null), and the masks
+// that load a tile of any size <= 128 bytes into two zmm without reading past it (load_tile2).
+struct Band16 {
+    int tbytes, r0, r1;
+    size_t row_stride;
+    const uint8_t* base;
+    const uint8_t* next_base;
+    __mmask64 m0, m1;
+};
+template <int TB>
+CT_INLINE Band16 band16(const MatRef& A, int band, const Acts& X) {
+    Band16 g;
+    g.tbytes = TB != 0 ? TB : A.tb->tile_bytes;
+    const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+    g.r0 = 8 * X.blk0;
+    g.r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;
+    g.row_stride = size_t(tiles_n) * g.tbytes;
+    g.base = A.trellis + size_t(band) * 8 * g.tbytes;
+    g.next_base = X.blk1 >= 0 && band + 1 < tiles_n / 8 ? g.base + 8 * g.tbytes : nullptr;
+    const int tb = g.tbytes;
+    g.m0 = tb >= 64 ? ~__mmask64(0) : ((__mmask64(1) << tb) - 1);
+    g.m1 = tb <= 64 ? __mmask64(0) : (tb >= 128 ? ~__mmask64(0) : ((__mmask64(1) << (tb - 64)) - 1));
+    return g;
+}
+
 // MUL1 integer path on 16-bit lanes (K <= 4: the whole tile fits two zmm registers). Per 32 weights (one column
 // pair c0 of a tile): vpermt2b + vpmultishiftqb extract 32 states; s * 0x83DCD12D mod 2^32 from three 16-bit
 // multiplies (low half: lo16(s * 0xD12D); high half: hi16(s * 0xD12D) + lo16(s * 0x83DC)); two vpmaddubsw give
@@ -669,14 +696,11 @@ CT_INLINE void load_tile2(const uint8_t* tile, int tbytes, __mmask64 m0, __mmask
 template <int M, int TB, bool RELOAD = false, bool VPERMB = true>
 static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
-    const int tbytes = TB != 0 ? TB : tb.tile_bytes;
-    const int tiles_k = A.k / 16, tiles_n = A.n / 16;
-    const int r0 = 8 * X.blk0, r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;  // tile rows of this call
-    const bool next_band = X.blk1 >= 0 && band + 1 < tiles_n / 8;
-    const size_t row_stride = size_t(tiles_n) * tbytes;
-    const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
-    const __mmask64 m0 = tbytes >= 64 ? ~__mmask64(0) : ((__mmask64(1) << tbytes) - 1);
-    const __mmask64 m1 = tbytes <= 64 ? __mmask64(0) : (tbytes >= 128 ? ~__mmask64(0) : ((__mmask64(1) << (tbytes - 64)) - 1));
+    const Band16 g = band16<TB>(A, band, X);
+    const int tbytes = g.tbytes, r0 = g.r0, r1 = g.r1;
+    const size_t row_stride = g.row_stride;
+    const uint8_t *base = g.base, *const next_base = g.next_base;
+    const __mmask64 m0 = g.m0, m1 = g.m1;
     constexpr int NACC = 8 * 8 * 16;  // [j][c0][16 dword lanes]
     alignas(64) float facc[M][NACC];
     alignas(64) __m512i xpat[8][M];
@@ -703,8 +727,8 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
         for (int j = 0; j < 8; ++j) {
             if (8 * (blk + 1) + j < r1)
                 prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
-            else if (next_band)  // a row-range call: the caller's next call is the next band of the same rows
-                prefetch_row(base + 8 * tbytes + size_t(r0 + j) * row_stride, 8 * tbytes);
+            else if (next_base)  // a row-range call: the caller's next call is the next band of the same rows
+                prefetch_row(next_base + size_t(r0 + j) * row_stride, 8 * tbytes);
             for (int c0 = 0; c0 < 8; ++c0) {
                 if constexpr (RELOAD) __asm__ volatile("" ::: "memory");
                 const __m512i perm = _mm512_load_si512(tb.perm16[c0]);
@@ -784,14 +808,11 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
 template <int M, int TB>
 static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
-    const int tbytes = TB != 0 ? TB : tb.tile_bytes;
-    const int tiles_k = A.k / 16, tiles_n = A.n / 16;
-    const int r0 = 8 * X.blk0, r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;  // tile rows of this call
-    const bool next_band = X.blk1 >= 0 && band + 1 < tiles_n / 8;
-    const size_t row_stride = size_t(tiles_n) * tbytes;
-    const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
-    const __mmask64 m0 = tbytes >= 64 ? ~__mmask64(0) : ((__mmask64(1) << tbytes) - 1);
-    const __mmask64 m1 = tbytes <= 64 ? __mmask64(0) : (tbytes >= 128 ? ~__mmask64(0) : ((__mmask64(1) << (tbytes - 64)) - 1));
+    const Band16 g = band16<TB>(A, band, X);
+    const int tbytes = g.tbytes, r0 = g.r0, r1 = g.r1;
+    const size_t row_stride = g.row_stride;
+    const uint8_t *base = g.base, *const next_base = g.next_base;
+    const __mmask64 m0 = g.m0, m1 = g.m1;
     alignas(64) int8_t abuf[2][8][2 * M][64];      // activations, by block parity
     alignas(64) uint8_t stage[2][8][16][64];       // B tiles of a column's 8 tiles, by column parity
     alignas(64) int32_t cbuf[2][2 * M][16];        // the C tile stored for the flush, by column parity
@@ -826,8 +847,8 @@ static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
         const uint8_t* brow = base + size_t(8 * blk) * row_stride;
         if (8 * (blk + 1) + j < r1)
             prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
-        else if (next_band)  // a row-range call: the caller's next call is the next band of the same rows
-            prefetch_row(base + 8 * tbytes + size_t(r0 + j) * row_stride, 8 * tbytes);
+        else if (next_base)  // a row-range call: the caller's next call is the next band of the same rows
+            prefetch_row(next_base + size_t(r0 + j) * row_stride, 8 * tbytes);
 #pragma GCC unroll 2
         for (int rr = 0; rr < 8; ++rr) {
             __m512i z0, z1;
@@ -1160,44 +1181,28 @@ void gemv_float_3inst(const MatRef& A, int band, const Acts& X, bool round, floa
 
 #if defined(CT_DEFINE_GEMV_INT)
 #if defined(CPU_TIER_ISA_AVX512)
-#if defined(CT_HAVE_AMX)
-template <int TB>
-static void amx_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
-    switch (X.m) {
-        case 1: return band_amx<1, TB>(A, band, X, y);
-        case 2: return band_amx<2, TB>(A, band, X, y);
-        case 3: return band_amx<3, TB>(A, band, X, y);
-        case 4: return band_amx<4, TB>(A, band, X, y);
-        case 5: return band_amx<5, TB>(A, band, X, y);
-        case 6: return band_amx<6, TB>(A, band, X, y);
-        case 7: return band_amx<7, TB>(A, band, X, y);
-        case 8: return band_amx<8, TB>(A, band, X, y);
-        default: return;
-    }
+// f(std::integral_constant<int, m>{}) for a runtime token count m in 1..MAXM (nothing otherwise).
+template <class F>
+CT_INLINE void with_tokens(int m, F&& f) {
+    static_for<MAXM>([&](auto I) CT_LAMBDA_INLINE {
+        if (m == decltype(I)::value + 1) f(std::integral_constant<int, decltype(I)::value + 1>{});
+    });
 }
-#endif
+
 template <int TB>
 static void int16_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
 #if defined(CT_HAVE_AMX)
-    if (X.amx && A.tb->has_amx) return amx_dispatch<TB>(A, band, X, y);
+    if (X.amx && A.tb->has_amx)
+        return with_tokens(X.m, [&](auto MM) { band_amx<decltype(MM)::value, TB>(A, band, X, y); });
 #endif
-    switch (X.m) {
-        case 1:
-            if (X.variant == 1) return band_int16<1, TB, true, false>(A, band, X, y);
-            if (X.variant == 2) return band_int16<1, TB, false, false>(A, band, X, y);
-            return band_int16<1, TB>(A, band, X, y);
-        case 2:
-            if (X.variant == 1) return band_int16<2, TB, true, false>(A, band, X, y);
-            if (X.variant == 2) return band_int16<2, TB, false, false>(A, band, X, y);
-            return band_int16<2, TB>(A, band, X, y);
-        case 3: return band_int16<3, TB>(A, band, X, y);
-        case 4: return band_int16<4, TB>(A, band, X, y);
-        case 5: return band_int16<5, TB>(A, band, X, y);
-        case 6: return band_int16<6, TB>(A, band, X, y);
-        case 7: return band_int16<7, TB>(A, band, X, y);
-        case 8: return band_int16<8, TB>(A, band, X, y);
-        default: return;
-    }
+    with_tokens(X.m, [&](auto MM) {
+        constexpr int M = decltype(MM)::value;
+        if constexpr (M <= 2) {  // the benchmark's A/B forms (Acts::variant) at 1 and 2 tokens
+            if (X.variant == 1) return band_int16<M, TB, true, false>(A, band, X, y);
+            if (X.variant == 2) return band_int16<M, TB, false, false>(A, band, X, y);
+        }
+        band_int16<M, TB>(A, band, X, y);
+    });
 }
 #endif
 #if !defined(CPU_TIER_ISA_AVX512)
