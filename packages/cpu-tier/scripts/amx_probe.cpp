@@ -61,6 +61,13 @@ static double cycles_per(const char* name, long n, int per_iter, F f) {
 
 #define BAR() __asm__ volatile("" ::: "memory")
 
+// 16 zmm stores (one staged B tile), a new value for the next call, and a compiler barrier.
+static inline void stores16(uint8_t* p, __m512i& v) {
+    for (int r = 0; r < 16; ++r) _mm512_store_si512(p + 64 * r, v);
+    v = _mm512_add_epi32(v, v);
+    BAR();
+}
+
 int main() {
     if (syscall(SYS_arch_prctl, 0x1023, 18) != 0) {
         std::printf("AMX permission refused\n");
@@ -109,18 +116,14 @@ int main() {
             __m512i v = _mm512_set1_epi32(3);
             for (long i = 0; i < n; ++i) {
                 uint8_t* p = bufB[i & 7][0];
-                for (int r = 0; r < 16; ++r) _mm512_store_si512(p + 64 * r, v);
-                v = _mm512_add_epi32(v, v);
-                BAR();
+                stores16(p, v);
             }
         });
         cycles_per("16 zmm stores + tileloadd same buffer", 2000000, 1, [](long n) {
             __m512i v = _mm512_set1_epi32(3);
             for (long i = 0; i < n; ++i) {
                 uint8_t* p = bufB[i & 7][0];
-                for (int r = 0; r < 16; ++r) _mm512_store_si512(p + 64 * r, v);
-                v = _mm512_add_epi32(v, v);
-                BAR();
+                stores16(p, v);
                 _tile_loadd(6, p, 64);
             }
         });
@@ -128,9 +131,7 @@ int main() {
             __m512i v = _mm512_set1_epi32(3);
             for (long i = 0; i < n; ++i) {
                 uint8_t* p = bufB[i & 7][0];
-                for (int r = 0; r < 16; ++r) _mm512_store_si512(p + 64 * r, v);
-                v = _mm512_add_epi32(v, v);
-                BAR();
+                stores16(p, v);
                 _tile_loadd(6, bufB[(i + 4) & 7], 64);
             }
         });
@@ -138,9 +139,7 @@ int main() {
             __m512i v = _mm512_set1_epi32(3);
             for (long i = 0; i < n; ++i) {
                 uint8_t* p = other[i & 7][0];
-                for (int r = 0; r < 16; ++r) _mm512_store_si512(p + 64 * r, v);
-                v = _mm512_add_epi32(v, v);
-                BAR();
+                stores16(p, v);
                 _tile_loadd(6, bufB[i & 7], 64);
             }
         });
@@ -148,15 +147,11 @@ int main() {
             __m512i v = _mm512_set1_epi32(3);
             for (long i = 0; i < n; i += 2) {
                 uint8_t* p = bufB[i & 7][0];
-                for (int r = 0; r < 16; ++r) _mm512_store_si512(p + 64 * r, v);
-                v = _mm512_add_epi32(v, v);
-                BAR();
+                stores16(p, v);
                 _tile_loadd(6, bufB[(i + 4) & 7], 64);
                 _tile_dpbsud(0, 4, 6);
                 p = bufB[(i + 1) & 7][0];
-                for (int r = 0; r < 16; ++r) _mm512_store_si512(p + 64 * r, v);
-                v = _mm512_add_epi32(v, v);
-                BAR();
+                stores16(p, v);
                 _tile_loadd(7, bufB[(i + 5) & 7], 64);
                 _tile_dpbsud(1, 4, 7);
             }
