@@ -19,13 +19,7 @@ if [ "${PORT_PROBE:-0}" = 1 ]; then
   g++ -O2 -march=native -pthread packages/cpu-tier/scripts/port_probe.cpp -o /tmp/port_probe \
     && timeout 60 /tmp/port_probe 2>&1 | tee "$OUT/ports.txt"
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/nanobind-*.whl .whl/scikit_build_core-*.whl || exit 1
-export PYTHONPATH=/tmp/site
-t0=$(date +%s)
-CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install --no-index --no-deps --no-build-isolation --no-compile \
-  --config-settings=cmake.define.CPU_TIER_WITH_AVX512_EMULATION=${EMU:-ON} --config-settings=build-dir=/tmp/ctbuild \
-  packages/cpu-tier > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
-echo "== built in $(( $(date +%s) - t0 )) s"
+bash packages/cpu-tier/scripts/build_native.sh "$OUT/build.log" --emu "${EMU:-ON}" || exit 1
 python3 -c "import cpu_tier; print('runnable', cpu_tier.runnable_isas(), 'selected', cpu_tier.selected_isa()); print({k: v for k, v in cpu_tier.cpu_features().items() if 'amx' in k})"
 timeout 170 python3 -m pytest packages/cpu-tier/tests -m "not gpu" -q -p no:cacheprovider -x 2>&1 | tee "$OUT/tests.txt" | tail -15
 timeout ${BENCH_TIMEOUT:-200} python3 -m cpu_tier.bench ${BENCH_ARGS:-} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"

@@ -17,13 +17,7 @@ done
 if [ "${CPU_TIER_BUILD:-1}" = 0 ]; then  # (then the CPU-tail test cannot load the native tier)
     export PYTHONPATH="packages/dma-prefill/src:packages/cpu-tier/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 else
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ctbuildenv .whl/nanobind-*.whl .whl/scikit_build_core-*.whl || exit 1
-t0=$(date +%s)
-PYTHONPATH=/tmp/ctbuildenv CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) python3 -m pip install -q --no-index --no-deps \
-    --no-build-isolation --no-compile --target /tmp/ctsite --config-settings=build-dir=/tmp/ctbuild \
-    --config-settings=cmake.define.CPU_TIER_WITH_AVX512_EMULATION=OFF packages/cpu-tier > "$OUT/cpu_tier_build.log" 2>&1 \
-    || { tail -30 "$OUT/cpu_tier_build.log"; exit 1; }
-echo "cpu-tier built in $(( $(date +%s) - t0 )) s"
+bash packages/cpu-tier/scripts/build_native.sh "$OUT/cpu_tier_build.log" --target /tmp/ctsite --emu OFF || exit 1
 rm -rf "$SITE/cpu_tier-0.1.0.dist-info"
 export PYTHONPATH="packages/dma-prefill/src:/tmp/ctsite:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
