@@ -6,7 +6,7 @@
 //  * float path (every codebook): each group of 8 states is decoded once to fp32 values (optionally rounded to
 //    the exact fp16 codebook value) and FMA'd into the accumulators of all m tokens;
 //  * integer path (MUL1, "fast"): weights stay byte sums bs of state * 0x83DCD12D (value ~ bs * K_INV + K_AFF);
-//    activations are int16 per tile row (16 k values) with scale amax / 32767, so
+//    activations are int16 per tile row (16 k values) with scale amax / XQ_MAX (32639), so
 //    y = K_INV * sum_rows scale_r * sum(bs * xq) + K_AFF * sum(x^), summed exactly in int32 within a tile.
 //
 // Activation layouts (prepared by ops.h): per token, per tile row r, 16 values in "q order": position 4q + i holds

@@ -83,6 +83,23 @@ def test_isa_selection() -> None:
             assert selected_isa(CpuTierConfig(isa=isa)) == isa  # type: ignore[arg-type]
 
 
+def test_amx_needs_a_build_with_amx_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an AMX host, "amx" is runnable only if the avx512 module was built with its AMX kernels."""
+    import types
+
+    import cpu_tier
+    from cpu_tier import _loader
+
+    every = {f: True for feats in REQUIRED.values() for f in feats}
+    monkeypatch.setattr(cpu_tier, "cpu_features", lambda: every)
+    for built in (False, True):
+        fake = types.SimpleNamespace(has_amx_kernels=lambda built=built: built)
+        monkeypatch.setattr(_loader, "load", lambda isa="auto", fake=fake: fake)
+        missing = _loader.missing_features("amx")
+        assert (missing == []) if built else (missing and "amx kernels" in missing[0]), (built, missing)
+        assert ("amx" in _loader.runnable_isas()) == built
+
+
 def test_matmul_bad_input() -> None:
     t = exl3.random_tensor(256, 128, 3, "mul1", seed=1)
     x = np.ones((2, 256), np.float32)

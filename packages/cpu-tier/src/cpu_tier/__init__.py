@@ -17,7 +17,10 @@ __version__ = _version("cpu-tier")
 
 
 def cpu_features() -> dict[str, bool]:
-    """The x86 features the CPU has and the OS enables (CPUID + XGETBV), e.g. ``{"avx2": True, ...}``."""
+    """The x86 features the CPU has and the OS enables (CPUID + XGETBV), e.g. ``{"avx2": True, ...}``.
+
+    Where the CPU has AMX, probing also asks Linux to grant this process the AMX tile state (``os_amx``: granted);
+    the grant only lets the process use AMX, nothing runs on the tile unit unless the "amx" variant is chosen."""
     from ._cpu_features import cpu_features as _probe
 
     return dict(_probe())

@@ -30,13 +30,17 @@ _modules: dict[str, ModuleType] = {}
 
 
 def missing_features(isa: str) -> list[str]:
-    """Features ``isa`` needs that this host lacks (CPU or OS support)."""
+    """Features ``isa`` needs that this host lacks (CPU or OS support; for "amx" also a build of the avx512 module
+    with its AMX kernels, which compilers without AMX support leave out)."""
     from . import cpu_features
 
     if isa not in REQUIRED:
         raise ValueError(f"isa: unknown kernel variant {isa!r}; expected one of {('auto', *REQUIRED)}")
     feats = cpu_features()
-    return [f for f in REQUIRED[isa] if not feats.get(f, False)]
+    missing = [f for f in REQUIRED[isa] if not feats.get(f, False)]
+    if isa == "amx" and not missing and not load("avx512").has_amx_kernels():
+        missing.append("amx kernels (this build of the avx512 module has none)")
+    return missing
 
 
 def runnable_isas() -> list[str]:

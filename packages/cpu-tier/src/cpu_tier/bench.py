@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"# cpu-tier bench | git {_git()} | {_cpu_model()} | {len(usable_cpus())} cores | {' '.join(feats)} | "
         f"expert H={hidden} I={inter} MUL1 K={K} ({expert_bytes / 1e6:.2f} MB) x {n_exp} per job | "
-        f"warmup=1 iters={args.iters}",
+        f"warmup=1 iters={args.iters} | amx jobs: AMX kernel from {args.amx_min_tokens} tokens per expert",
         flush=True,
     )
     t0 = time.perf_counter()

@@ -31,7 +31,7 @@ class CpuTierConfig:
         plus the AMX-INT8 kernel for MUL1 "fast", K <= 4, on chunks of ``amx_min_tokens`` or more tokens per expert;
         Sapphire Rapids and newer, where Linux grants the tile state).
     amx_min_tokens : with isa "amx": the fewest tokens per expert chunk (1..8; 9 = never) that run the AMX kernel.
-        Default 6: on Emerald Rapids the AMX kernel is as fast or faster at 8 tokens (1.0-2.3x on 1 core, 1.0-1.3x
+        Default 6: on Emerald Rapids the AMX kernel is as fast or faster at 8 tokens (1.0-2.5x on 1 core, 1.0-1.3x
         on 16 cores), slower at 1-2, even at 4.
     precision : "exact" (fp32 activations, exact fp16 codebook values; max relative error <= 1e-5 against
         ``cpu_tier.exl3.linear``) or "fast" (MUL1: int16 activations and the integer byte-sum path; MCG/3INST:

@@ -86,9 +86,9 @@ _runtimes_lock = threading.Lock()
 
 
 def _shared_runtime(config: CpuTierConfig) -> Any:
-    """A worker pool per (isa, threads, cpus, spin) for exl3_matmul, created on first use."""
+    """A worker pool per (isa, threads, cpus, spin, AMX threshold) for exl3_matmul, created on first use."""
     isa = _loader.resolve_isa(config.isa)
-    key = (isa, config.resolved_threads(), config.cpus, config.spin_us, config.amx_min_tokens)
+    key = (isa, config.resolved_threads(), config.cpus, config.spin_us, config.amx_min_tokens if isa == "amx" else 0)
     with _runtimes_lock:
         rt = _runtimes.get(key)
         if rt is None:
