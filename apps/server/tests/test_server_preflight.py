@@ -72,16 +72,18 @@ def test_defaults_serve_the_demo_on_loopback() -> None:
 def test_flags_map_onto_the_configs(tmp_path: Path) -> None:
     cfg, check = parse_args(
         ["--pack", str(tmp_path), "--host", "0.0.0.0", "--port", "9001", "--cpu-cores", "0-2,5", "--cpu-isa", "avx2",
-         "--precision", "fast", "--max-num-seqs", "8", "--check"]
+         "--precision", "fast", "--max-num-seqs", "8", "--cpu-amx-min-tokens", "4", "--check"]
     )  # fmt: skip
     assert cfg.pack == tmp_path and not cfg.demo and not cfg.loopback and check
     assert cfg.port == 9001 and cfg.max_num_seqs == 8
-    assert dict(cfg.plugin_overrides) == {"cpu_cores": (0, 1, 2, 5), "cpu_isa": "avx2", "precision": "fast"}
+    assert dict(cfg.plugin_overrides) == {"cpu_cores": (0, 1, 2, 5), "cpu_isa": "avx2", "precision": "fast",
+                                          "cpu_amx_min_tokens": 4}
 
 
 @pytest.mark.parametrize(
     ("argv", "needle"),
-    [(["--spin-us", "-1"], "spin_us"), (["--port", "70000"], "port"), (["--max-num-seqs", "0"], "max_num_seqs")],
+    [(["--spin-us", "-1"], "spin_us"), (["--port", "70000"], "port"), (["--max-num-seqs", "0"], "max_num_seqs"),
+     (["--cpu-amx-min-tokens", "0"], "cpu_amx_min_tokens")],
 )
 def test_bad_flag_values_name_the_setting(argv: list[str], needle: str) -> None:
     with pytest.raises(ServerError, match=needle):

@@ -27,6 +27,8 @@ def test_defaults_and_frozen() -> None:
         ({"cpu_isa": "sse2"}, "cpu_isa"),
         ({"precision": "approx"}, "precision"),
         ({"spin_us": 1.5}, "spin_us"),
+        ({"cpu_amx_min_tokens": 0}, "cpu_amx_min_tokens"),
+        ({"cpu_amx_min_tokens": 10}, "cpu_amx_min_tokens"),
         ({"threads": 4}, "threads"),
     ],
 )
@@ -37,7 +39,8 @@ def test_bad_values_name_the_field_and_the_source(values: dict, field: str) -> N
 
 
 def test_mapping_round_trip() -> None:
-    cfg = Dsv41PluginConfig(cpu_threads=4, cpu_cores=(2, 3, 4, 5), cpu_isa="avx2", precision="fast", spin_us=0)
+    cfg = Dsv41PluginConfig(cpu_threads=4, cpu_cores=(2, 3, 4, 5), cpu_isa="amx", precision="fast", spin_us=0,
+                            cpu_amx_min_tokens=8)
     assert Dsv41PluginConfig.from_mapping(cfg.to_mapping()) == cfg
     assert cfg.effective_threads == 4
     assert Dsv41PluginConfig(cpu_cores=(1, 2)).effective_threads == 2

@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-isa", choices=("auto", "scalar", "avx2", "avx512", "amx"))
     g.add_argument("--precision", choices=("exact", "fast"))
     g.add_argument("--spin-us", type=int, help="idle spin before sleeping, microseconds")
+    g.add_argument("--cpu-amx-min-tokens", type=int,
+                   help="with --cpu-isa amx (or auto on AMX CPUs): fewest tokens per expert chunk on the AMX kernel")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--check", action="store_true", help="run the preflight checks and exit")
     return p
@@ -67,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
     """Flags -> (``ServerConfig``, check-only)."""
     a = _parser().parse_args(argv)
-    names = ("cpu_threads", "cpu_cores", "cpu_isa", "precision", "spin_us")
+    names = ("cpu_threads", "cpu_cores", "cpu_isa", "precision", "spin_us", "cpu_amx_min_tokens")
     plugin = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
     try:
         cfg = ServerConfig(

@@ -86,7 +86,8 @@ def check_cpu(plugin: Any, require_simd: bool) -> list[str]:
         from cpu_tier import CpuTierConfig, cpu_features, runnable_isas
 
         CpuTierConfig(threads=plugin.cpu_threads, cpus=plugin.cpu_cores, isa=plugin.cpu_isa,
-                      precision=plugin.precision, spin_us=plugin.spin_us)  # fmt: skip
+                      precision=plugin.precision, spin_us=plugin.spin_us,
+                      amx_min_tokens=plugin.cpu_amx_min_tokens)  # fmt: skip
         isas = runnable_isas()
         features = cpu_features()
     except ValueError as e:

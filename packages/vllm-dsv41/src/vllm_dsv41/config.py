@@ -35,7 +35,9 @@ class Dsv41PluginConfig:
     cpu_threads : worker threads of the CPU expert tier; 0 means one per CPU this process may run on.
     cpu_cores : CPUs to pin those threads to (empty: no pinning).
     cpu_isa : kernel variant of the CPU expert tier: "auto" picks the best one the CPU runs ("scalar" is the
-        portable fallback).
+        portable fallback; "amx" adds the AMX-INT8 kernel on Sapphire Rapids and newer).
+    cpu_amx_min_tokens : with the "amx" variant, the fewest tokens per expert chunk that run the AMX kernel (1..9,
+        9 = never; cpu-tier's ``CpuTierConfig.amx_min_tokens``).
     precision : "exact" (float32 activations; relative error <= 1e-5 against the numpy reference) or "fast"
         (integer activations on the MUL1 path; relative RMS error <= 5e-3, see cpu-tier's README).
     spin_us : how long idle CPU workers spin before sleeping, in microseconds.
@@ -46,6 +48,7 @@ class Dsv41PluginConfig:
     cpu_isa: Isa = "auto"
     precision: Precision = "exact"
     spin_us: int = 50
+    cpu_amx_min_tokens: int = 6
 
     def __post_init__(self) -> None:
         _check_int("cpu_threads", self.cpu_threads, minimum=0)
@@ -60,6 +63,9 @@ class Dsv41PluginConfig:
         if self.precision not in _PRECISIONS:
             raise ValueError(f"precision: expected one of {_PRECISIONS}, got {self.precision!r}")
         _check_int("spin_us", self.spin_us, minimum=0)
+        _check_int("cpu_amx_min_tokens", self.cpu_amx_min_tokens, minimum=1)
+        if self.cpu_amx_min_tokens > 9:
+            raise ValueError(f"cpu_amx_min_tokens: expected 1..9 (9 = never), got {self.cpu_amx_min_tokens}")
 
     @property
     def effective_threads(self) -> int:

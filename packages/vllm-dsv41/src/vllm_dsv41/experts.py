@@ -69,6 +69,7 @@ class CpuExpertRuntime:
                 isa=config.cpu_isa,
                 precision=config.precision,
                 spin_us=config.spin_us,
+                amx_min_tokens=config.cpu_amx_min_tokens,
             )
         )
         #: The kernel variant the tier runs (e.g. "avx2").
