@@ -84,6 +84,14 @@ constexpr int PREFETCH_ROWS = CT_PREFETCH_ROWS;
 // Row (k offset inside a tile row) of q-order position p.
 CT_INLINE int qorder_row(int p) { return 2 * (p >> 2) + (p & 1) + 8 * ((p >> 1) & 1); }
 
+// The integer path's last step for token t: y = sum * K_INV + K_AFF * sum(x^) over the band's 128 outputs, unless
+// the call leaves its sums raw (Acts::raw: a row range, mapped once by the caller).
+CT_INLINE void int_affine(float* y128, const Acts& X, int t) {
+    if (X.raw) return;
+    const float s = MUL1_K_AFF * X.xsum[t];
+    for (int c = 0; c < 128; ++c) y128[c] = y128[c] * MUL1_K_INV + s;
+}
+
 // Scalar state of element t of a tile (reference decode, used by the scalar variant and the tests).
 CT_INLINE uint32_t tile_state(const uint8_t* tile, const TrellisTables& tb, int t) {
     const int nwords = tb.tile_bytes / 4;
@@ -171,9 +179,8 @@ inline void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, f
             }
         }
     }
-    if (mode == GemvMode::Int && !X.raw)
-        for (int t = 0; t < m; ++t)
-            for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + MUL1_K_AFF * X.xsum[t];
+    if (mode == GemvMode::Int)
+        for (int t = 0; t < m; ++t) int_affine(y + 128 * t, X, t);
 }
 
 #elif defined(CPU_TIER_ISA_AVX2) || defined(CPU_TIER_ISA_AVX512)
@@ -487,9 +494,7 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
     }
     for (int t = 0; t < M; ++t) {
         reduce_tile_acc(facc[t], y + 128 * t);
-        const float s = MUL1_K_AFF * X.xsum[t];
-        if (!X.raw)
-            for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
+        int_affine(y + 128 * t, X, t);
     }
 }
 
@@ -773,9 +778,7 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
                 y[t * 128 + 16 * j + c0] = lo;
                 y[t * 128 + 16 * j + c0 + 8] = hi;
             }
-        const float s = MUL1_K_AFF * X.xsum[t];
-        if (!X.raw)
-            for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
+        int_affine(y + 128 * t, X, t);
     }
 }
 
@@ -923,9 +926,7 @@ static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
     for (int t = 0; t < M; ++t) {
         for (int j = 0; j < 8; ++j)
             for (int n = 0; n < 16; ++n) y[t * 128 + 16 * j + (n >> 1) + 8 * (n & 1)] = facc[t][j][n];
-        const float s = MUL1_K_AFF * X.xsum[t];
-        if (!X.raw)
-            for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
+        int_affine(y + 128 * t, X, t);
     }
 }
 #undef CT_AMX_STEP
@@ -1068,9 +1069,7 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
     flush((r1 - 1) / 8);
     for (int t = 0; t < M; ++t) {
         reduce_tile_acc(facc[t], y + 128 * t);
-        const float s = MUL1_K_AFF * X.xsum[t];
-        if (!X.raw)
-            for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
+        int_affine(y + 128 * t, X, t);
     }
 }
 
@@ -1121,9 +1120,7 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
     for (int t = 0; t < M; ++t) reduce_tile_acc(facc[t], y + 128 * t);
     if constexpr (CB == CB_MUL1 && !ROUND)
         for (int t = 0; t < M; ++t) {
-            const float s = MUL1_K_AFF * X.xsum[t];
-            if (!X.raw)
-            for (int c = 0; c < 128; ++c) y[t * 128 + c] = y[t * 128 + c] * MUL1_K_INV + s;
+            int_affine(y + 128 * t, X, t);
         }
 }
 #endif
