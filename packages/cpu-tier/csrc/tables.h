@@ -120,6 +120,23 @@ inline int window_pos(int q, int w) {
     return 4 * (d / 4) + 3 - d % 4;
 }
 
+// vpermt2b indices filling one qword (dst[0..7]) with the 8 stream bytes from stream byte b on, most significant
+// first: qword byte i holds stream byte b + 7 - i (wrapping at the tile's end: tail-biting).
+inline void qword_stream_bytes(uint8_t* dst, int b, int tbytes) {
+    for (int i = 0; i < 8; ++i) {
+        const int q = (((b + 7 - i) % tbytes) + tbytes) % tbytes;
+        dst[i] = uint8_t(4 * (q / 4) + 3 - q % 4);
+    }
+}
+
+// vpmultishiftqb offsets (dst[0] low byte, dst[1] high byte) of the 16-bit state whose window starts pbit stream
+// bits after the first byte of such a qword; what names the table in the error when it does not fit.
+inline void state_mshift(uint8_t* dst, int pbit, const char* what) {
+    if (pbit < 0 || pbit + 16 > 64) throw std::logic_error(std::string("trellis table: ") + what + " outside its qword");
+    dst[0] = uint8_t(48 - pbit);
+    dst[1] = uint8_t(56 - pbit);
+}
+
 struct Span {
     int lo, hi;  // first and last stream byte any element of a group needs
 };
@@ -168,16 +185,8 @@ inline void build(TrellisTables& tb, int bits2) {
             for (int k = 0; k < 8; ++k) {
                 const int e0 = 32 * c + 4 * k;
                 const int b = floordiv(st[e0], 8);
-                for (int i = 0; i < 8; ++i) {
-                    const int q = (((b + 7 - i) % tbytes) + tbytes) % tbytes;
-                    tb.perm16[c][8 * k + i] = uint8_t(4 * (q / 4) + 3 - q % 4);
-                }
-                for (int l = 0; l < 4; ++l) {
-                    const int pbit = st[e0 + l] - 8 * b;
-                    if (pbit < 0 || pbit + 16 > 64) throw std::logic_error("trellis table: state outside its qword");
-                    tb.mshift16[c][8 * k + 2 * l] = uint8_t(48 - pbit);
-                    tb.mshift16[c][8 * k + 2 * l + 1] = uint8_t(56 - pbit);
-                }
+                qword_stream_bytes(&tb.perm16[c][8 * k], b, tbytes);
+                for (int l = 0; l < 4; ++l) state_mshift(&tb.mshift16[c][8 * k + 2 * l], st[e0 + l] - 8 * b, "state");
             }
         for (int c = 0; c < 8; ++c) {
             const int lo = *std::min_element(tb.perm16[c], tb.perm16[c] + 64);
@@ -198,19 +207,12 @@ inline void build(TrellisTables& tb, int bits2) {
             for (int c = 0; c < 8; ++c) {
                 const int e0 = 32 * c + 8 * qp;
                 const int b = floordiv(st[e0], 8);
-                for (int i = 0; i < 8; ++i) {
-                    const int q = (((b + 7 - i) % tbytes) + tbytes) % tbytes;
-                    tb.amx_perm[qp][8 * c + i] = uint8_t(4 * (q / 4) + 3 - q % 4);
-                }
-                for (int h = 0; h < 2; ++h) {
-                    static constexpr int lane_elem[4] = {0, 1, 4, 5};  // + 2h: rows a, b of column c, then c + 8
-                    for (int l = 0; l < 4; ++l) {
-                        const int pbit = st[e0 + lane_elem[l] + 2 * h] - 8 * b;
-                        if (pbit < 0 || pbit + 16 > 64) throw std::logic_error("trellis table: AMX state outside its qword");
-                        tb.amx_mshift[2 * qp + h][8 * c + 2 * l] = uint8_t(48 - pbit);
-                        tb.amx_mshift[2 * qp + h][8 * c + 2 * l + 1] = uint8_t(56 - pbit);
-                    }
-                }
+                qword_stream_bytes(&tb.amx_perm[qp][8 * c], b, tbytes);
+                static constexpr int lane_elem[4] = {0, 1, 4, 5};  // + 2h: rows a, b of column c, then c + 8
+                for (int h = 0; h < 2; ++h)
+                    for (int l = 0; l < 4; ++l)
+                        state_mshift(&tb.amx_mshift[2 * qp + h][8 * c + 2 * l], st[e0 + lane_elem[l] + 2 * h] - 8 * b,
+                                     "AMX state");
             }
     }
     if (!half)
