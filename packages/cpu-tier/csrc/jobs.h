@@ -23,12 +23,12 @@ struct ActBuf {
     float* xsb = nullptr;   // [MAXM][k/128] per-block sums of the prepared activations
     float xsum[MAXM] = {};
     int k = 0;
-    int amx_min_tokens = 0;  // Acts::amx of acts(m) = m >= amx_min_tokens > 0 (Pool::amx_for)
+    const Pool* pool = nullptr;  // Acts::amx of acts(m) = pool->amx_for(m)
 
     static size_t bytes(int k) { return size_t(MAXM) * (size_t(k) * 4 + size_t(k) * 2 + size_t(k / 128) * 8) + 256; }
-    void carve(uint8_t*& p, int k_, int amx_min) {
+    void carve(uint8_t*& p, int k_, const Pool& pool_) {
         k = k_;
-        amx_min_tokens = amx_min;
+        pool = &pool_;
         auto take = [&](size_t n) {
             uint8_t* r = p;
             p += (n + 63) & ~size_t(63);
@@ -49,7 +49,7 @@ struct ActBuf {
         a.xs = xs;
         a.xs_stride = size_t(k / 128);
         a.xsum = xsum;
-        a.amx = amx_min_tokens > 0 && m >= amx_min_tokens;
+        a.amx = pool != nullptr && pool->amx_for(m);
         return a;
     }
     // The activations for blocks [blk0, blk1) only, MUL1 integer sums left raw (see Acts).
@@ -101,7 +101,7 @@ struct LinearJob : JobBase {
         const int nb = A.n / 128, kb = A.k / 128;
         std::vector<ActBuf> acts(static_cast<size_t>(nchunks));
         uint8_t* p = pool.scratch(size_t(nchunks) * ActBuf::bytes(A.k));
-        for (auto& a : acts) a.carve(p, A.k, pool.amx_min_tokens());
+        for (auto& a : acts) a.carve(p, A.k, pool);
         // phase 1: input transform, one unit per (row, block group of 8 blocks)
         const int bgroups = (kb + 7) / 8;
         pool.parallel_for(m * bgroups, [&](int u, int) {
@@ -223,9 +223,9 @@ struct MoeJob : JobBase {
             std::vector<float*> pg(static_cast<size_t>(nch)), pu(static_cast<size_t>(nch)), pd(static_cast<size_t>(nch));
             uint8_t* p = scratch;
             for (int c = 0; c < nch; ++c) {
-                agu[size_t(2 * c)].carve(p, H, pool.amx_min_tokens());
-                agu[size_t(2 * c + 1)].carve(p, H, pool.amx_min_tokens());
-                ad[size_t(c)].carve(p, I, pool.amx_min_tokens());
+                agu[size_t(2 * c)].carve(p, H, pool);
+                agu[size_t(2 * c + 1)].carve(p, H, pool);
+                ad[size_t(c)].carve(p, I, pool);
                 yg[size_t(c)] = reinterpret_cast<float*>(p);
                 p += ybytes;
                 yu[size_t(c)] = reinterpret_cast<float*>(p);
