@@ -54,6 +54,7 @@ struct Acts {
     bool raw = false;
     int variant = 0;  // benchmark A/B of kernel forms (0 = the default; 1, 2: the vpermt2b forms, see band_int16)
     bool amx = false;  // MUL1 integer path, K <= 4: the AMX kernel (band_amx; the caller has the OS permission)
+    int pf_blocks = 1;  // software prefetch distance in 128-row blocks (0..4, 0 = none; BandPrefetch)
 };
 
 constexpr int MAXM = 8;
@@ -76,10 +77,6 @@ template <int N, class F>
 CT_INLINE void static_for(F&& f) {
     static_for_impl(f, std::make_integer_sequence<int, N>{});
 }
-#ifndef CT_PREFETCH_ROWS
-#define CT_PREFETCH_ROWS 6
-#endif
-constexpr int PREFETCH_ROWS = CT_PREFETCH_ROWS;
 
 // Row (k offset inside a tile row) of q-order position p.
 CT_INLINE int qorder_row(int p) { return 2 * (p >> 2) + (p & 1) + 8 * ((p >> 1) & 1); }
@@ -199,6 +196,44 @@ CT_INLINE void prefetch_row(const uint8_t* p, int bytes) {
 #endif
     for (int o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), CT_PF_HINT);
 }
+
+// Software prefetch of a band's trellis rows (one tile row of the band = 8 tiles, 8 * tbytes bytes), D = X.pf_blocks
+// 128-row blocks (8 tile rows) ahead; D = 0: none (the hardware prefetchers alone). Block kernels: the call's first
+// D blocks up front (start), then at tile column j of block blk the row 8 (blk + D) + j (at). Row kernels: 8 D - 2
+// rows ahead (row). Past the call's last row, a row-range call (Acts::blk1 >= 0, split jobs) prefetches the first
+// rows of the next band, which its caller computes next with the same rows.
+struct BandPrefetch {
+    const uint8_t* base;
+    const uint8_t* next_base;  // the next band's first tile of row 0, or nullptr
+    size_t row_stride;
+    int bytes, r0, r1, d;
+    BandPrefetch(const MatRef& A, int band, const Acts& X, int tbytes) {
+        const int tiles_k = A.k / 16, tiles_n = A.n / 16;
+        r0 = 8 * X.blk0;
+        r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;
+        row_stride = size_t(tiles_n) * tbytes;
+        base = A.trellis + size_t(band) * 8 * tbytes;
+        next_base = X.blk1 >= 0 && band + 1 < tiles_n / 8 ? base + 8 * tbytes : nullptr;
+        bytes = 8 * tbytes;
+        d = X.pf_blocks;
+    }
+    CT_INLINE void fetch(int r) const {  // row r of this call's rows, or row r - r1 of the next band's
+        if (d == 0) return;
+        if (r < r1)
+            prefetch_row(base + size_t(r) * row_stride, bytes);
+        else if (next_base && r0 + (r - r1) < r1)
+            prefetch_row(next_base + size_t(r0 + (r - r1)) * row_stride, bytes);
+    }
+    CT_INLINE void start() const {
+        for (int r = r0; r < std::min(r0 + 8 * d, r1); ++r) prefetch_row(base + size_t(r) * row_stride, bytes);
+    }
+    CT_INLINE void at(int blk, int j) const { fetch(8 * (blk + d) + j); }
+    CT_INLINE int row_ahead() const { return 8 * d - 2; }
+    CT_INLINE void start_rows() const {
+        for (int r = r0; r < std::min(r0 + row_ahead(), r1); ++r) prefetch_row(base + size_t(r) * row_stride, bytes);
+    }
+    CT_INLINE void row(int r) const { fetch(r + row_ahead()); }
+};
 
 // The tile's wrapped 16-byte window [last 4 bytes, first 12 bytes].
 CT_INLINE __m128i wrap_window(const uint8_t* tile, int tile_bytes) {
@@ -320,7 +355,6 @@ static void band_int1(const MatRef& A, int band, const Acts& X, float* y) {
     const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
     const int tiles_k = A.k / 16, tiles_n = A.n / 16;
     const int r0 = 8 * X.blk0, r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;  // tile rows of this call
-    const bool next_band = X.blk1 >= 0 && band + 1 < tiles_n / 8;
     const size_t row_stride = size_t(tiles_n) * tbytes;
     const uint8_t* base = A.trellis + size_t(band) * 8 * tbytes;
     alignas(64) float facc[8 * 4 * 2 * 8];
@@ -341,14 +375,12 @@ static void band_int1(const MatRef& A, int band, const Acts& X, float* y) {
             _mm256_store_si256(reinterpret_cast<__m256i*>(iacc + i), _mm256_setzero_si256());
         }
     };
-    for (int r = r0; r < std::min(r0 + PREFETCH_ROWS, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    const BandPrefetch pf(A, band, X, tbytes);
+    pf.start_rows();
     for (int r = r0; r < r1; ++r) {
         if (r > r0 && r % 8 == 0) flush(r / 8 - 1);
         const uint8_t* row = base + r * row_stride;
-        if (r + PREFETCH_ROWS < r1)
-            prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
-        else if (next_band)  // a row-range call: the caller's next call is the next band of the same rows
-            prefetch_row(base + 8 * tbytes + size_t(r0 + r + PREFETCH_ROWS - r1) * row_stride, 8 * tbytes);
+        pf.row(r);
         if constexpr (BITS2 == 0) copy_row_ext(row, tbytes, ext);
         __m256i xp[4];
         for (int q = 0; q < 4; ++q) {
@@ -470,7 +502,8 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
     K.ones16 = _mm256_set1_epi16(1);
     K.sh0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][0]));
     K.sh1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][1]));
-        for (int r = r0; r < std::min(r0 + 8, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    const BandPrefetch pf(A, band, X, tbytes);
+    pf.start();
     for (int blk = r0 / 8; blk < r1 / 8; ++blk) {
         const uint8_t* brow = base + size_t(8 * blk) * row_stride;
         for (int rr = 0; rr < 8; ++rr) {
@@ -487,8 +520,7 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
         __m256 sc[M];
         for (int t = 0; t < M; ++t) sc[t] = _mm256_set1_ps(X.xs[t * X.xs_stride + blk]);
         for (int j = 0; j < 8; ++j) {
-            // prefetch the next block one row per tile column, spread over the block's work
-            if (8 * (blk + 1) + j < r1) prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
+            pf.at(blk, j);  // block blk + D, one row per tile column, spread over the block's work
             for (int ah = 0; ah < 8; ++ah) intm_cell<M, BITS2, UNIFORM>(brow, row_stride, j, ah, tbytes, ext, tb, xpp, sc, facc[0], K);
         }
     }
@@ -515,7 +547,8 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
     const __m256i mask16 = _mm256_set1_epi32(0xFFFF);
     const __m256i sh0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][0]));
     const __m256i sh1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][1]));
-        for (int r = r0; r < std::min(r0 + 8, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    const BandPrefetch pf(A, band, X, tbytes);
+    pf.start();
     for (int blk = r0 / 8; blk < r1 / 8; ++blk) {
         const uint8_t* brow = base + size_t(8 * blk) * row_stride;
         for (int rr = 0; rr < 8; ++rr) {
@@ -526,7 +559,7 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
                         reinterpret_cast<const __m128*>(X.xf + t * X.xf_stride + 16 * (8 * blk + rr) + 4 * q));
         }
         for (int j = 0; j < 8; ++j) {
-            if (8 * (blk + 1) + j < r1) prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
+            pf.at(blk, j);
             static_for<4>([&](auto AA) CT_LAMBDA_INLINE {
                 constexpr int a = decltype(AA)::value;
                 if constexpr (M <= 3) {
@@ -647,7 +680,6 @@ struct Band16 {
     int tbytes, r0, r1;
     size_t row_stride;
     const uint8_t* base;
-    const uint8_t* next_base;
     __mmask64 m0, m1;
 };
 template <int TB>
@@ -659,7 +691,6 @@ CT_INLINE Band16 band16(const MatRef& A, int band, const Acts& X) {
     g.r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;
     g.row_stride = size_t(tiles_n) * g.tbytes;
     g.base = A.trellis + size_t(band) * 8 * g.tbytes;
-    g.next_base = X.blk1 >= 0 && band + 1 < tiles_n / 8 ? g.base + 8 * g.tbytes : nullptr;
     const int tb = g.tbytes;
     g.m0 = tb >= 64 ? ~__mmask64(0) : ((__mmask64(1) << tb) - 1);
     g.m1 = tb <= 64 ? __mmask64(0) : (tb >= 128 ? ~__mmask64(0) : ((__mmask64(1) << (tb - 64)) - 1));
@@ -704,7 +735,7 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
     const Band16 g = band16<TB>(A, band, X);
     const int tbytes = g.tbytes, r0 = g.r0, r1 = g.r1;
     const size_t row_stride = g.row_stride;
-    const uint8_t *base = g.base, *const next_base = g.next_base;
+    const uint8_t* base = g.base;
     const __mmask64 m0 = g.m0, m1 = g.m1;
     constexpr int NACC = 8 * 8 * 16;  // [j][c0][16 dword lanes]
     alignas(64) float facc[M][NACC];
@@ -717,7 +748,8 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
     alignas(64) static const uint16_t xidx_tab[32] = {0,  1,  2,  3,  0,  1,  2,  3,  4,  5,  6,  7,  4,  5,  6,  7,
                                                       8,  9,  10, 11, 8,  9,  10, 11, 12, 13, 14, 15, 12, 13, 14, 15};
     const __m512i xidx = _mm512_load_si512(xidx_tab);
-        for (int r = r0; r < std::min(r0 + 8, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    const BandPrefetch pf(A, band, X, tbytes);
+    pf.start();
     for (int blk = r0 / 8; blk < r1 / 8; ++blk) {
         const uint8_t* brow = base + size_t(8 * blk) * row_stride;
         for (int rr = 0; rr < 8; ++rr) {
@@ -730,10 +762,7 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
         __m512 sc[M];
         for (int t = 0; t < M; ++t) sc[t] = _mm512_set1_ps(X.xs[t * X.xs_stride + blk]);
         for (int j = 0; j < 8; ++j) {
-            if (8 * (blk + 1) + j < r1)
-                prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
-            else if (next_base)  // a row-range call: the caller's next call is the next band of the same rows
-                prefetch_row(next_base + size_t(r0 + j) * row_stride, 8 * tbytes);
+            pf.at(blk, j);
             for (int c0 = 0; c0 < 8; ++c0) {
                 if constexpr (RELOAD) __asm__ volatile("" ::: "memory");
                 const __m512i perm = _mm512_load_si512(tb.perm16[c0]);
@@ -814,7 +843,7 @@ static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
     const Band16 g = band16<TB>(A, band, X);
     const int tbytes = g.tbytes, r0 = g.r0, r1 = g.r1;
     const size_t row_stride = g.row_stride;
-    const uint8_t *base = g.base, *const next_base = g.next_base;
+    const uint8_t* base = g.base;
     const __mmask64 m0 = g.m0, m1 = g.m1;
     alignas(64) int8_t abuf[2][8][2 * M][64];      // activations, by block parity
     alignas(64) uint8_t stage[2][8][16][64];       // B tiles of a column's 8 tiles, by column parity
@@ -827,6 +856,7 @@ static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
     for (int i = 0; i < 4; ++i) perm[i] = _mm512_load_si512(tb.amx_perm[i]);
     for (int i = 0; i < 8; ++i) msh[i] = _mm512_load_si512(tb.amx_mshift[i]);
     const int blk_first = r0 / 8, S = 8 * (r1 / 8 - blk_first);  // columns of this call
+    const BandPrefetch pf(A, band, X, tbytes);
 
     auto build_acts = [&](int blk) {
         const __m256i c128 = _mm256_set1_epi16(128), lo8 = _mm256_set1_epi16(0xFF), dup = _mm256_set1_epi16(0x0101);
@@ -848,10 +878,7 @@ static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
     auto decode_column = [&](int s) {
         const int blk = blk_first + s / 8, j = s % 8;
         const uint8_t* brow = base + size_t(8 * blk) * row_stride;
-        if (8 * (blk + 1) + j < r1)
-            prefetch_row(brow + (8 + j) * row_stride, 8 * tbytes);
-        else if (next_base)  // a row-range call: the caller's next call is the next band of the same rows
-            prefetch_row(next_base + size_t(r0 + j) * row_stride, 8 * tbytes);
+        pf.at(blk, j);
 #pragma GCC unroll 2
         for (int rr = 0; rr < 8; ++rr) {
             __m512i z0, z1;
@@ -909,7 +936,7 @@ static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
             cfg.colsb[t] = 64;
         }
         CT_TILE_LOADCONFIG(&cfg);
-        for (int r = r0; r < std::min(r0 + 8, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+        pf.start();
         build_acts(blk_first);
         decode_column(0);
         for (int s = 0; s < S; ++s) {
@@ -957,11 +984,12 @@ static void band_int1(const MatRef& A, int band, const Acts& X, float* y) {
             _mm512_store_si512(iacc + i, _mm512_setzero_si512());
         }
     };
-    for (int r = r0; r < std::min(r0 + PREFETCH_ROWS, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    const BandPrefetch pf(A, band, X, tbytes);
+    pf.start_rows();
     for (int r = r0; r < r1; ++r) {
         if (r > r0 && r % 8 == 0) flush(r / 8 - 1);
         const uint8_t* row = base + r * row_stride;
-        if (r + PREFETCH_ROWS < r1) prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
+        pf.row(r);
         if constexpr (BITS2 == 0) copy_row_ext(row, tbytes, ext);
         __m512i xp[4];
         for (int q = 0; q < 4; ++q) {
@@ -1027,11 +1055,12 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
             }
         }
     };
-    for (int r = r0; r < std::min(r0 + PREFETCH_ROWS, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    const BandPrefetch pf(A, band, X, tbytes);
+    pf.start_rows();
     for (int r = r0; r < r1; ++r) {
         if (r > r0 && r % 8 == 0) flush(r / 8 - 1);
         const uint8_t* row = base + r * row_stride;
-        if (r + PREFETCH_ROWS < r1) prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
+        pf.row(r);
         if constexpr (BITS2 == 0) copy_row_ext(row, tbytes, ext);
         for (int t = 0; t < M; ++t)
             for (int pq = 0; pq < 2; ++pq) {
@@ -1087,10 +1116,11 @@ static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
     std::memset(facc, 0, sizeof(facc));
     const __m512i mask16 = _mm512_set1_epi32(0xFFFF);
     const __m512i sh = _mm512_load_si512(tb.shift[0]);
-    for (int r = r0; r < std::min(r0 + PREFETCH_ROWS, r1); ++r) prefetch_row(base + r * row_stride, 8 * tbytes);
+    const BandPrefetch pf(A, band, X, tbytes);
+    pf.start_rows();
     for (int r = r0; r < r1; ++r) {
         const uint8_t* row = base + r * row_stride;
-        if (r + PREFETCH_ROWS < r1) prefetch_row(row + PREFETCH_ROWS * row_stride, 8 * tbytes);
+        pf.row(r);
         if constexpr (BITS2 == 0) copy_row_ext(row, tbytes, ext);
         for (int t = 0; t < M; ++t)
             for (int q = 0; q < 4; ++q)

@@ -101,6 +101,79 @@ struct BandwidthJob : JobBase {
     }
 };
 
+// Start line of the benchmark jobs that run one unit per worker at once: a unit waits (spinning) until every unit
+// has started, so a worker cannot take two units and all of them measure together. Gives up waiting after 2 s (a
+// worker that never came: the measurement is then not simultaneous, but it ends).
+struct StartLine {
+    std::atomic<int> arrived{0};
+    void wait(int n) {
+        arrived.fetch_add(1, std::memory_order_acq_rel);
+        const uint64_t t0 = now_ns();
+        while (arrived.load(std::memory_order_acquire) < n && now_ns() - t0 < 2000000000ull) CT_PAUSE();
+    }
+};
+
+// Throughput of the two vector ports the MUL1 kernels keep busy, on the calling core: 12 independent chains of
+// the variant's integer multiply-add (AVX-512: vpdpwssd zmm; AVX2: vpmaddwd + vpaddd ymm, counted as one step;
+// scalar and the emulated variant: 64-bit imul). Chain steps per ns over about `sec` seconds. With every core busy
+// at once, a core that shares its ports with another busy one (an SMT sibling: another vCPU of this or another
+// guest) runs it at about half its rate alone.
+static double port_rate(double sec) {
+#if defined(CPU_TIER_ISA_AVX512) && !defined(CT_EMU512)
+    using V = __m512i;
+#define CT_PR_SET(v) _mm512_set1_epi32(v)
+#define CT_PR_OP(a, b) _mm512_dpwssd_epi32(a, b, b)
+#define CT_PR_KEEP(v) __asm__ volatile("" : "+v"(v))
+#elif defined(CPU_TIER_ISA_AVX2) || defined(CPU_TIER_ISA_AVX512)
+    using V = __m256i;
+#define CT_PR_SET(v) _mm256_set1_epi32(v)
+#define CT_PR_OP(a, b) _mm256_add_epi32(a, _mm256_madd_epi16(b, b))
+#define CT_PR_KEEP(v) __asm__ volatile("" : "+x"(v))
+#else
+    using V = uint64_t;
+#define CT_PR_SET(v) uint64_t(v)
+#define CT_PR_OP(a, b) ((a) * (b))
+#define CT_PR_KEEP(v) __asm__ volatile("" : "+r"(v))
+#endif
+    V a[12];
+    for (int i = 0; i < 12; ++i) a[i] = CT_PR_SET(i + 1);
+    const V b = CT_PR_SET(0x00010003);
+    const long block = 4096;
+    long n = 0;
+    const uint64_t t0 = now_ns();
+    uint64_t t = t0;
+    do {
+        for (long i = 0; i < block; ++i) {
+            a[0] = CT_PR_OP(a[0], b); a[1] = CT_PR_OP(a[1], b); a[2] = CT_PR_OP(a[2], b); a[3] = CT_PR_OP(a[3], b);
+            a[4] = CT_PR_OP(a[4], b); a[5] = CT_PR_OP(a[5], b); a[6] = CT_PR_OP(a[6], b); a[7] = CT_PR_OP(a[7], b);
+            a[8] = CT_PR_OP(a[8], b); a[9] = CT_PR_OP(a[9], b); a[10] = CT_PR_OP(a[10], b); a[11] = CT_PR_OP(a[11], b);
+            CT_PR_KEEP(a[0]); CT_PR_KEEP(a[1]); CT_PR_KEEP(a[2]); CT_PR_KEEP(a[3]); CT_PR_KEEP(a[4]); CT_PR_KEEP(a[5]);
+            CT_PR_KEEP(a[6]); CT_PR_KEEP(a[7]); CT_PR_KEEP(a[8]); CT_PR_KEEP(a[9]); CT_PR_KEEP(a[10]); CT_PR_KEEP(a[11]);
+        }
+        n += block;
+        t = now_ns();
+    } while (double(t - t0) < sec * 1e9);
+#undef CT_PR_SET
+#undef CT_PR_OP
+#undef CT_PR_KEEP
+    return 12.0 * double(n) / double(t - t0);
+}
+
+// Vector-port rate of every worker, all at once (port_rate).
+struct PortRateJob : JobBase {
+    double sec = 0.03;
+    std::vector<double> rate;
+    StartLine start;
+    void run(Pool& pool) override {
+        const int W = pool.threads();
+        rate.assign(size_t(W), 0.0);
+        pool.parallel_for(W, [&](int u, int) {
+            start.wait(W);
+            rate[size_t(u)] = port_rate(sec);
+        });
+    }
+};
+
 // Core clock of every worker at once (clock_probe.h; the clock with that many cores busy, scalar code).
 struct ClockJob : JobBase {
     int units = 1;
@@ -112,15 +185,19 @@ struct ClockJob : JobBase {
 };
 
 
-// Kernel-only rate (benchmark): every worker at once computes bands of `trellis` (band (w + i) % bands for i < iters,
-// or with rows_split the blocks are visited slab by slab over all bands as the split job does) with synthetic
-// prepared activations (m tokens), no transforms. One band of a k = 5120, K = 3 matrix is 240 KiB (L2 resident):
-// the kernel's compute rate with that many cores busy. Returns, per worker, seconds per band.
+// Kernel-only rate (benchmark): every worker at once computes bands of `trellis` (band (w + i) % bands, i = 0, 1, ...)
+// with synthetic prepared activations (m tokens), no transforms. One band of a k = 5120, K = 3 matrix is 240 KiB
+// (L2 resident): the kernel's compute rate with that many cores busy. The workers start together and every one
+// keeps computing until the last one has done `iters` bands, so all of them are busy over each one's measured time
+// (a worker that stopped early would leave its core's ports to an SMT sibling). Returns, per worker, seconds per
+// band.
 struct KernelRateJob : JobBase {
     MatRef A;
     int m = 1, bands = 1, iters = 1, variant = 0;
     bool fast = true;
     std::vector<double> sec;
+    StartLine start;
+    std::atomic<int> finished{0};  // workers that have done `iters` bands
     void run(Pool& pool) override {
         const int W = pool.threads();
         sec.assign(size_t(W), 0.0);
@@ -146,16 +223,20 @@ struct KernelRateJob : JobBase {
             X.xsum = xsum;
             X.variant = variant;
             X.amx = pool.amx_for(m);
+            X.pf_blocks = pool.prefetch_blocks();
             const GemvMode mode = gemv_mode(A, fast, m);
             alignas(64) float y[MAXM * 128];
             float sink = 0.0f;
             gemv_band(A, u % bands, X, mode, y);  // warm-up
+            start.wait(W);
             const uint64_t t0 = now_ns();
-            for (int it = 0; it < iters; ++it) {
-                gemv_band(A, (u + it) % bands, X, mode, y);
+            long it = 0;
+            do {
+                gemv_band(A, int((u + it) % bands), X, mode, y);
                 sink += y[it & 127];
-            }
-            const double s = double(now_ns() - t0) * 1e-9 / iters;
+                if (++it == iters) finished.fetch_add(1, std::memory_order_acq_rel);
+            } while (it < iters || finished.load(std::memory_order_acquire) < W);
+            const double s = double(now_ns() - t0) * 1e-9 / double(it);
             sec[size_t(u)] = sink == 12345.678f ? s * 1.000001 : s;  // keeps the results live
         });
     }
@@ -166,9 +247,12 @@ class Runtime {
     // amx = true: the MUL1 integer path ("fast", K <= 4) runs the AMX kernel for chunks of at least amx_min_tokens
     // tokens. Needs a build with AMX kernels (the avx512 variant, or the emulated one) and, on hardware, the OS
     // grant, requested here.
-    Runtime(int threads, std::vector<int> cpus, int spin_us, bool amx, int amx_min_tokens) {
+    // prefetch_blocks: the kernels' software prefetch distance in 128-row blocks (Acts::pf_blocks).
+    Runtime(int threads, std::vector<int> cpus, int spin_us, bool amx, int amx_min_tokens, int prefetch_blocks) {
         if (amx_min_tokens < 1 || amx_min_tokens > MAXM + 1)
             throw std::invalid_argument("amx_min_tokens: must be in 1..9 (9 = never)");
+        if (prefetch_blocks < 0 || prefetch_blocks > 4)
+            throw std::invalid_argument("prefetch_blocks: must be in 0..4 (0 = no software prefetch)");
         if (amx) {
 #if !defined(CT_HAVE_AMX)
             throw std::invalid_argument("amx: this kernel variant (" + std::string(ISA_NAME) + ") has no AMX kernels");
@@ -177,10 +261,11 @@ class Runtime {
             if (!why.empty()) throw std::runtime_error("amx: " + why);
 #endif
         }
-        pool_ = std::make_unique<Pool>(threads, std::move(cpus), spin_us, amx ? amx_min_tokens : 0);
+        pool_ = std::make_unique<Pool>(threads, std::move(cpus), spin_us, amx ? amx_min_tokens : 0, prefetch_blocks);
     }
     bool amx() { return pool().amx_min_tokens() > 0; }
     int amx_min_tokens() { return pool().amx_min_tokens(); }
+    int prefetch_blocks() { return pool().prefetch_blocks(); }
     ~Runtime() { close(); }
     void close() {
         if (pool_) {
@@ -217,6 +302,15 @@ class Runtime {
         job->fast = fast;
         job->variant = variant;
         run_blocking(job);
+    }
+
+    // Per-worker vector-port rate (chain steps per ns, port_rate) with all workers busy at once.
+    std::vector<double> port_rates(double sec) {
+        if (!(sec > 0.0 && sec <= 10.0)) throw std::invalid_argument("sec: must be in (0, 10]");
+        auto job = std::make_shared<PortRateJob>();
+        job->sec = sec;
+        run_blocking(job);
+        return job->rate;
     }
 
     // Per-worker clock (GHz) with all workers busy at once.
@@ -355,17 +449,19 @@ NB_MODULE(CPU_TIER_MODULE, m) {
 #endif
 
     nb::class_<Runtime>(m, "Runtime")
-        .def(nb::init<int, std::vector<int>, int, bool, int>(), nb::arg("threads"), nb::arg("cpus"), nb::arg("spin_us"),
-             nb::arg("amx") = false, nb::arg("amx_min_tokens") = 1)
+        .def(nb::init<int, std::vector<int>, int, bool, int, int>(), nb::arg("threads"), nb::arg("cpus"),
+             nb::arg("spin_us"), nb::arg("amx") = false, nb::arg("amx_min_tokens") = 1, nb::arg("prefetch_blocks") = 1)
         .def_prop_ro("threads", &Runtime::threads)
         .def_prop_ro("amx", &Runtime::amx)
         .def_prop_ro("amx_min_tokens", &Runtime::amx_min_tokens)
+        .def_prop_ro("prefetch_blocks", &Runtime::prefetch_blocks)
         .def_prop_ro("cpus", &Runtime::cpus)
         .def("close", &Runtime::close)
         .def("matmul", &Runtime::matmul, nb::arg("x"), nb::arg("trellis"), nb::arg("suh"), nb::arg("svh"),
              nb::arg("bias").none(), nb::arg("codebook"), nb::arg("fast"), nb::arg("out"), nb::arg("variant") = 0)
         .def("read_bandwidth", &Runtime::read_bandwidth, nb::arg("bytes"), nb::arg("iters"))
         .def("clock_ghz", &Runtime::clock_ghz)
+        .def("port_rates", &Runtime::port_rates, nb::arg("sec") = 0.03)
         .def("kernel_band_seconds", &Runtime::kernel_band_seconds, nb::arg("trellis"), nb::arg("suh"), nb::arg("svh"),
              nb::arg("codebook"), nb::arg("fast"), nb::arg("m"), nb::arg("bands"), nb::arg("iters"), nb::arg("variant") = 0)
         .def(

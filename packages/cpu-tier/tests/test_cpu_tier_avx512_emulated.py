@@ -67,6 +67,8 @@ def test_moe(rt) -> None:
     x = rng.standard_normal((6, 128)).astype(np.float32)
     picks = Picks.from_topk(rng.integers(0, 3, (6, 2)), rng.random((6, 2)).astype(np.float32))
     ref = ref_moe(x, picks, experts, 10.0)
+    far = EMU.Runtime(1, [], 50, prefetch_blocks=4)  # the prefetch distance does not change the results
+    assert far.prefetch_blocks == 4
     for fast, slab_blocks in ((False, 0), (True, 0), (False, 1), (True, 1)):
         out = np.full((6, 128), np.nan, np.float32)
         job = rt.submit_moe(layer, x, picks.tokens, picks.experts, picks.weights, out, fast, 64, slab_blocks)
@@ -76,6 +78,11 @@ def test_moe(rt) -> None:
             assert rel_rms(out, ref) <= 5e-3
         else:
             assert rel_max(out, ref) <= 1e-5
+        out_far = np.full((6, 128), np.nan, np.float32)
+        job = far.submit_moe(layer, x, picks.tokens, picks.experts, picks.weights, out_far, fast, 64, slab_blocks)
+        assert job.wait(60.0) and not job.error()
+        np.testing.assert_array_equal(out_far, out)
+    far.close()
 
 
 @pytest.mark.parametrize("bits", [1, 1.5, 2, 2.5, 3, 3.5, 4])

@@ -26,6 +26,9 @@ from cpu_tier.config import usable_cpus
         ({"amx_min_tokens": 0}, "amx_min_tokens"),
         ({"amx_min_tokens": 10}, "amx_min_tokens"),
         ({"amx_min_tokens": True}, "amx_min_tokens"),
+        ({"prefetch_blocks": -1}, "prefetch_blocks"),
+        ({"prefetch_blocks": 5}, "prefetch_blocks"),
+        ({"prefetch_blocks": 2.0}, "prefetch_blocks"),
     ],
 )
 def test_bad_fields(kwargs: dict, field: str) -> None:

@@ -73,6 +73,30 @@ def test_row_slab_split_matches_reference(small_experts, isa: str, slab_blocks: 
             _check(out, ref_moe(x, picks, small_experts, limit), precision)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_prefetch_distance_does_not_change_results(small_experts, isa: str, precision: str) -> None:
+    # The software prefetch distance is a tuning knob: every distance gives the same bits, in both work splits
+    # (the row-slab split also prefetches the next band's rows at the end of a call).
+    rng = np.random.default_rng(len(isa) + len(precision))
+    t = 10
+    x = (rng.standard_normal((t, 256)) * 4).astype(np.float32)
+    picks = _picks(rng, t, 6, 3)
+    picks.experts[:t] = 2  # a chunk of 8 tokens and one of 2
+    ref = ref_moe(x, picks, small_experts, 10.0)
+    for slab_blocks in (0, 1):
+        outs = []
+        for pfb in (1, 0, 2, 3, 4):
+            cfg = CpuTierConfig(threads=2, isa=isa, precision=precision, slab_blocks=slab_blocks,  # type: ignore[arg-type]
+                                prefetch_blocks=pfb)
+            with ExpertTier(cfg) as tier:
+                tier.add_layer(0, *small_experts)
+                outs.append(tier.forward(0, x, picks))
+        _check(outs[0], ref, precision)
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0])
+
+
 def test_clamp_follows_deepseek(small_experts) -> None:
     # Large activations: the clamp changes the result, and the gate is clamped before the silu.
     rng = np.random.default_rng(1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import platform
 import subprocess
 import sys
@@ -60,6 +61,45 @@ def _page_aligned_copy(a: np.ndarray) -> np.ndarray:
     return v
 
 
+def _anon_huge_mib() -> float:
+    """This process's anonymous memory in transparent huge pages (MiB; nan where /proc does not say)."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return float("nan")
+
+
+def _thp_mode() -> str:
+    """The transparent huge page setting ("always", "madvise", "never" or "unknown")."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        return text.split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
+def _hugepage_copies(experts: tuple[list, list, list]) -> tuple[list, list, list]:
+    """The same experts, their trellis copied into one anonymous mapping advised for transparent huge pages
+    (2 MiB pages where the kernel grants them: THP "always" or "madvise"), page-aligned each."""
+    sizes = [(t.trellis.nbytes + 4095) & ~4095 for proj in experts for t in proj]
+    mm = mmap.mmap(-1, sum(sizes) + (2 << 20), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    buf = np.frombuffer(mm, dtype=np.uint8)
+    off = (-buf.ctypes.data) % (2 << 20)  # the first expert at a 2 MiB boundary
+    out: tuple[list, list, list] = ([], [], [])
+    for proj, dst in zip(experts, out, strict=True):
+        for t in proj:
+            v = buf[off : off + t.trellis.nbytes].view(t.trellis.dtype).reshape(t.trellis.shape)
+            v[...] = t.trellis
+            dst.append(exl3.Exl3Tensor.from_arrays(v, t.suh, t.svh, t.codebook))
+            off += (t.trellis.nbytes + 4095) & ~4095
+    return out
+
+
 def _experts(n: int, hidden: int, inter: int, codebook: str, seed: int) -> tuple[list, list, list]:
     """n distinct experts (separate, page-aligned memory); the trellis content repeats from 3 random templates."""
     rng = np.random.default_rng(seed)
@@ -98,6 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slabs", default="0",
                    help="CpuTierConfig.slab_blocks values (comma separated) for the m=1 fast cases; the first one "
                         "for every other case")
+    p.add_argument("--prefetch-blocks", default="1",
+                   help="CpuTierConfig.prefetch_blocks values (comma separated) for the m=1 fast and ceiling cases; "
+                        "the first one for every other case")
+    p.add_argument("--hugepages", action="store_true",
+                   help="also run the m=1 fast cases with the experts' memory in transparent huge pages (an A/B: "
+                        "rows named 'huge')")
     p.add_argument("--amx-min-tokens", type=int, default=6,
                    help="CpuTierConfig.amx_min_tokens of the isa 'amx' job cases (its kernel ceiling always runs the "
                         "AMX kernel)")
@@ -118,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"--cases: unknown {sorted(bad)} (known: fast, exact, mcg, llc, l2, kernel)")
     slabs = [int(v) for v in args.slabs.split(",")]
+    pfbs = [int(v) for v in args.prefetch_blocks.split(",")]
+    if any(not 0 <= v <= 4 for v in pfbs):
+        p.error("--prefetch-blocks: values must be in 0..4")
     expert_bytes = 3 * hidden * inter * K // 8
     n_exp = args.experts or (4 if args.quick else max(16, 4 * all_threads))
     probe_bytes = (4 if args.quick else args.probe_mib) << 20
@@ -132,6 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     t0 = time.perf_counter()
     gate, up, down = _experts(n_exp, hidden, inter, "mul1", seed=1)
+    huge = None
+    if args.hugepages:
+        before = _anon_huge_mib()
+        huge = _hugepage_copies((gate, up, down))
+        print(f"# --hugepages: {_anon_huge_mib() - before:.0f} MiB of the experts' copy in transparent huge pages "
+              f"(THP: {_thp_mode()})", flush=True)
     mcg = _experts(min(n_exp, 8), hidden, inter, "mcg", seed=2) if not args.quick and "mcg" in want else None
     # compute ceilings: one expert's memory referenced n_exp times (cache resident)
     llc = ([gate[0]] * n_exp, [up[0]] * n_exp, [down[0]] * n_exp)
@@ -139,23 +194,36 @@ def main(argv: list[str] | None = None) -> int:
     l2e = _experts(1, hidden, l2_inter, "mul1", seed=3)
     l2 = (l2e[0] * n_exp, l2e[1] * n_exp, l2e[2] * n_exp)
     print(f"# built {n_exp} experts in {time.perf_counter() - t0:.1f} s", flush=True)
-    hdr = (f"{'case':<26}{'isa':>8}{'thr':>5}{'m':>3}{'prec':>7}{'ms/exp':>9}{'p10':>8}{'p90':>8}"
+    hdr = (f"{'case':<30}{'isa':>8}{'thr':>5}{'m':>3}{'prec':>7}{'ms/exp':>9}{'p10':>8}{'p90':>8}"
            f"{'Gw/s':>8}{'GB/s':>8}{'GB/s/core':>10}{'probe':>8}{'ratio':>7}{'cyc/w':>7}")
     print(hdr, flush=True)
     rows: list[dict[str, Any]] = []
     rng = np.random.default_rng(0)
     for isa in isas:
+        port_best = 0.0  # the fastest one core's vector-port rate seen so far (alone, or with others busy)
         for thr in thread_counts:
             pin = usable_cpus()[:thr] if thr <= len(usable_cpus()) else ()
             cfg = CpuTierConfig(threads=thr, cpus=pin, isa=isa)  # type: ignore[arg-type]
             with ExpertTier(cfg) as probe_tier:
                 bw = probe_tier._rt.read_bandwidth(probe_bytes, 3) / 1e9
                 ghz = float(np.median(probe_tier._rt.clock_ghz()))
+                # three runs: the fastest one alone (one thread), the median one with all busy
+                runs = sorted((np.asarray(probe_tier._rt.port_rates(0.03)) for _ in range(3)), key=lambda r: r.sum())
+                ports = runs[-1] if thr == 1 else runs[1]
             row = {"case": "probe/stream-read", "isa": isa, "threads": thr, "GBps": bw, "GBps_per_core": bw / thr,
                    "bytes": probe_bytes, "clock_GHz": ghz}
             rows.append(row)
-            print(f"{'probe/stream-read':<26}{isa:>8}{thr:>5}{'':>3}{'':>7}{'':>9}{'':>8}{'':>8}{'':>8}"
+            print(f"{'probe/stream-read':<30}{isa:>8}{thr:>5}{'':>3}{'':>7}{'':>9}{'':>8}{'':>8}{'':>8}"
                   f"{bw:8.2f}{bw / thr:10.2f}{bw:8.2f}{'':>7}  (core clock ~{ghz:.2f} GHz with {thr} busy)", flush=True)
+            # the vector ports' throughput with every worker busy at once, in cores' worth of the fastest core seen:
+            # below the thread count where cores share their ports (SMT siblings; in a VM, possibly with another
+            # guest's busy vCPU, which also slows a core that runs alone)
+            port_best = max(port_best, float(ports.max()))
+            eff = float(ports.sum()) / port_best
+            rows.append({"case": "probe/vector-ports", "isa": isa, "threads": thr, "steps_per_ns": float(ports.sum()),
+                         "per_worker_steps_per_ns": [round(float(v), 3) for v in ports], "effective_cores": eff})
+            print(f"{'probe/vector-ports':<30}{isa:>8}{thr:>5}  = {eff:.1f} cores' worth of the fastest core "
+                  f"(per core {ports.min() / port_best:.2f}..{ports.max() / port_best:.2f})", flush=True)
             if "kernel" in want:
                 # kernel alone, every worker at once on its own L2-resident band (the job's compute ceiling);
                 # variants of the AVX-512 int16 kernel (see csrc/kernels.h), for an A/B against the default
@@ -179,21 +247,24 @@ def main(argv: list[str] | None = None) -> int:
                                  "GBps": gbps, "GBps_per_core": gbps / thr, "probe_GBps": bw, "ratio_to_probe": gbps / bw,
                                  "clock_GHz": ghz, "cycles_per_weight": ghz * thr / gw,
                                  "per_worker_Gw_s": [round(float(v), 3) for v in per_worker]})
-                    print(f"{case:<26}{isa:>8}{thr:>5}{1:>3}{'fast':>7}{'':>9}{'':>8}{'':>8}"
+                    print(f"{case:<30}{isa:>8}{thr:>5}{1:>3}{'fast':>7}{'':>9}{'':>8}{'':>8}"
                           f"{gw:8.2f}{gbps:8.2f}{gbps / thr:10.2f}{bw:8.2f}{gbps / bw:7.2f}{ghz * thr / gw:7.3f}",
                           flush=True)
-            # (tokens, precision, codebook, pool name, slab_blocks)
-            cases = [(m, "fast", "mul1", "dram", sb) for m in tokens for sb in (slabs if m == 1 else slabs[:1])] \
+            # (tokens, precision, codebook, pool name, slab_blocks, prefetch_blocks)
+            cases = [(m, "fast", "mul1", pool, sb, pf) for m in tokens for pool in ("dram", "dram-huge")
+                     if pool == "dram" or (huge is not None and m == 1)
+                     for sb in (slabs if m == 1 else slabs[:1]) for pf in (pfbs if m == 1 else pfbs[:1])] \
                 if "fast" in want else []
             if "exact" in want:
-                cases.append((1, "exact", "mul1", "dram", slabs[0]))
+                cases.append((1, "exact", "mul1", "dram", slabs[0], pfbs[0]))
             if mcg is not None:
-                cases.append((1, "fast", "mcg", "dram", slabs[0]))
-            cases += [(1, "fast", "mul1", c, sb) for c in ("llc", "l2") if c in want for sb in slabs]
+                cases.append((1, "fast", "mcg", "dram", slabs[0], pfbs[0]))
+            cases += [(1, "fast", "mul1", c, sb, pf) for c in ("llc", "l2") if c in want for sb in slabs for pf in pfbs]
             if isa == "scalar":
                 cases = [c for c in cases if c[0] == 1 and c[3] == "dram"][:2]
-            for m, prec, cb, pool, sb in cases:
-                experts = {"dram": (gate, up, down) if cb == "mul1" else mcg, "llc": llc, "l2": l2}[pool]
+            for m, prec, cb, pool, sb, pf in cases:
+                experts = {"dram": (gate, up, down) if cb == "mul1" else mcg, "dram-huge": huge, "llc": llc,
+                           "l2": l2}[pool]
                 if isa == "scalar":  # a few experts suffice for a variant this slow
                     experts = tuple(p[:2] for p in experts)  # type: ignore[assignment]
                 ne = len(experts[0])
@@ -201,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                 e_bytes = 3 * hidden * e_inter * K // 8
                 e_weights = 3 * hidden * e_inter
                 tier = ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa, precision=prec,  # type: ignore[arg-type]
-                                                slab_blocks=sb, amx_min_tokens=args.amx_min_tokens))
+                                                slab_blocks=sb, amx_min_tokens=args.amx_min_tokens,
+                                                prefetch_blocks=pf))
                 tier.add_layer(0, *experts)
                 x = rng.standard_normal((m, hidden)).astype(np.float32)
                 picks = Picks(np.repeat(np.arange(m, dtype=np.int32), ne), np.tile(np.arange(ne, dtype=np.int32), m),
@@ -224,11 +296,15 @@ def main(argv: list[str] | None = None) -> int:
                 gbps = e_bytes / med / 1e9
                 gw = e_weights / med / 1e9
                 case = f"expert/{cb} K={K} {'fast' if prec == 'fast' else 'exact'}"
-                if pool != "dram":
+                if pool == "dram-huge":
+                    case += " huge"
+                elif pool != "dram":
                     case = f"ceiling/{pool} I={e_inter}"
                 if sb:
                     case += f" rows/{sb}"
-                rows.append({"case": case, "pool": pool, "slab_blocks": sb, "expert_bytes": e_bytes, "isa": isa, "threads": thr, "tokens": m,
+                if len(pfbs) > 1:
+                    case += f" pf{pf}"
+                rows.append({"case": case, "pool": pool, "slab_blocks": sb, "prefetch_blocks": pf, "expert_bytes": e_bytes, "isa": isa, "threads": thr, "tokens": m,
                              "precision": prec, "codebook": cb,
                              "ms_per_expert": med * 1e3, "p10_ms": p10 * 1e3, "p90_ms": p90 * 1e3,
                              "Gweights_per_s": gw, "GBps": gbps, "GBps_per_core": gbps / thr, "probe_GBps": bw,
@@ -237,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                              "phase_ms_per_expert": dict(zip(
                                  ("zero", "input", "gate_up", "swiglu_down_input", "down", "sum"),
                                  (round(float(v) * 1e3, 4) for v in phases)))})
-                print(f"{case:<26}{isa:>8}{thr:>5}{m:>3}{prec:>7}{med * 1e3:9.3f}{p10 * 1e3:8.3f}{p90 * 1e3:8.3f}"
+                print(f"{case:<30}{isa:>8}{thr:>5}{m:>3}{prec:>7}{med * 1e3:9.3f}{p10 * 1e3:8.3f}{p90 * 1e3:8.3f}"
                       f"{gw:8.2f}{gbps:8.2f}{gbps / thr:10.2f}{bw:8.2f}{gbps / bw:7.2f}{ghz * thr / gw:7.3f}", flush=True)
     if args.json:
         env = {"cpu": _cpu_model(), "cores": len(usable_cpus()), "features": cpu_features(), "git": _git(),

@@ -33,6 +33,10 @@ class CpuTierConfig:
     amx_min_tokens : with isa "amx": the fewest tokens per expert chunk (1..8; 9 = never) that run the AMX kernel.
         Default 6: on Emerald Rapids the AMX kernel is as fast or faster at 8 tokens (1.0-2.5x on 1 core, 1.0-1.3x
         on 16 cores), slower at 1-2, even at 4.
+    prefetch_blocks : the kernels' software prefetch distance, in 128-row blocks of the weights (0..4; 0 = none,
+        the hardware prefetchers alone): the trellis rows of block b + D are requested while block b is computed
+        (the row-at-a-time kernels: 8 D - 2 tile rows ahead). A tuning knob for the memory latency of the host;
+        results do not depend on it. Default 1: on the H200 host 2 was 10-20% slower at 8 and 16 cores (README).
     precision : "exact" (fp32 activations, exact fp16 codebook values; max relative error <= 1e-5 against
         ``cpu_tier.exl3.linear``) or "fast" (MUL1: int16 activations and the integer byte-sum path; MCG/3INST:
         no fp16 rounding of the codebook value; relative RMS error <= 5e-3, see the README's error model).
@@ -53,6 +57,7 @@ class CpuTierConfig:
     spin_us: int = 50
     slab_blocks: int = 0
     amx_min_tokens: int = 6
+    prefetch_blocks: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
@@ -85,6 +90,9 @@ class CpuTierConfig:
         amt = self.amx_min_tokens
         if isinstance(amt, bool) or not isinstance(amt, int) or not 1 <= amt <= 9:
             raise ValueError(f"amx_min_tokens: must be an int in [1, 9] (9 = never), got {amt!r}")
+        pfb = self.prefetch_blocks
+        if isinstance(pfb, bool) or not isinstance(pfb, int) or not 0 <= pfb <= 4:
+            raise ValueError(f"prefetch_blocks: must be an int in [0, 4] (0 = none), got {pfb!r}")
         if isinstance(self.slab_blocks, bool) or not isinstance(self.slab_blocks, int) or not 0 <= self.slab_blocks <= 1024:
             raise ValueError(f"slab_blocks: must be an int in [0, 1024] (0 = band split), got {self.slab_blocks!r}")
 
