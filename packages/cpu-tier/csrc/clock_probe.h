@@ -1,4 +1,5 @@
-// Core clock estimate shared by the bench job (module.cpp) and scripts/port_probe.cpp.
+// Core clock estimate and vector-port rate, shared by the bench jobs (module.cpp) and scripts/port_probe.cpp,
+// scripts/smt_probe.cpp.
 //
 // Chains of dependent 64-bit imul (latency 3 cycles on every x86 core we target; a chain of immediate adds is not
 // usable: recent Intel cores fold immediate adds at rename). Two chain lengths are timed (n and 2n iterations of 4
@@ -8,6 +9,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace cpu_tier_clock {
 
@@ -46,6 +50,53 @@ inline double core_ghz(uint64_t n = 2000000, uint64_t seed = 7) {
     sink = x;  // keeps the chains live
     const int64_t d = int64_t(best2) - int64_t(best1);  // the time of n iterations of 4 imul
     return d > 0 ? double(12 * n) / double(d) : 0.0;
+}
+
+// Throughput of the two vector ports the MUL1 kernels keep busy, on the calling core: 12 independent chains of the
+// widest integer multiply-add the build targets (AVX-512 VNNI: vpdpwssd zmm; AVX2: vpmaddwd + vpaddd ymm, counted as
+// one step; otherwise 64-bit imul). Chain steps per ns over about `sec` seconds. With every core busy at once, a
+// core that shares its ports with another busy one (an SMT sibling: another vCPU of this or another guest) runs it
+// at about half its rate alone. (Compiler feature macros, not cpu-tier's ISA defines: scripts/smt_probe.cpp and
+// every kernel variant use it; the emulated AVX-512 variant is built for AVX2 and times the AVX2 loop.)
+inline double port_rate(double sec) {
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    using V = __m512i;
+#define CT_PR_SET(v) _mm512_set1_epi32(v)
+#define CT_PR_OP(a, b) _mm512_dpwssd_epi32(a, b, b)
+#define CT_PR_KEEP(v) __asm__ volatile("" : "+v"(v))
+#elif defined(__AVX2__)
+    using V = __m256i;
+#define CT_PR_SET(v) _mm256_set1_epi32(v)
+#define CT_PR_OP(a, b) _mm256_add_epi32(a, _mm256_madd_epi16(b, b))
+#define CT_PR_KEEP(v) __asm__ volatile("" : "+x"(v))
+#else
+    using V = uint64_t;
+#define CT_PR_SET(v) uint64_t(v)
+#define CT_PR_OP(a, b) ((a) * (b))
+#define CT_PR_KEEP(v) __asm__ volatile("" : "+r"(v))
+#endif
+    V a[12];
+    for (int i = 0; i < 12; ++i) a[i] = CT_PR_SET(i + 1);
+    const V b = CT_PR_SET(0x00010003);
+    const long block = 4096;
+    long n = 0;
+    const uint64_t t0 = steady_ns();
+    uint64_t t = t0;
+    do {
+        for (long i = 0; i < block; ++i) {
+            a[0] = CT_PR_OP(a[0], b); a[1] = CT_PR_OP(a[1], b); a[2] = CT_PR_OP(a[2], b); a[3] = CT_PR_OP(a[3], b);
+            a[4] = CT_PR_OP(a[4], b); a[5] = CT_PR_OP(a[5], b); a[6] = CT_PR_OP(a[6], b); a[7] = CT_PR_OP(a[7], b);
+            a[8] = CT_PR_OP(a[8], b); a[9] = CT_PR_OP(a[9], b); a[10] = CT_PR_OP(a[10], b); a[11] = CT_PR_OP(a[11], b);
+            CT_PR_KEEP(a[0]); CT_PR_KEEP(a[1]); CT_PR_KEEP(a[2]); CT_PR_KEEP(a[3]); CT_PR_KEEP(a[4]); CT_PR_KEEP(a[5]);
+            CT_PR_KEEP(a[6]); CT_PR_KEEP(a[7]); CT_PR_KEEP(a[8]); CT_PR_KEEP(a[9]); CT_PR_KEEP(a[10]); CT_PR_KEEP(a[11]);
+        }
+        n += block;
+        t = steady_ns();
+    } while (double(t - t0) < sec * 1e9);
+#undef CT_PR_SET
+#undef CT_PR_OP
+#undef CT_PR_KEEP
+    return 12.0 * double(n) / double(t - t0);
 }
 
 }  // namespace cpu_tier_clock

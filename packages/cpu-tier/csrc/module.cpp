@@ -113,53 +113,7 @@ struct StartLine {
     }
 };
 
-// Throughput of the two vector ports the MUL1 kernels keep busy, on the calling core: 12 independent chains of
-// the variant's integer multiply-add (AVX-512: vpdpwssd zmm; AVX2: vpmaddwd + vpaddd ymm, counted as one step;
-// scalar and the emulated variant: 64-bit imul). Chain steps per ns over about `sec` seconds. With every core busy
-// at once, a core that shares its ports with another busy one (an SMT sibling: another vCPU of this or another
-// guest) runs it at about half its rate alone.
-static double port_rate(double sec) {
-#if defined(CPU_TIER_ISA_AVX512) && !defined(CT_EMU512)
-    using V = __m512i;
-#define CT_PR_SET(v) _mm512_set1_epi32(v)
-#define CT_PR_OP(a, b) _mm512_dpwssd_epi32(a, b, b)
-#define CT_PR_KEEP(v) __asm__ volatile("" : "+v"(v))
-#elif defined(CPU_TIER_ISA_AVX2) || defined(CPU_TIER_ISA_AVX512)
-    using V = __m256i;
-#define CT_PR_SET(v) _mm256_set1_epi32(v)
-#define CT_PR_OP(a, b) _mm256_add_epi32(a, _mm256_madd_epi16(b, b))
-#define CT_PR_KEEP(v) __asm__ volatile("" : "+x"(v))
-#else
-    using V = uint64_t;
-#define CT_PR_SET(v) uint64_t(v)
-#define CT_PR_OP(a, b) ((a) * (b))
-#define CT_PR_KEEP(v) __asm__ volatile("" : "+r"(v))
-#endif
-    V a[12];
-    for (int i = 0; i < 12; ++i) a[i] = CT_PR_SET(i + 1);
-    const V b = CT_PR_SET(0x00010003);
-    const long block = 4096;
-    long n = 0;
-    const uint64_t t0 = now_ns();
-    uint64_t t = t0;
-    do {
-        for (long i = 0; i < block; ++i) {
-            a[0] = CT_PR_OP(a[0], b); a[1] = CT_PR_OP(a[1], b); a[2] = CT_PR_OP(a[2], b); a[3] = CT_PR_OP(a[3], b);
-            a[4] = CT_PR_OP(a[4], b); a[5] = CT_PR_OP(a[5], b); a[6] = CT_PR_OP(a[6], b); a[7] = CT_PR_OP(a[7], b);
-            a[8] = CT_PR_OP(a[8], b); a[9] = CT_PR_OP(a[9], b); a[10] = CT_PR_OP(a[10], b); a[11] = CT_PR_OP(a[11], b);
-            CT_PR_KEEP(a[0]); CT_PR_KEEP(a[1]); CT_PR_KEEP(a[2]); CT_PR_KEEP(a[3]); CT_PR_KEEP(a[4]); CT_PR_KEEP(a[5]);
-            CT_PR_KEEP(a[6]); CT_PR_KEEP(a[7]); CT_PR_KEEP(a[8]); CT_PR_KEEP(a[9]); CT_PR_KEEP(a[10]); CT_PR_KEEP(a[11]);
-        }
-        n += block;
-        t = now_ns();
-    } while (double(t - t0) < sec * 1e9);
-#undef CT_PR_SET
-#undef CT_PR_OP
-#undef CT_PR_KEEP
-    return 12.0 * double(n) / double(t - t0);
-}
-
-// Vector-port rate of every worker, all at once (port_rate).
+// Vector-port rate of every worker, all at once (clock_probe.h: port_rate).
 struct PortRateJob : JobBase {
     double sec = 0.03;
     std::vector<double> rate;
@@ -169,7 +123,7 @@ struct PortRateJob : JobBase {
         rate.assign(size_t(W), 0.0);
         pool.parallel_for(W, [&](int u, int) {
             start.wait(W);
-            rate[size_t(u)] = port_rate(sec);
+            rate[size_t(u)] = cpu_tier_clock::port_rate(sec);
         });
     }
 };

@@ -5,60 +5,27 @@
 //
 //   g++ -O2 -march=native -pthread packages/cpu-tier/scripts/smt_probe.cpp -o /tmp/smt_probe && /tmp/smt_probe
 //
-// The loop: 12 independent chains of 512-bit (256-bit without AVX-512) vpdpwssd / vpmaddwd, throughput-bound on
-// the two vector ports (as the cpu-tier MUL1 kernels are). It prints, in loop iterations per ns:
+// The loop (csrc/clock_probe.h port_rate, also the bench's probe/vector-ports): 12 independent chains of 512-bit
+// vpdpwssd (256-bit vpmaddwd + vpaddd without AVX-512 VNNI), throughput-bound on the two vector ports (as the
+// cpu-tier MUL1 kernels are). It prints, in chain steps per ns:
 //  * each CPU alone (one thread pinned there, every other CPU idle);
 //  * for every pair of CPUs (a, b) busy together, each one's rate relative to its rate alone: a pair at ~0.5/0.5 is
 //    one core's two siblings;
 //  * every CPU busy at once: each one's rate, their sum, and the sum over (CPU count x median rate alone).
-#include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <thread>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-using V = __m512i;
-static inline V OP(V a, V b) { return _mm512_dpwssd_epi32(a, b, b); }
-static inline V SET(int v) { return _mm512_set1_epi32(v); }
-#else
-using V = __m256i;
-static inline V OP(V a, V b) { return _mm256_add_epi32(a, _mm256_madd_epi16(b, b)); }
-static inline V SET(int v) { return _mm256_set1_epi32(v); }
-#endif
-#define KEEP(v) __asm__ volatile("" : "+x"(v))
+#include "../csrc/clock_probe.h"
 
-static double now_s() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
-// Iterations of 12 chained ops per ns, over `sec` seconds of work (iterations counted in blocks).
-static double port_loop(double sec) {
-    V a0 = SET(1), a1 = SET(2), a2 = SET(3), a3 = SET(4), a4 = SET(5), a5 = SET(6), a6 = SET(7), a7 = SET(8),
-      a8 = SET(9), a9 = SET(10), a10 = SET(11), a11 = SET(12), b = SET(0x00010001);
-    const long block = 20000;
-    long n = 0;
-    const double t0 = now_s();
-    double t = t0;
-    do {
-        for (long i = 0; i < block; ++i) {
-            a0 = OP(a0, b); a1 = OP(a1, b); a2 = OP(a2, b); a3 = OP(a3, b); a4 = OP(a4, b); a5 = OP(a5, b);
-            a6 = OP(a6, b); a7 = OP(a7, b); a8 = OP(a8, b); a9 = OP(a9, b); a10 = OP(a10, b); a11 = OP(a11, b);
-            KEEP(a0); KEEP(a1); KEEP(a2); KEEP(a3); KEEP(a4); KEEP(a5);
-            KEEP(a6); KEEP(a7); KEEP(a8); KEEP(a9); KEEP(a10); KEEP(a11);
-        }
-        n += block;
-        t = now_s();
-    } while (t - t0 < sec);
-    return double(n) / ((t - t0) * 1e9);
-}
+static double port_loop(double sec) { return cpu_tier_clock::port_rate(sec); }
 
 static void pin(int cpu) {
     cpu_set_t s;
@@ -92,11 +59,10 @@ int main() {
         if (CPU_ISSET(c, &s)) cpus.push_back(c);
     const int n = int(cpus.size());
     const double sec = 0.03;
-    std::printf("# smt_probe: %d CPUs, %s loop, %.0f ms per measurement\n", n,
-                sizeof(V) == 64 ? "zmm vpdpwssd" : "ymm vpmaddwd+vpaddd", sec * 1e3);
+    std::printf("# smt_probe: %d CPUs, %.0f ms per measurement\n", n, sec * 1e3);
     std::vector<double> alone(cpus.size());
     for (int i = 0; i < n; ++i) alone[size_t(i)] = together({cpus[size_t(i)]}, sec)[0];
-    std::printf("alone (iters/ns):");
+    std::printf("alone (steps/ns):");
     for (int i = 0; i < n; ++i) std::printf(" %d:%.3f", cpus[size_t(i)], alone[size_t(i)]);
     std::vector<double> sorted = alone;
     std::sort(sorted.begin(), sorted.end());
@@ -127,7 +93,7 @@ int main() {
     for (int rep = 0; rep < 2; ++rep) {
         const auto all = together(cpus, 3 * sec);
         double sum = 0.0;
-        std::printf("all %d busy (iters/ns):", n);
+        std::printf("all %d busy (steps/ns):", n);
         for (int i = 0; i < n; ++i) {
             std::printf(" %d:%.3f", cpus[size_t(i)], all[size_t(i)]);
             sum += all[size_t(i)];
