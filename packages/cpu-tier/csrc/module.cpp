@@ -60,44 +60,66 @@ static MatRef make_mat(const I16_3D& trellis, const U16_1D& suh, const U16_1D& s
     return A;
 }
 
+// Streaming read of a buffer by every worker. seg == 0: 4 MiB contiguous pieces. seg > 0: the band kernels' access
+// pattern, without their compute: the buffer is a row of matrices of `rows` rows of `stride` bytes, one unit = one
+// band = `seg` bytes (a multiple of 128) of every row of one matrix, rows in order, with the kernels' software
+// prefetch (8 rows ahead, 64-byte lines).
 struct BandwidthJob : JobBase {
     const uint8_t* buf = nullptr;
     size_t bytes = 0;
+    size_t seg = 0, stride = 0, rows = 0;
     double checksum = 0;
+    size_t pattern_bytes() const {  // the bytes one pass reads
+        return seg == 0 ? bytes : bytes / (rows * stride) * rows * stride;
+    }
     void run(Pool& pool) override {
         const size_t piece = size_t(1) << 22;  // 4 MiB per unit
-        const int units = int((bytes + piece - 1) / piece);
+        const size_t mats = seg ? bytes / (rows * stride) : 0, bands = seg ? stride / seg : 0;
+        const int units = seg ? int(mats * bands) : int((bytes + piece - 1) / piece);
         std::vector<double> part(size_t(units), 0.0);
         pool.parallel_for(units, [&](int u, int) {
-            const uint8_t* p = buf + size_t(u) * piece;
-            const size_t n = std::min(piece, bytes - size_t(u) * piece);
-#if defined(CPU_TIER_ISA_SCALAR)
-            uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-            for (size_t i = 0; i + 32 <= n; i += 32) {
-                uint64_t v[4];
-                std::memcpy(v, p + i, 32);
-                a0 += v[0];
-                a1 ^= v[1];
-                a2 += v[2];
-                a3 ^= v[3];
+            if (seg) {
+                const uint8_t* b = buf + size_t(u) / bands * rows * stride + size_t(u) % bands * seg;
+                double acc = 0.0;
+                for (size_t r = 0; r < rows; ++r) {
+                    if (r + 8 < rows)
+                        for (size_t o = 0; o < seg; o += 64) __builtin_prefetch(b + (r + 8) * stride + o, 0, 3);
+                    acc += sum_bytes(b + r * stride, seg);
+                }
+                part[size_t(u)] = acc;
+                return;
             }
-            part[size_t(u)] = double((a0 + a1 + a2 + a3) & 0xFFFF);
-#else
-            __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-            for (size_t i = 0; i + 128 <= n; i += 128) {
-                a0 = _mm256_add_epi64(a0, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i)));
-                a1 = _mm256_xor_si256(a1, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
-                a2 = _mm256_add_epi64(a2, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
-                a3 = _mm256_xor_si256(a3, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
-            }
-            alignas(32) uint64_t v[4];
-            _mm256_store_si256(reinterpret_cast<__m256i*>(v),
-                               _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3)));
-            part[size_t(u)] = double((v[0] + v[1] + v[2] + v[3]) & 0xFFFF);
-#endif
+            part[size_t(u)] = sum_bytes(buf + size_t(u) * piece, std::min(piece, bytes - size_t(u) * piece));
         });
         checksum = 0;
         for (double d : part) checksum += d;
+    }
+    // A checksum of n bytes at p (n a multiple of 128 for the SIMD variants).
+    static double sum_bytes(const uint8_t* p, size_t n) {
+#if defined(CPU_TIER_ISA_SCALAR)
+        uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+        for (size_t i = 0; i + 32 <= n; i += 32) {
+            uint64_t v[4];
+            std::memcpy(v, p + i, 32);
+            a0 += v[0];
+            a1 ^= v[1];
+            a2 += v[2];
+            a3 ^= v[3];
+        }
+        return double((a0 + a1 + a2 + a3) & 0xFFFF);
+#else
+        __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+        for (size_t i = 0; i + 128 <= n; i += 128) {
+            a0 = _mm256_add_epi64(a0, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i)));
+            a1 = _mm256_xor_si256(a1, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
+            a2 = _mm256_add_epi64(a2, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
+            a3 = _mm256_xor_si256(a3, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
+        }
+        alignas(32) uint64_t v[4];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(v),
+                           _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3)));
+        return double((v[0] + v[1] + v[2] + v[3]) & 0xFFFF);
+#endif
     }
 };
 
@@ -292,7 +314,12 @@ class Runtime {
         return job->sec;
     }
 
-    double read_bandwidth(size_t bytes, int iters) {
+    // Read bandwidth (bytes/s, best of iters) over a fresh buffer of `bytes`: contiguous (seg = 0), or in the band
+    // kernels' pattern (BandwidthJob).
+    double read_bandwidth(size_t bytes, int iters, size_t seg, size_t stride, size_t rows) {
+        if (seg && (seg % 128 || stride < seg || stride % seg || rows < 1 || bytes < rows * stride))
+            throw std::invalid_argument("read_bandwidth: seg must be a multiple of 128 dividing stride, rows >= 1, "
+                                        "bytes >= rows * stride");
         Pool& p = pool();
         nb::gil_scoped_release nogil;
         bytes &= ~size_t(127);
@@ -324,11 +351,14 @@ class Runtime {
             auto job = std::make_shared<BandwidthJob>();
             job->buf = static_cast<const uint8_t*>(mem);
             job->bytes = bytes;
+            job->seg = seg;
+            job->stride = stride;
+            job->rows = rows;
             const uint64_t t0 = now_ns();
             p.submit(job);
             job->wait(-1);
             const double s = double(now_ns() - t0) * 1e-9;
-            best = std::max(best, double(bytes) / s);
+            best = std::max(best, double(job->pattern_bytes()) / s);
         }
         return best;  // bytes per second, best of iters
     }
@@ -413,7 +443,8 @@ NB_MODULE(CPU_TIER_MODULE, m) {
         .def("close", &Runtime::close)
         .def("matmul", &Runtime::matmul, nb::arg("x"), nb::arg("trellis"), nb::arg("suh"), nb::arg("svh"),
              nb::arg("bias").none(), nb::arg("codebook"), nb::arg("fast"), nb::arg("out"), nb::arg("variant") = 0)
-        .def("read_bandwidth", &Runtime::read_bandwidth, nb::arg("bytes"), nb::arg("iters"))
+        .def("read_bandwidth", &Runtime::read_bandwidth, nb::arg("bytes"), nb::arg("iters"), nb::arg("seg") = 0,
+             nb::arg("stride") = 0, nb::arg("rows") = 0)
         .def("clock_ghz", &Runtime::clock_ghz)
         .def("port_rates", &Runtime::port_rates, nb::arg("sec") = 0.03)
         .def("kernel_band_seconds", &Runtime::kernel_band_seconds, nb::arg("trellis"), nb::arg("suh"), nb::arg("svh"),

@@ -27,6 +27,8 @@ def test_quick_bench_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     for r in rows:
         by_case.setdefault(r["case"], []).append(r)
     assert {r["threads"] for r in by_case["probe/stream-read"]} == {1, 2}
+    for r in by_case["probe/band-read"]:
+        assert r["GBps"] > 0 and (r["segment_bytes"], r["stride_bytes"]) == (768, 384 // 16 * 96)
     ports = {r["threads"]: r for r in by_case["probe/vector-ports"]}
     assert ports[1]["effective_cores"] == pytest.approx(1.0)
     assert 0.2 < ports[2]["effective_cores"] <= 2.0 + 1e-9
@@ -40,6 +42,16 @@ def test_quick_bench_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
         for r in by_case[name]:
             assert r["GBps"] > 0 and r["ratio_to_probe"] > 0
             assert r["prefetch_blocks"] == (0 if name.endswith("pf0") else 1)
+
+
+def test_band_read_rejects_bad_geometry() -> None:
+    from cpu_tier import CpuTierConfig, ExpertTier
+
+    with ExpertTier(CpuTierConfig(threads=1)) as tier:
+        assert tier._rt.read_bandwidth(1 << 20, 1, 768, 768 * 4, 16) > 0
+        for seg, stride, rows in ((100, 800, 4), (768, 1000, 4), (768, 768 * 4, 0), (768, 768 * 4, 10_000)):
+            with pytest.raises(ValueError, match="read_bandwidth"):
+                tier._rt.read_bandwidth(1 << 20, 1, seg, stride, rows)
 
 
 def test_bad_arguments() -> None:

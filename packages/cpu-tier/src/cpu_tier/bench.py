@@ -7,6 +7,10 @@ expert of a pool larger than the last-level cache, so weights come from DRAM. Re
 trellis GB/s, per core, the ratio of trellis GB/s to the probe's GB/s for the same thread count, and core cycles per
 weight (clock from a dependent imul chain run on every worker at once).
 
+Probes besides the streaming read: ``probe/band-read`` reads memory in the band kernels' pattern with no compute
+(768 bytes of every 13,824: the gate/up bands), ``probe/vector-ports`` the two vector ports' throughput with every
+worker busy at once, in cores' worth of the fastest core (below the thread count where cores share their ports).
+
 Compute ceilings (same job, weights that stay in cache, so the kernel alone sets the rate): ``llc`` = the V4.1
 expert, the pool being one expert's memory referenced n times (13.27 MB: in the last-level cache); ``l2`` = a reduced
 expert with the same gate/up band loop (H=5120, I=256: 1.47 MB, one expert referenced n times).
@@ -206,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg = CpuTierConfig(threads=thr, cpus=pin, isa=isa)  # type: ignore[arg-type]
             with ExpertTier(cfg) as probe_tier:
                 bw = probe_tier._rt.read_bandwidth(probe_bytes, 3) / 1e9
+                # the gate/up band kernels' memory pattern without their compute: 8 tiles (768 B at K=3) of every
+                # tile row, rows (I/16) x 96 B apart
+                seg, stride = 8 * 2 * K * 16, inter // 16 * 2 * K * 16
+                bw_band = probe_tier._rt.read_bandwidth(probe_bytes, 3, seg, stride, hidden // 16) / 1e9
                 ghz = float(np.median(probe_tier._rt.clock_ghz()))
                 # three runs: the fastest one alone (one thread), the median one with all busy
                 runs = sorted((np.asarray(probe_tier._rt.port_rates(0.03)) for _ in range(3)), key=lambda r: r.sum())
@@ -215,6 +223,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"{'probe/stream-read':<30}{isa:>8}{thr:>5}{'':>3}{'':>7}{'':>9}{'':>8}{'':>8}{'':>8}"
                   f"{bw:8.2f}{bw / thr:10.2f}{bw:8.2f}{'':>7}  (core clock ~{ghz:.2f} GHz with {thr} busy)", flush=True)
+            rows.append({"case": "probe/band-read", "isa": isa, "threads": thr, "GBps": bw_band,
+                         "GBps_per_core": bw_band / thr, "probe_GBps": bw, "ratio_to_probe": bw_band / bw,
+                         "segment_bytes": seg, "stride_bytes": stride})
+            print(f"{'probe/band-read':<30}{isa:>8}{thr:>5}{'':>3}{'':>7}{'':>9}{'':>8}{'':>8}{'':>8}"
+                  f"{bw_band:8.2f}{bw_band / thr:10.2f}{bw:8.2f}{bw_band / bw:7.2f}  ({seg} B of every {stride} B, "
+                  f"no compute)", flush=True)
             # the vector ports' throughput with every worker busy at once, in cores' worth of the fastest core seen:
             # below the thread count where cores share their ports (SMT siblings; in a VM, possibly with another
             # guest's busy vCPU, which also slows a core that runs alone)
