@@ -14,6 +14,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 #include <type_traits>
@@ -202,9 +203,22 @@ CT_INLINE void prefetch_row(const uint8_t* p, int bytes) {
 // D blocks up front (start), then at tile column j of block blk the row 8 (blk + D) + j (at). Row kernels: 8 D - 2
 // rows ahead (row). Past the call's last row, a row-range call (Acts::blk1 >= 0, split jobs) prefetches the first
 // rows of the next band, which its caller computes next with the same rows.
+#if defined(CT_EMU512)
+// Test hook of the emulated build: every band prefetch is counted, and counted again when any of its bytes lie
+// outside its matrix's trellis (a prefetch never faults, so a wrong address would otherwise go unseen).
+inline std::atomic<long>& emu_prefetch_calls() {
+    static std::atomic<long> n{0};
+    return n;
+}
+inline std::atomic<long>& emu_prefetch_outside() {
+    static std::atomic<long> n{0};
+    return n;
+}
+#endif
 struct BandPrefetch {
     const uint8_t* base;
     const uint8_t* next_base;  // the next band's first tile of row 0, or nullptr
+    const uint8_t *lo, *hi;    // the matrix's trellis
     size_t row_stride;
     int bytes, r0, r1, d;
     BandPrefetch(const MatRef& A, int band, const Acts& X, int tbytes) {
@@ -214,23 +228,32 @@ struct BandPrefetch {
         row_stride = size_t(tiles_n) * tbytes;
         base = A.trellis + size_t(band) * 8 * tbytes;
         next_base = X.blk1 >= 0 && band + 1 < tiles_n / 8 ? base + 8 * tbytes : nullptr;
+        lo = A.trellis;
+        hi = A.trellis + size_t(tiles_k) * row_stride;
         bytes = 8 * tbytes;
         d = X.pf_blocks;
+    }
+    CT_INLINE void issue(const uint8_t* p) const {
+#if defined(CT_EMU512)
+        emu_prefetch_calls().fetch_add(1, std::memory_order_relaxed);
+        if (p < lo || p + bytes > hi) emu_prefetch_outside().fetch_add(1, std::memory_order_relaxed);
+#endif
+        prefetch_row(p, bytes);
     }
     CT_INLINE void fetch(int r) const {  // row r of this call's rows, or row r - r1 of the next band's
         if (d == 0) return;
         if (r < r1)
-            prefetch_row(base + size_t(r) * row_stride, bytes);
+            issue(base + size_t(r) * row_stride);
         else if (next_base && r0 + (r - r1) < r1)
-            prefetch_row(next_base + size_t(r0 + (r - r1)) * row_stride, bytes);
+            issue(next_base + size_t(r0 + (r - r1)) * row_stride);
     }
     CT_INLINE void start() const {
-        for (int r = r0; r < std::min(r0 + 8 * d, r1); ++r) prefetch_row(base + size_t(r) * row_stride, bytes);
+        for (int r = r0; r < std::min(r0 + 8 * d, r1); ++r) issue(base + size_t(r) * row_stride);
     }
     CT_INLINE void at(int blk, int j) const { fetch(8 * (blk + d) + j); }
     CT_INLINE int row_ahead() const { return 8 * d - 2; }
     CT_INLINE void start_rows() const {
-        for (int r = r0; r < std::min(r0 + row_ahead(), r1); ++r) prefetch_row(base + size_t(r) * row_stride, bytes);
+        for (int r = r0; r < std::min(r0 + row_ahead(), r1); ++r) issue(base + size_t(r) * row_stride);
     }
     CT_INLINE void row(int r) const { fetch(r + row_ahead()); }
 };

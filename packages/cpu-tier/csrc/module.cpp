@@ -207,11 +207,17 @@ struct KernelRateJob : JobBase {
             start.wait(W);
             const uint64_t t0 = now_ns();
             long it = 0;
+            uint64_t t_iters = 0;  // when this worker had done its `iters` bands
             do {
                 gemv_band(A, int((u + it) % bands), X, mode, y);
                 sink += y[it & 127];
-                if (++it == iters) finished.fetch_add(1, std::memory_order_acq_rel);
-            } while (it < iters || finished.load(std::memory_order_acquire) < W);
+                if (++it == iters) {
+                    finished.fetch_add(1, std::memory_order_acq_rel);
+                    t_iters = now_ns();
+                }
+                // keep going while others have not done theirs, for at most 2 s more (a worker that never came)
+            } while (it < iters ||
+                     (finished.load(std::memory_order_acquire) < W && now_ns() - t_iters < 2000000000ull));
             const double s = double(now_ns() - t0) * 1e-9 / double(it);
             sec[size_t(u)] = sink == 12345.678f ? s * 1.000001 : s;  // keeps the results live
         });
@@ -317,9 +323,10 @@ class Runtime {
     // Read bandwidth (bytes/s, best of iters) over a fresh buffer of `bytes`: contiguous (seg = 0), or in the band
     // kernels' pattern (BandwidthJob).
     double read_bandwidth(size_t bytes, int iters, size_t seg, size_t stride, size_t rows) {
-        if (seg && (seg % 128 || stride < seg || stride % seg || rows < 1 || bytes < rows * stride))
+        if (seg && (seg % 128 || stride < seg || stride % seg || rows < 1 || rows > bytes / stride ||
+                    bytes / (rows * stride) * (stride / seg) >= (size_t(1) << 20)))
             throw std::invalid_argument("read_bandwidth: seg must be a multiple of 128 dividing stride, rows >= 1, "
-                                        "bytes >= rows * stride");
+                                        "bytes >= rows * stride, fewer than 2^20 bands in all");
         Pool& p = pool();
         nb::gil_scoped_release nogil;
         bytes &= ~size_t(127);
@@ -358,6 +365,7 @@ class Runtime {
             p.submit(job);
             job->wait(-1);
             const double s = double(now_ns() - t0) * 1e-9;
+            if (!job->error.empty()) throw std::runtime_error(job->error);
             best = std::max(best, double(job->pattern_bytes()) / s);
         }
         return best;  // bytes per second, best of iters
@@ -425,6 +433,12 @@ NB_MODULE(CPU_TIER_MODULE, m) {
 #if defined(CT_EMU512)
     m.def("_emu_amx_fault", [](bool on) { cpu_tier::emu::tile_fault_injection().store(on); },
           "test hook: the emulated TDPBSUD drops its last K group while on");
+    m.def(
+        "_emu_prefetch_stats",
+        [] {
+            return std::vector<long>{emu_prefetch_calls().exchange(0), emu_prefetch_outside().exchange(0)};
+        },
+        "test hook: [band prefetches issued, of them outside their matrix] since the last call (then zeroed)");
 #endif
 #if defined(CT_HAVE_AMX)
     m.def("has_amx_kernels", [] { return true; });

@@ -67,8 +67,6 @@ def test_moe(rt) -> None:
     x = rng.standard_normal((6, 128)).astype(np.float32)
     picks = Picks.from_topk(rng.integers(0, 3, (6, 2)), rng.random((6, 2)).astype(np.float32))
     ref = ref_moe(x, picks, experts, 10.0)
-    far = EMU.Runtime(1, [], 50, prefetch_blocks=4)  # the prefetch distance does not change the results
-    assert far.prefetch_blocks == 4
     for fast, slab_blocks in ((False, 0), (True, 0), (False, 1), (True, 1)):
         out = np.full((6, 128), np.nan, np.float32)
         job = rt.submit_moe(layer, x, picks.tokens, picks.experts, picks.weights, out, fast, 64, slab_blocks)
@@ -78,11 +76,42 @@ def test_moe(rt) -> None:
             assert rel_rms(out, ref) <= 5e-3
         else:
             assert rel_max(out, ref) <= 1e-5
-        out_far = np.full((6, 128), np.nan, np.float32)
-        job = far.submit_moe(layer, x, picks.tokens, picks.experts, picks.weights, out_far, fast, 64, slab_blocks)
-        assert job.wait(60.0) and not job.error()
-        np.testing.assert_array_equal(out_far, out)
-    far.close()
+
+
+@pytest.mark.parametrize("bits", [3, 6])
+@pytest.mark.parametrize("codebook", ["mul1", "mcg"])
+def test_prefetch_stays_inside_the_matrix(bits: int, codebook: str) -> None:
+    """Every software prefetch of the band kernels (block and row kernels, int16 / AMX / 32-bit-lane / float, both
+    work splits, every distance) lies inside its matrix's trellis (the emulated build checks and counts each one:
+    a prefetch never faults, so nothing else would notice); distance 0 issues none; no distance changes a bit."""
+    experts = make_experts(2, 256, 384, bits, codebook, seed=bits)
+    layer = EMU.Layer(256, 384, 10.0)
+    for g, u, d in zip(*experts, strict=True):
+        layer.add_expert(*(a for t in (g, u, d) for a in (t.trellis, t.suh.view(np.uint16), t.svh.view(np.uint16),
+                                                           None, CB_ID[codebook])))
+    rng = np.random.default_rng(bits)
+    x = rng.standard_normal((9, 256)).astype(np.float32)
+    # expert 0: 8 tokens (AMX from amx_min_tokens=6), expert 1: 2 tokens
+    picks = Picks(np.r_[np.arange(8), np.arange(2)].astype(np.int32), np.r_[np.zeros(8), np.ones(2)].astype(np.int32),
+                  rng.random(10).astype(np.float32))
+    EMU._emu_prefetch_stats()  # zero the counters
+    for fast in (True, False):
+        for slab_blocks in (0, 1):
+            base = None
+            for pfb in (0, 1, 2, 4):
+                rt = EMU.Runtime(2, [], 50, amx=True, amx_min_tokens=6, prefetch_blocks=pfb)
+                try:
+                    out = np.full((9, 256), np.nan, np.float32)
+                    job = rt.submit_moe(layer, x, picks.tokens, picks.experts, picks.weights, out, fast, 64, slab_blocks)
+                    assert job.wait(60.0) and not job.error()
+                finally:
+                    rt.close()
+                calls, outside = EMU._emu_prefetch_stats()
+                assert outside == 0, (fast, slab_blocks, pfb, calls, outside)
+                assert (calls == 0) == (pfb == 0), (fast, slab_blocks, pfb, calls)
+                if base is None:
+                    base = out
+                np.testing.assert_array_equal(out, base)
 
 
 @pytest.mark.parametrize("bits", [1, 1.5, 2, 2.5, 3, 3.5, 4])

@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="CpuTierConfig.slab_blocks values (comma separated) for the m=1 fast cases; the first one "
                         "for every other case")
     p.add_argument("--prefetch-blocks", default="1",
-                   help="CpuTierConfig.prefetch_blocks values (comma separated) for the m=1 fast and ceiling cases; "
-                        "the first one for every other case")
+                   help="CpuTierConfig.prefetch_blocks values (comma separated) for the m=1 fast, llc and l2 cases; "
+                        "the first one for every other case (the kernel ceiling keeps the default, 1)")
     p.add_argument("--hugepages", action="store_true",
                    help="also run the m=1 fast cases with the experts' memory in transparent huge pages (an A/B: "
                         "rows named 'huge')")
