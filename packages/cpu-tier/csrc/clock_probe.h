@@ -54,20 +54,22 @@ inline double core_ghz(uint64_t n = 2000000, uint64_t seed = 7) {
 
 // Throughput of the two vector ports the MUL1 kernels keep busy, on the calling core: 12 independent chains of the
 // widest integer multiply(-add) the build targets (AVX-512 VNNI: vpdpwssd zmm; AVX2: vpmaddwd ymm; otherwise 64-bit
-// imul), in registers. A core alone should reach about 2 steps per cycle (512-bit: ports 0 and 5). Chain steps per ns over about `sec` seconds. With every core busy at once, a
-// core that shares its ports with another busy one (an SMT sibling: another vCPU of this or another guest) runs it
-// at about half its rate alone. (Compiler feature macros, not cpu-tier's ISA defines: scripts/smt_probe.cpp and
+// imul), in registers (an array of chains lives on the stack: a store and a reload per step), each chain through
+// the instruction's fast input (vpdpwssd's accumulator: through a multiplicand it is latency-bound at ~0.8 per
+// cycle on Emerald Rapids). A core alone reaches about 2 steps per cycle (512-bit: ports 0 and 5). Chain steps per
+// ns over about `sec` seconds. With every core busy at once, a core that shares its ports with another busy one (an
+// SMT sibling: another vCPU of this or another guest) runs it at about half its rate alone. (Compiler feature macros, not cpu-tier's ISA defines: scripts/smt_probe.cpp and
 // every kernel variant use it; the emulated AVX-512 variant is built for AVX2 and times the AVX2 loop.)
 inline double port_rate(double sec) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
     using V = __m512i;
 #define CT_PR_SET(v) _mm512_set1_epi32(v)
-#define CT_PR_OP(a, b) _mm512_dpwssd_epi32(a, a, b)
+#define CT_PR_OP(a, b) _mm512_dpwssd_epi32(a, b, b)  // the chain runs through the accumulator input
 #define CT_PR_KEEP(v) __asm__ volatile("" : "+v"(v))
 #elif defined(__AVX2__)
     using V = __m256i;
 #define CT_PR_SET(v) _mm256_set1_epi32(v)
-#define CT_PR_OP(a, b) _mm256_madd_epi16(a, b)
+#define CT_PR_OP(a, b) _mm256_madd_epi16(a, b)  // 5-cycle latency on Intel: 12 chains still saturate two ports
 #define CT_PR_KEEP(v) __asm__ volatile("" : "+x"(v))
 #else
     using V = uint64_t;
@@ -75,7 +77,6 @@ inline double port_rate(double sec) {
 #define CT_PR_OP(a, b) ((a) * (b))
 #define CT_PR_KEEP(v) __asm__ volatile("" : "+r"(v))
 #endif
-    // twelve named chains (an array would live on the stack: a store and a reload per step)
     V a0 = CT_PR_SET(1), a1 = CT_PR_SET(2), a2 = CT_PR_SET(3), a3 = CT_PR_SET(4), a4 = CT_PR_SET(5),
       a5 = CT_PR_SET(6), a6 = CT_PR_SET(7), a7 = CT_PR_SET(8), a8 = CT_PR_SET(9), a9 = CT_PR_SET(10),
       a10 = CT_PR_SET(11), a11 = CT_PR_SET(12);
