@@ -60,47 +60,57 @@ inline double core_ghz(uint64_t n = 2000000, uint64_t seed = 7) {
 // ns over about `sec` seconds. With every core busy at once, a core that shares its ports with another busy one (an
 // SMT sibling: another vCPU of this or another guest) runs it at about half its rate alone. (Compiler feature macros, not cpu-tier's ISA defines: scripts/smt_probe.cpp and
 // every kernel variant use it; the emulated AVX-512 variant is built for AVX2 and times the AVX2 loop.)
-inline double port_rate(double sec) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-    using V = __m512i;
+using PortVec = __m512i;
 #define CT_PR_SET(v) _mm512_set1_epi32(v)
 #define CT_PR_OP(a, b) _mm512_dpwssd_epi32(a, b, b)  // the chain runs through the accumulator input
 #define CT_PR_KEEP(v) __asm__ volatile("" : "+v"(v))
 #elif defined(__AVX2__)
-    using V = __m256i;
+using PortVec = __m256i;
 #define CT_PR_SET(v) _mm256_set1_epi32(v)
 #define CT_PR_OP(a, b) _mm256_madd_epi16(a, b)  // 5-cycle latency on Intel: 12 chains still saturate two ports
 #define CT_PR_KEEP(v) __asm__ volatile("" : "+x"(v))
 #else
-    using V = uint64_t;
+using PortVec = uint64_t;
 #define CT_PR_SET(v) uint64_t(v)
 #define CT_PR_OP(a, b) ((a) * (b))
 #define CT_PR_KEEP(v) __asm__ volatile("" : "+r"(v))
 #endif
-    V a0 = CT_PR_SET(1), a1 = CT_PR_SET(2), a2 = CT_PR_SET(3), a3 = CT_PR_SET(4), a4 = CT_PR_SET(5),
-      a5 = CT_PR_SET(6), a6 = CT_PR_SET(7), a7 = CT_PR_SET(8), a8 = CT_PR_SET(9), a9 = CT_PR_SET(10),
-      a10 = CT_PR_SET(11), a11 = CT_PR_SET(12);
-    V b = CT_PR_SET(0x00010003);
+
+// n steps of the 12 chains in a[] (loaded into registers, stored back at the end). Not inlined: no call inside, so
+// the chains stay in registers (a caller that times between blocks would make the compiler keep them in memory).
+__attribute__((noinline)) inline void port_block(PortVec* a, long n) {
+    PortVec a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3], a4 = a[4], a5 = a[5], a6 = a[6], a7 = a[7], a8 = a[8],
+            a9 = a[9], a10 = a[10], a11 = a[11];
+    PortVec b = CT_PR_SET(0x00010003);
     CT_PR_KEEP(b);
+    for (long i = 0; i < n; ++i) {
+        a0 = CT_PR_OP(a0, b); a1 = CT_PR_OP(a1, b); a2 = CT_PR_OP(a2, b); a3 = CT_PR_OP(a3, b);
+        a4 = CT_PR_OP(a4, b); a5 = CT_PR_OP(a5, b); a6 = CT_PR_OP(a6, b); a7 = CT_PR_OP(a7, b);
+        a8 = CT_PR_OP(a8, b); a9 = CT_PR_OP(a9, b); a10 = CT_PR_OP(a10, b); a11 = CT_PR_OP(a11, b);
+        CT_PR_KEEP(a0); CT_PR_KEEP(a1); CT_PR_KEEP(a2); CT_PR_KEEP(a3); CT_PR_KEEP(a4); CT_PR_KEEP(a5);
+        CT_PR_KEEP(a6); CT_PR_KEEP(a7); CT_PR_KEEP(a8); CT_PR_KEEP(a9); CT_PR_KEEP(a10); CT_PR_KEEP(a11);
+    }
+    a[0] = a0; a[1] = a1; a[2] = a2; a[3] = a3; a[4] = a4; a[5] = a5;
+    a[6] = a6; a[7] = a7; a[8] = a8; a[9] = a9; a[10] = a10; a[11] = a11;
+}
+
+inline double port_rate(double sec) {
+    PortVec a[12];
+    for (int i = 0; i < 12; ++i) a[i] = CT_PR_SET(i + 1);
     const long block = 4096;
     long n = 0;
     const uint64_t t0 = steady_ns();
     uint64_t t = t0;
     do {
-        for (long i = 0; i < block; ++i) {
-            a0 = CT_PR_OP(a0, b); a1 = CT_PR_OP(a1, b); a2 = CT_PR_OP(a2, b); a3 = CT_PR_OP(a3, b);
-            a4 = CT_PR_OP(a4, b); a5 = CT_PR_OP(a5, b); a6 = CT_PR_OP(a6, b); a7 = CT_PR_OP(a7, b);
-            a8 = CT_PR_OP(a8, b); a9 = CT_PR_OP(a9, b); a10 = CT_PR_OP(a10, b); a11 = CT_PR_OP(a11, b);
-            CT_PR_KEEP(a0); CT_PR_KEEP(a1); CT_PR_KEEP(a2); CT_PR_KEEP(a3); CT_PR_KEEP(a4); CT_PR_KEEP(a5);
-            CT_PR_KEEP(a6); CT_PR_KEEP(a7); CT_PR_KEEP(a8); CT_PR_KEEP(a9); CT_PR_KEEP(a10); CT_PR_KEEP(a11);
-        }
+        port_block(a, block);
         n += block;
         t = steady_ns();
     } while (double(t - t0) < sec * 1e9);
+    return 12.0 * double(n) / double(t - t0);
+}
 #undef CT_PR_SET
 #undef CT_PR_OP
 #undef CT_PR_KEEP
-    return 12.0 * double(n) / double(t - t0);
-}
 
 }  // namespace cpu_tier_clock
