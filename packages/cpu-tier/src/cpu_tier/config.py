@@ -36,7 +36,8 @@ class CpuTierConfig:
     prefetch_blocks : the kernels' software prefetch distance, in 128-row blocks of the weights (0..4; 0 = none,
         the hardware prefetchers alone): the trellis rows of block b + D are requested while block b is computed
         (the row-at-a-time kernels: 8 D - 2 tile rows ahead). A tuning knob for the memory latency of the host;
-        results do not depend on it. Default 1: on the H200 host 2 was 10-20% slower at 8 and 16 cores (README).
+        results do not depend on it. Default 1: on the H200 host 2 was 10-20% slower at 8 and 16 cores in the
+        interleaved A/B runs (README).
     precision : "exact" (fp32 activations, exact fp16 codebook values; max relative error <= 1e-5 against
         ``cpu_tier.exl3.linear``) or "fast" (MUL1: int16 activations and the integer byte-sum path; MCG/3INST:
         no fp16 rounding of the codebook value; relative RMS error <= 5e-3, see the README's error model).
