@@ -128,13 +128,12 @@ def test_stack_kl_on_gpu(gpu_stack: SyntheticStack) -> None:
     assert float(kl16.mean()) > float(kl.mean())
 
 
-def test_ring_on_real_streams(gpu_stack: SyntheticStack) -> None:
+def test_ring_on_real_streams(gpu_stack: SyntheticStack, make_routing) -> None:
     pf = _pf(gpu_stack, True, timing=True)
     T = 300
     g = torch.Generator().manual_seed(9)
     x = torch.randn(T, 512, generator=g).cuda()
-    routes = [torch.rand(T, 16, generator=g).argsort(1)[:, :4] for _ in range(3)]
-    weights = [torch.rand(T, 4, generator=g) for _ in range(3)]
+    routes, weights = zip(*(make_routing(T, 16, 4, seed=9 + i) for i in range(3)))
     torch.cuda.synchronize()
     pf.start_window()
     outs = []
@@ -154,13 +153,11 @@ def test_ring_on_real_streams(gpu_stack: SyntheticStack) -> None:
     _report("small ring copy GB/s, copy fraction, compute fraction", f"{st.copy_gbps:.1f}, {st.copy_fraction:.2f}, {st.compute_fraction:.2f}")
 
 
-def test_swiglu_limit_on_gpu(gpu_stack: SyntheticStack) -> None:
+def test_swiglu_limit_on_gpu(gpu_stack: SyntheticStack, make_routing) -> None:
     cfg = PrefillConfig(num_slots=2, experts_per_batch=4, backend="triton", swiglu_limit=0.3)
     pf = DmaPrefill(gpu_stack.store, cfg)
-    g = torch.Generator().manual_seed(13)
-    x = torch.randn(200, 512, generator=g)
-    ids = torch.rand(200, 16, generator=g).argsort(1)[:, :4]
-    w = torch.rand(200, 4, generator=g)
+    x = torch.randn(200, 512, generator=torch.Generator().manual_seed(13))
+    ids, w = make_routing(200, 16, 4, seed=13)
     out = pf.run_layer(2, x.cuda(), PrefillPlan.build(ids.cuda(), w.cuda(), 16, 4))
     ref = reference_moe(gpu_stack.store, 2, x, ids, w, limit=0.3)
     unclamped = reference_moe(gpu_stack.store, 2, x, ids, w)
@@ -168,7 +165,7 @@ def test_swiglu_limit_on_gpu(gpu_stack: SyntheticStack) -> None:
     assert float((out.cpu().double() - ref).abs().max() / ref.abs().max()) < 5e-6
 
 
-def test_cpu_tier_tail_on_cuda(gpu_stack: SyntheticStack) -> None:
+def test_cpu_tier_tail_on_cuda(gpu_stack: SyntheticStack, make_routing) -> None:
     """Hybrid step on real streams: the tail's rows go to pinned host memory on a side stream, the native CPU
     tier computes them from the registered store while the GPU computes the other batches."""
     from cpu_tier import CpuTierConfig, ExpertTier
@@ -177,10 +174,8 @@ def test_cpu_tier_tail_on_cuda(gpu_stack: SyntheticStack) -> None:
 
     cfg = PrefillConfig(num_slots=2, experts_per_batch=4, backend="triton", cpu_tail_batches=2)
     pf = DmaPrefill(gpu_stack.store, cfg)
-    g = torch.Generator().manual_seed(17)
-    x = torch.randn(300, 512, generator=g)
-    ids = torch.rand(300, 16, generator=g).argsort(1)[:, :4]
-    w = torch.rand(300, 4, generator=g)
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(17))
+    ids, w = make_routing(300, 16, 4, seed=17)
     plan = PrefillPlan.build(ids.cuda(), w.cuda(), 16, 4, cpu_tail_batches=2)
     assert plan.cpu_batches == (2, 3)
     with ExpertTier(CpuTierConfig(threads=4, precision="exact", swiglu_limit=None)) as tier:
