@@ -48,6 +48,7 @@ inline double core_ghz(uint64_t n = 2000000, uint64_t seed = 7) {
     }
     static volatile uint64_t sink;
     sink = x;  // keeps the chains live
+    (void)sink;
     const int64_t d = int64_t(best2) - int64_t(best1);  // the time of n iterations of 4 imul
     return d > 0 ? double(12 * n) / double(d) : 0.0;
 }

@@ -50,7 +50,10 @@ struct ActBuf {
         a.xs_stride = size_t(k / 128);
         a.xsum = xsum;
         a.amx = pool != nullptr && pool->amx_for(m);
-        if (pool != nullptr) a.pf_blocks = pool->prefetch_blocks();
+        if (pool != nullptr) {
+            a.pf_blocks = pool->prefetch_blocks();
+            a.pf_l2_blocks = pool->prefetch_l2_blocks();
+        }
         return a;
     }
     // The activations for blocks [blk0, blk1) only, MUL1 integer sums left raw (see Acts).
