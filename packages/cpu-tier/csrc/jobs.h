@@ -50,10 +50,7 @@ struct ActBuf {
         a.xs_stride = size_t(k / 128);
         a.xsum = xsum;
         a.amx = pool != nullptr && pool->amx_for(m);
-        if (pool != nullptr) {
-            a.pf_blocks = pool->prefetch_blocks();
-            a.pf_l2_blocks = pool->prefetch_l2_blocks();
-        }
+        if (pool != nullptr) a.pf_blocks = pool->prefetch_blocks();
         return a;
     }
     // The activations for blocks [blk0, blk1) only, MUL1 integer sums left raw (see Acts).

@@ -55,8 +55,7 @@ struct Acts {
     bool raw = false;
     int variant = 0;  // benchmark A/B of kernel forms (0 = the default; 1, 2: the vpermt2b forms, see band_int16)
     bool amx = false;  // MUL1 integer path, K <= 4: the AMX kernel (band_amx; the caller has the OS permission)
-    int pf_blocks = 1;     // software prefetch distance in 128-row blocks (0..4, 0 = none; BandPrefetch)
-    int pf_l2_blocks = 0;  // a second prefetch into L2 only, this many blocks ahead (0 = none; BandPrefetch)
+    int pf_blocks = 1;  // software prefetch distance in 128-row blocks (0..4, 0 = none; BandPrefetch)
 };
 
 constexpr int MAXM = 8;
@@ -192,20 +191,16 @@ constexpr const char* ISA_NAME = "avx512";
 constexpr const char* ISA_NAME = "avx2";
 #endif
 
-// Prefetch `bytes` at p, a line at a time. LOCALITY as __builtin_prefetch's: 3 = into L1 (prefetcht0), 2 = into L2
-// (prefetcht1).
-constexpr int PF_L1 = 3, PF_L2 = 2;
-template <int LOCALITY = PF_L1>
+// Prefetch `bytes` at p into L1 (prefetcht0), a line at a time.
 CT_INLINE void prefetch_row(const uint8_t* p, int bytes) {
-    for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, LOCALITY);
+    for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
 // Software prefetch of a band's trellis rows (one tile row of the band = 8 tiles, 8 * tbytes bytes), D = X.pf_blocks
 // 128-row blocks (8 tile rows) ahead; D = 0: none (the hardware prefetchers alone). Block kernels: the call's first
 // D blocks up front (start), then at tile column j of block blk the row 8 (blk + D) + j (at). Row kernels: 8 D - 2
 // rows ahead (row). Past the call's last row, a row-range call (Acts::blk1 >= 0, split jobs) prefetches the first
-// rows of the next band, which its caller computes next with the same rows. D2 = X.pf_l2_blocks > D adds the same
-// walk D2 blocks ahead into L2 only (prefetcht1).
+// rows of the next band, which its caller computes next with the same rows.
 #if defined(CT_EMU512)
 // Test hook of the emulated build: every band prefetch is counted, and counted again when any of its bytes lie
 // outside its matrix's trellis (a prefetch never faults, so a wrong address would otherwise go unseen).
@@ -223,7 +218,7 @@ struct BandPrefetch {
     const uint8_t* next_base;  // the next band's first tile of row 0, or nullptr
     const uint8_t *lo, *hi;    // the matrix's trellis
     size_t row_stride;
-    int bytes, r0, r1, d, d2;
+    int bytes, r0, r1, d;
     BandPrefetch(const MatRef& A, int band, const Acts& X, int tbytes) {
         const int tiles_k = A.k / 16, tiles_n = A.n / 16;
         r0 = 8 * X.blk0;
@@ -235,40 +230,30 @@ struct BandPrefetch {
         hi = A.trellis + size_t(tiles_k) * row_stride;
         bytes = 8 * tbytes;
         d = X.pf_blocks;
-        d2 = X.pf_l2_blocks > d ? X.pf_l2_blocks : 0;
     }
-    template <int LOC>
     CT_INLINE void issue(const uint8_t* p) const {
 #if defined(CT_EMU512)
         emu_prefetch_calls().fetch_add(1, std::memory_order_relaxed);
         if (p < lo || p + bytes > hi) emu_prefetch_outside().fetch_add(1, std::memory_order_relaxed);
 #endif
-        prefetch_row<LOC>(p, bytes);
+        prefetch_row(p, bytes);
     }
-    template <int LOC = PF_L1>
     CT_INLINE void fetch(int r) const {  // row r of this call's rows, or row r - r1 of the next band's
+        if (d == 0) return;
         if (r < r1)
-            issue<LOC>(base + size_t(r) * row_stride);
+            issue(base + size_t(r) * row_stride);
         else if (next_base && r0 + (r - r1) < r1)
-            issue<LOC>(next_base + size_t(r0 + (r - r1)) * row_stride);
+            issue(next_base + size_t(r0 + (r - r1)) * row_stride);
     }
     CT_INLINE void start() const {
-        for (int r = r0; r < std::min(r0 + 8 * d, r1); ++r) issue<PF_L1>(base + size_t(r) * row_stride);
-        for (int r = r0 + 8 * d; r < std::min(r0 + 8 * d2, r1); ++r) issue<PF_L2>(base + size_t(r) * row_stride);
+        for (int r = r0; r < std::min(r0 + 8 * d, r1); ++r) issue(base + size_t(r) * row_stride);
     }
-    CT_INLINE void at(int blk, int j) const {
-        if (d) fetch(8 * (blk + d) + j);
-        if (d2) fetch<PF_L2>(8 * (blk + d2) + j);
-    }
+    CT_INLINE void at(int blk, int j) const { fetch(8 * (blk + d) + j); }
+    CT_INLINE int row_ahead() const { return 8 * d - 2; }
     CT_INLINE void start_rows() const {
-        for (int r = r0; r < std::min(r0 + 8 * d - 2, r1); ++r) issue<PF_L1>(base + size_t(r) * row_stride);
-        for (int r = std::max(r0, r0 + 8 * d - 2); r < std::min(r0 + 8 * d2 - 2, r1); ++r)
-            issue<PF_L2>(base + size_t(r) * row_stride);
+        for (int r = r0; r < std::min(r0 + row_ahead(), r1); ++r) issue(base + size_t(r) * row_stride);
     }
-    CT_INLINE void row(int r) const {
-        if (d) fetch(r + 8 * d - 2);
-        if (d2) fetch<PF_L2>(r + 8 * d2 - 2);
-    }
+    CT_INLINE void row(int r) const { fetch(r + row_ahead()); }
 };
 
 // The tile's wrapped 16-byte window [last 4 bytes, first 12 bytes].

@@ -200,7 +200,6 @@ struct KernelRateJob : JobBase {
             X.variant = variant;
             X.amx = pool.amx_for(m);
             X.pf_blocks = pool.prefetch_blocks();
-            X.pf_l2_blocks = pool.prefetch_l2_blocks();
             const GemvMode mode = gemv_mode(A, fast, m);
             alignas(64) float y[MAXM * 128];
             float sink = 0.0f;
@@ -230,16 +229,12 @@ class Runtime {
     // amx = true: the MUL1 integer path ("fast", K <= 4) runs the AMX kernel for chunks of at least amx_min_tokens
     // tokens. Needs a build with AMX kernels (the avx512 variant, or the emulated one) and, on hardware, the OS
     // grant, requested here.
-    // prefetch_blocks, prefetch_l2_blocks: the kernels' software prefetch distances in 128-row blocks (Acts::pf_blocks,
-    // pf_l2_blocks).
-    Runtime(int threads, std::vector<int> cpus, int spin_us, bool amx, int amx_min_tokens, int prefetch_blocks,
-            int prefetch_l2_blocks) {
+    // prefetch_blocks: the kernels' software prefetch distance in 128-row blocks (Acts::pf_blocks).
+    Runtime(int threads, std::vector<int> cpus, int spin_us, bool amx, int amx_min_tokens, int prefetch_blocks) {
         if (amx_min_tokens < 1 || amx_min_tokens > MAXM + 1)
             throw std::invalid_argument("amx_min_tokens: must be in 1..9 (9 = never)");
         if (prefetch_blocks < 0 || prefetch_blocks > 4)
             throw std::invalid_argument("prefetch_blocks: must be in 0..4 (0 = no software prefetch)");
-        if (prefetch_l2_blocks < 0 || prefetch_l2_blocks > 8)
-            throw std::invalid_argument("prefetch_l2_blocks: must be in 0..8 (0 = none)");
         if (amx) {
 #if !defined(CT_HAVE_AMX)
             throw std::invalid_argument("amx: this kernel variant (" + std::string(ISA_NAME) + ") has no AMX kernels");
@@ -248,13 +243,11 @@ class Runtime {
             if (!why.empty()) throw std::runtime_error("amx: " + why);
 #endif
         }
-        pool_ = std::make_unique<Pool>(threads, std::move(cpus), spin_us, amx ? amx_min_tokens : 0, prefetch_blocks,
-                                       prefetch_l2_blocks);
+        pool_ = std::make_unique<Pool>(threads, std::move(cpus), spin_us, amx ? amx_min_tokens : 0, prefetch_blocks);
     }
     bool amx() { return pool().amx_min_tokens() > 0; }
     int amx_min_tokens() { return pool().amx_min_tokens(); }
     int prefetch_blocks() { return pool().prefetch_blocks(); }
-    int prefetch_l2_blocks() { return pool().prefetch_l2_blocks(); }
     ~Runtime() { close(); }
     void close() {
         if (pool_) {
@@ -454,14 +447,12 @@ NB_MODULE(CPU_TIER_MODULE, m) {
 #endif
 
     nb::class_<Runtime>(m, "Runtime")
-        .def(nb::init<int, std::vector<int>, int, bool, int, int, int>(), nb::arg("threads"), nb::arg("cpus"),
-             nb::arg("spin_us"), nb::arg("amx") = false, nb::arg("amx_min_tokens") = 1, nb::arg("prefetch_blocks") = 1,
-             nb::arg("prefetch_l2_blocks") = 0)
+        .def(nb::init<int, std::vector<int>, int, bool, int, int>(), nb::arg("threads"), nb::arg("cpus"),
+             nb::arg("spin_us"), nb::arg("amx") = false, nb::arg("amx_min_tokens") = 1, nb::arg("prefetch_blocks") = 1)
         .def_prop_ro("threads", &Runtime::threads)
         .def_prop_ro("amx", &Runtime::amx)
         .def_prop_ro("amx_min_tokens", &Runtime::amx_min_tokens)
         .def_prop_ro("prefetch_blocks", &Runtime::prefetch_blocks)
-        .def_prop_ro("prefetch_l2_blocks", &Runtime::prefetch_l2_blocks)
         .def_prop_ro("cpus", &Runtime::cpus)
         .def("close", &Runtime::close)
         .def("matmul", &Runtime::matmul, nb::arg("x"), nb::arg("trellis"), nb::arg("suh"), nb::arg("svh"),

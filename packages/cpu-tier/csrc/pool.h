@@ -74,15 +74,13 @@ class Pool {
    public:
     // amx_min_tokens > 0: jobs on this pool run the AMX kernels for chunks of at least that many tokens where they
     // apply (the caller checked the host and the OS grant); 0: never.
-    // prefetch_blocks, prefetch_l2_blocks: the kernels' software prefetch distances (Acts::pf_blocks, pf_l2_blocks).
-    Pool(int threads, std::vector<int> cpus, int spin_us, int amx_min_tokens = 0, int prefetch_blocks = 1,
-         int prefetch_l2_blocks = 0)
+    // prefetch_blocks: the kernels' software prefetch distance (Acts::pf_blocks).
+    Pool(int threads, std::vector<int> cpus, int spin_us, int amx_min_tokens = 0, int prefetch_blocks = 1)
         : nthreads_(threads),
           cpus_(std::move(cpus)),
           spin_us_(spin_us),
           amx_min_tokens_(amx_min_tokens),
-          prefetch_blocks_(prefetch_blocks),
-          prefetch_l2_blocks_(prefetch_l2_blocks) {
+          prefetch_blocks_(prefetch_blocks) {
         if (threads < 1) throw std::invalid_argument("threads must be >= 1");
         for (int w = 0; w < nthreads_; ++w) workers_.emplace_back([this, w] { w == 0 ? coordinator_main() : helper_main(w); });
     }
@@ -131,7 +129,6 @@ class Pool {
     int amx_min_tokens() const { return amx_min_tokens_; }
     bool amx_for(int m) const { return amx_min_tokens_ > 0 && m >= amx_min_tokens_; }
     int prefetch_blocks() const { return prefetch_blocks_; }
-    int prefetch_l2_blocks() const { return prefetch_l2_blocks_; }
     bool stopping() const { return stopping_.load(std::memory_order_relaxed); }
 
     // Run fn(unit, worker) for unit in [0, n) on every worker; only the coordinator thread may call this.
@@ -272,7 +269,6 @@ class Pool {
     int spin_us_;
     int amx_min_tokens_ = 0;
     int prefetch_blocks_ = 1;
-    int prefetch_l2_blocks_ = 0;
     std::vector<std::thread> workers_;
 
     std::mutex qmu_;

@@ -29,8 +29,6 @@ from cpu_tier.config import usable_cpus
         ({"prefetch_blocks": -1}, "prefetch_blocks"),
         ({"prefetch_blocks": 5}, "prefetch_blocks"),
         ({"prefetch_blocks": 2.0}, "prefetch_blocks"),
-        ({"prefetch_l2_blocks": 9}, "prefetch_l2_blocks"),
-        ({"prefetch_l2_blocks": -1}, "prefetch_l2_blocks"),
     ],
 )
 def test_bad_fields(kwargs: dict, field: str) -> None:

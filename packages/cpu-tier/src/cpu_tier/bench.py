@@ -143,9 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="CpuTierConfig.slab_blocks values (comma separated) for the m=1 fast cases; the first one "
                         "for every other case")
     p.add_argument("--prefetch-blocks", default="1",
-                   help="CpuTierConfig.prefetch_blocks values (comma separated; D+L also sets prefetch_l2_blocks=L) "
-                        "for the m=1 fast, llc and l2 cases; the first one for every other case (the kernel ceiling "
-                        "keeps the defaults)")
+                   help="CpuTierConfig.prefetch_blocks values (comma separated) for the m=1 fast, llc and l2 cases; "
+                        "the first one for every other case (the kernel ceiling keeps the default, 1)")
     p.add_argument("--hugepages", action="store_true",
                    help="also run the m=1 fast cases with the experts' memory in transparent huge pages (an A/B: "
                         "rows named 'huge')")
@@ -169,12 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         p.error(f"--cases: unknown {sorted(bad)} (known: fast, exact, mcg, llc, l2, kernel)")
     slabs = [int(v) for v in args.slabs.split(",")]
-    try:
-        pfbs = [(int(v.split("+")[0]), int(v.split("+")[1]) if "+" in v else 0) for v in args.prefetch_blocks.split(",")]
-    except (ValueError, IndexError):
-        p.error(f"--prefetch-blocks: expected D or D+L values, got {args.prefetch_blocks!r}")
-    if any(not 0 <= d <= 4 or not 0 <= l2 <= 8 for d, l2 in pfbs):
-        p.error("--prefetch-blocks: D must be in 0..4, L in 0..8")
+    pfbs = [int(v) for v in args.prefetch_blocks.split(",")]
+    if any(not 0 <= v <= 4 for v in pfbs):
+        p.error("--prefetch-blocks: values must be in 0..4")
     expert_bytes = 3 * hidden * inter * K // 8
     n_exp = args.experts or (4 if args.quick else max(16, 4 * all_threads))
     probe_bytes = (4 if args.quick else args.probe_mib) << 20
@@ -291,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                 e_weights = 3 * hidden * e_inter
                 tier = ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa, precision=prec,  # type: ignore[arg-type]
                                                 slab_blocks=sb, amx_min_tokens=args.amx_min_tokens,
-                                                prefetch_blocks=pf[0], prefetch_l2_blocks=pf[1]))
+                                                prefetch_blocks=pf))
                 tier.add_layer(0, *experts)
                 x = rng.standard_normal((m, hidden)).astype(np.float32)
                 picks = Picks(np.repeat(np.arange(m, dtype=np.int32), ne), np.tile(np.arange(ne, dtype=np.int32), m),
@@ -321,9 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                 if sb:
                     case += f" rows/{sb}"
                 if len(pfbs) > 1:
-                    case += f" pf{pf[0]}" + (f"+{pf[1]}" if pf[1] else "")
-                rows.append({"case": case, "pool": pool, "slab_blocks": sb, "prefetch_blocks": pf[0],
-                             "prefetch_l2_blocks": pf[1], "expert_bytes": e_bytes, "isa": isa, "threads": thr, "tokens": m,
+                    case += f" pf{pf}"
+                rows.append({"case": case, "pool": pool, "slab_blocks": sb, "prefetch_blocks": pf, "expert_bytes": e_bytes, "isa": isa, "threads": thr, "tokens": m,
                              "precision": prec, "codebook": cb,
                              "ms_per_expert": med * 1e3, "p10_ms": p10 * 1e3, "p90_ms": p90 * 1e3,
                              "Gweights_per_s": gw, "GBps": gbps, "GBps_per_core": gbps / thr, "probe_GBps": bw,

@@ -38,8 +38,6 @@ class CpuTierConfig:
         (the row-at-a-time kernels: 8 D - 2 tile rows ahead). A tuning knob for the memory latency of the host;
         results do not depend on it. Default 1: on the H200 host 2 was 10-20% slower at 8 and 16 cores in the
         interleaved A/B runs (README).
-    prefetch_l2_blocks : a second software prefetch, into L2 only (prefetcht1), this many blocks ahead (0..8; 0 or
-        <= prefetch_blocks: none). Results do not depend on it.
     precision : "exact" (fp32 activations, exact fp16 codebook values; max relative error <= 1e-5 against
         ``cpu_tier.exl3.linear``) or "fast" (MUL1: int16 activations and the integer byte-sum path; MCG/3INST:
         no fp16 rounding of the codebook value; relative RMS error <= 5e-3, see the README's error model).
@@ -61,7 +59,6 @@ class CpuTierConfig:
     slab_blocks: int = 0
     amx_min_tokens: int = 6
     prefetch_blocks: int = 1
-    prefetch_l2_blocks: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
@@ -97,9 +94,6 @@ class CpuTierConfig:
         pfb = self.prefetch_blocks
         if isinstance(pfb, bool) or not isinstance(pfb, int) or not 0 <= pfb <= 4:
             raise ValueError(f"prefetch_blocks: must be an int in [0, 4] (0 = none), got {pfb!r}")
-        p2 = self.prefetch_l2_blocks
-        if isinstance(p2, bool) or not isinstance(p2, int) or not 0 <= p2 <= 8:
-            raise ValueError(f"prefetch_l2_blocks: must be an int in [0, 8] (0 = none), got {p2!r}")
         if isinstance(self.slab_blocks, bool) or not isinstance(self.slab_blocks, int) or not 0 <= self.slab_blocks <= 1024:
             raise ValueError(f"slab_blocks: must be an int in [0, 1024] (0 = band split), got {self.slab_blocks!r}")
 

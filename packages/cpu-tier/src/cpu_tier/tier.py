@@ -89,13 +89,12 @@ def _shared_runtime(config: CpuTierConfig) -> Any:
     """A worker pool per (isa, threads, cpus, spin, AMX threshold, prefetch distance) for exl3_matmul, created on first use."""
     isa = _loader.resolve_isa(config.isa)
     key = (isa, config.resolved_threads(), config.cpus, config.spin_us, config.amx_min_tokens if isa == "amx" else 0,
-           config.prefetch_blocks, config.prefetch_l2_blocks)
+           config.prefetch_blocks)
     with _runtimes_lock:
         rt = _runtimes.get(key)
         if rt is None:
             rt = _loader.load(isa).Runtime(config.resolved_threads(), list(config.cpus), config.spin_us, amx=isa == "amx",
-                                           amx_min_tokens=config.amx_min_tokens, prefetch_blocks=config.prefetch_blocks,
-                                           prefetch_l2_blocks=config.prefetch_l2_blocks)
+                                           amx_min_tokens=config.amx_min_tokens, prefetch_blocks=config.prefetch_blocks)
             _runtimes[key] = rt
     return rt
 
@@ -252,8 +251,7 @@ class ExpertTier:
         self.isa = _loader.resolve_isa(config.isa)
         self._mod = _loader.load(self.isa)
         self._rt = self._mod.Runtime(config.resolved_threads(), list(config.cpus), config.spin_us, amx=self.isa == "amx",
-                                     amx_min_tokens=config.amx_min_tokens, prefetch_blocks=config.prefetch_blocks,
-                                     prefetch_l2_blocks=config.prefetch_l2_blocks)
+                                     amx_min_tokens=config.amx_min_tokens, prefetch_blocks=config.prefetch_blocks)
         self._layers: dict[int, _Layer] = {}
         self._pending: list[Job] = []
         self._closed = False
