@@ -697,25 +697,19 @@ CT_INLINE __m512 decode_values16(__m512i s) {
 // [r0, r1) of the call, the stride between tile rows, the band's first tile, the next band's first tile when the
 // caller's next call is that band over the same rows (a row-range call: prefetch it; else null), and the masks
 // that load a tile of any size <= 128 bytes into two zmm without reading past it (load_tile2).
-struct Band16 {
-    int tbytes, r0, r1;
-    size_t row_stride;
-    const uint8_t* base;
+// The band of the 16-bit kernels: its rows and prefetch walk (BandPrefetch) plus the tile size and the load masks of
+// a tile's two 64-byte halves.
+struct Band16 : BandPrefetch {
+    int tbytes;
     __mmask64 m0, m1;
+    Band16(const MatRef& A, int band, const Acts& X, int tb) : BandPrefetch(A, band, X, tb), tbytes(tb) {
+        m0 = tb >= 64 ? ~__mmask64(0) : ((__mmask64(1) << tb) - 1);
+        m1 = tb <= 64 ? __mmask64(0) : (tb >= 128 ? ~__mmask64(0) : ((__mmask64(1) << (tb - 64)) - 1));
+    }
 };
 template <int TB>
 CT_INLINE Band16 band16(const MatRef& A, int band, const Acts& X) {
-    Band16 g;
-    g.tbytes = TB != 0 ? TB : A.tb->tile_bytes;
-    const int tiles_k = A.k / 16, tiles_n = A.n / 16;
-    g.r0 = 8 * X.blk0;
-    g.r1 = X.blk1 < 0 ? tiles_k : 8 * X.blk1;
-    g.row_stride = size_t(tiles_n) * g.tbytes;
-    g.base = A.trellis + size_t(band) * 8 * g.tbytes;
-    const int tb = g.tbytes;
-    g.m0 = tb >= 64 ? ~__mmask64(0) : ((__mmask64(1) << tb) - 1);
-    g.m1 = tb <= 64 ? __mmask64(0) : (tb >= 128 ? ~__mmask64(0) : ((__mmask64(1) << (tb - 64)) - 1));
-    return g;
+    return Band16(A, band, X, TB != 0 ? TB : A.tb->tile_bytes);
 }
 
 // MUL1 integer path on 16-bit lanes (K <= 4: the whole tile fits two zmm registers). Per 32 weights (one column
@@ -769,8 +763,7 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
     alignas(64) static const uint16_t xidx_tab[32] = {0,  1,  2,  3,  0,  1,  2,  3,  4,  5,  6,  7,  4,  5,  6,  7,
                                                       8,  9,  10, 11, 8,  9,  10, 11, 12, 13, 14, 15, 12, 13, 14, 15};
     const __m512i xidx = _mm512_load_si512(xidx_tab);
-    const BandPrefetch pf(A, band, X, tbytes);
-    pf.start();
+    g.start();
     for (int blk = r0 / 8; blk < r1 / 8; ++blk) {
         const uint8_t* brow = base + size_t(8 * blk) * row_stride;
         for (int rr = 0; rr < 8; ++rr) {
@@ -783,7 +776,7 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
         __m512 sc[M];
         for (int t = 0; t < M; ++t) sc[t] = _mm512_set1_ps(X.xs[t * X.xs_stride + blk]);
         for (int j = 0; j < 8; ++j) {
-            pf.at(blk, j);
+            g.at(blk, j);
             for (int c0 = 0; c0 < 8; ++c0) {
                 if constexpr (RELOAD) __asm__ volatile("" ::: "memory");
                 const __m512i perm = _mm512_load_si512(tb.perm16[c0]);
@@ -877,7 +870,6 @@ static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
     for (int i = 0; i < 4; ++i) perm[i] = _mm512_load_si512(tb.amx_perm[i]);
     for (int i = 0; i < 8; ++i) msh[i] = _mm512_load_si512(tb.amx_mshift[i]);
     const int blk_first = r0 / 8, S = 8 * (r1 / 8 - blk_first);  // columns of this call
-    const BandPrefetch pf(A, band, X, tbytes);
 
     auto build_acts = [&](int blk) {
         const __m256i c128 = _mm256_set1_epi16(128), lo8 = _mm256_set1_epi16(0xFF), dup = _mm256_set1_epi16(0x0101);
@@ -899,7 +891,7 @@ static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
     auto decode_column = [&](int s) {
         const int blk = blk_first + s / 8, j = s % 8;
         const uint8_t* brow = base + size_t(8 * blk) * row_stride;
-        pf.at(blk, j);
+        g.at(blk, j);
 #pragma GCC unroll 2
         for (int rr = 0; rr < 8; ++rr) {
             __m512i z0, z1;
@@ -957,7 +949,7 @@ static void band_amx(const MatRef& A, int band, const Acts& X, float* y) {
             cfg.colsb[t] = 64;
         }
         CT_TILE_LOADCONFIG(&cfg);
-        pf.start();
+        g.start();
         build_acts(blk_first);
         decode_column(0);
         for (int s = 0; s < S; ++s) {

@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{'probe/band-read':<30}{isa:>8}{thr:>5}{'':>3}{'':>7}{'':>9}{'':>8}{'':>8}{'':>8}"
                   f"{bw_band:8.2f}{bw_band / thr:10.2f}{bw:8.2f}{bw_band / bw:7.2f}  ({seg} B of every {stride} B, "
                   f"no compute)", flush=True)
-            # the vector ports' throughput with every worker busy at once, in cores' worth of the fastest core seen:
+            # the vector ports' throughput with every worker busy at once, in cores' worth of the fastest core seen so far:
             # below the thread count where cores share their ports (SMT siblings; in a VM, possibly with another
             # guest's busy vCPU, which also slows a core that runs alone)
             port_best = max(port_best, float(ports.max()))
