@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from pack_tools.cli import main
 from pack_tools.origin import ENGRAM, EXL3
+from pack_tools.presets.tiny_v41 import TinyV41
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -61,7 +62,7 @@ def test_synth_build_verify_inspect_roundtrip(capsys, tmp_path):
     assert (rc, out.strip()) == (0, f"OK {pack}")
     rc, out, _ = run(capsys, "inspect", str(pack), "--json")
     info = json.loads(out)
-    assert rc == 0 and info["layers"] == 4 and info["experts"] == 8
+    assert rc == 0 and info["layers"] == TinyV41().layers and info["experts"] == TinyV41().experts
     rc, out, _ = run(capsys, "inspect", str(pack))
     assert rc == 0 and "bytes per tier" in out
     # a damaged pack: exit 1, one line per problem on stdout

@@ -47,13 +47,15 @@ def test_tiny_v41_real_names_dtypes_and_layout(tiny_session):
     assert t["mtp.0.ffn.experts.0.w3.trellis"][1][2] == 64  # MTP experts are 4 bpw
     assert t["head.trellis"][1][2] == 96  # 6 bpw head
     assert t["layers.3.ffn.shared_experts.w2.trellis"][:2] == ("I16", (I // 16, H // 16, 64))
-    assert t["layers.1.attn.wo_a.slice.1.trellis"][1] == (8, 8, 64)
+    assert t["layers.1.attn.wo_a.slice.1.trellis"][1] == (d.heads * d.head_dim // d.o_groups // 16, d.o_lora_rank // 16, 64)
     assert t["embed.weight"][:2] == ("BF16", (d.vocab, H))
     assert t["layers.2.hc_attn_fn"][:2] == ("F32", ((2 + d.hc_mult) * d.hc_mult, d.hc_mult * H))
     assert t["layers.0.ffn.gate.bias"][:2] == ("F32", (d.experts,))
     assert "layers.2.attn.compressor.wkv.trellis" in t and "layers.1.attn.compressor.wkv.trellis" not in t
     assert "layers.3.attn.indexer.wk.trellis" in t and "layers.1.attn.indexer.wk.trellis" not in t
-    assert t["layers.1.engram.wkv.trellis"][1] == (64, 80, 64)  # 4 hash columns x 256 -> 5 x 256
+    assert "layers.3.attn.compressor.wkv.trellis" in t  # a ratio-1 layer reads a ratio-1 source
+    cols = (d.engram_max_ngram - 1) * d.engram_heads  # hash columns of 256 -> (hc_mult + 1) x hidden
+    assert t["layers.1.engram.wkv.trellis"][1] == (cols * 256 // 16, (d.hc_mult + 1) * H // 16, 64)
     # every EXL3 linear decodes with cpu_tier
     with safe_open(str(tiny_session.exl3 / t["layers.0.ffn.experts.3.w2.trellis"][2]), "numpy") as f:
         x = Exl3Tensor.from_safetensors(f, "layers.0.ffn.experts.3.w2")
@@ -84,14 +86,19 @@ def test_tiny_v41_engram_tables(tiny_session):
 def test_tiny_v41_config_and_tokenizer(tiny_session):
     cfg = json.loads((tiny_session.exl3 / "config.json").read_text())
     assert cfg["architectures"] == ["DeepseekV41ForCausalLM"]
-    assert cfg["text_config"]["n_routed_experts"] == 8 and cfg["vision_config"]
+    assert cfg["text_config"]["n_routed_experts"] == TinyV41().experts and cfg["vision_config"]
     assert cfg["quantization_config"]["quant_method"] == "exl3"
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tiny_session.exl3 / "tokenizer.json"))
     for i, s in enumerate(V41_SPECIAL_TOKENS):
         assert tok.token_to_id(s) == i
-    assert tok.get_vocab_size() <= cfg["text_config"]["vocab_size"]
+    # vLLM's V4.1 model wants exactly vocab_size ids, the image placeholder last
+    assert tok.get_vocab_size() == cfg["text_config"]["vocab_size"] == cfg["image_token_id"] + 1
+    assert tok.token_to_id("<｜deepseek_image｜>") == cfg["image_token_id"]
+    from engram_mmap.hashing import build_token_map
+
+    assert build_token_map(str(tiny_session.exl3 / "tokenizer.json"))[1] == cfg["text_config"]["engram_compressed_vocab_size"]
     ids = tok.encode("<｜User｜>The capital of Japan?<｜Assistant｜></think>").ids
     assert ids[0] == V41_SPECIAL_TOKENS.index("<｜User｜>") and V41_SPECIAL_TOKENS.index("</think>") in ids
     tc = json.loads((tiny_session.exl3 / "tokenizer_config.json").read_text())

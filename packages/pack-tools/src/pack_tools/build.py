@@ -477,8 +477,7 @@ def build_pack(
     quant = _quant_config(source_cfg, tc, modules, where, ex.headers, predecoded_sources)
     new_cfg = copy.deepcopy(source_cfg)
     new_cfg["architectures"] = [cfg.text_architecture]
-    if "vision_config" in new_cfg:
-        new_cfg["vision_config"] = {}
+    new_cfg.pop("vision_config", None)  # text-only: the vision tower is left out of the pack
     new_cfg["quantization_config"] = quant
     if isinstance(new_cfg.get("text_config"), dict) and new_cfg["text_config"]:
         new_cfg["text_config"]["quantization_config"] = quant

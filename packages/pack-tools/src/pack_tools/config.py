@@ -14,7 +14,9 @@ class PackConfig:
 
     Attributes
     ----------
-    text_architecture : ``architectures[0]`` of the text-only config the server loads.
+    text_architecture : ``architectures[0]`` of the config the server loads: vLLM's V4.1 architecture name, so that
+        everything vLLM keys on it stays on (Engram config, breakable CUDA graphs, the deepseek_v41 tokenizer);
+        the plugin registers its model under the same name. The pack is served text-only (no vision tower).
     predecode : regexes (``re.search``) over native EXL3 module prefixes that bypass the quantized path and
         are shipped decoded to FP16 ``[out, in]`` in ``native-dense.safetensors`` (compressor and indexer
         projections, reference-system.md section 8). The grouped ``attn.wo_a.slice.G`` modules are always
@@ -30,7 +32,7 @@ class PackConfig:
         are recorded without hashing.
     """
 
-    text_architecture: str = "DeepseekV41LLMForCausalLM"
+    text_architecture: str = "DeepseekV41ForCausalLM"
     predecode: tuple[str, ...] = (r"\.attn\.compressor\.(wkv|wgate)$", r"\.attn\.indexer\.wk$")
     host_experts: str = "all"
     link_mode: str = "relative"

@@ -14,6 +14,7 @@ from pack_tools.manifest import INDEX_NAME, hash_file
 from pack_tools.st import RawTensor, atomic_write_json, raw, tensor_bytes, write_safetensors
 
 __all__ = [
+    "IMAGE_TOKEN",
     "V41_SPECIAL_TOKENS",
     "bf16",
     "exl3",
@@ -140,18 +141,13 @@ def write_shards(
     return weight_map
 
 
-def write_tokenizer(root: Path, vocab_size: int, chat_template: str | None = None) -> int:
-    """A small byte-level BPE tokenizer with the V4.1 special tokens at ids 0.. (BOS 0, EOS 1, pad 2).
+#: vLLM's V4.1 image placeholder; its tokenizer must hold it (the release has it as its last special token).
+IMAGE_TOKEN = "<｜deepseek_image｜>"
 
-    Writes ``tokenizer.json`` and ``tokenizer_config.json``; returns the tokenizer's vocabulary size
-    (at most ``vocab_size``). Training is deterministic for a fixed corpus.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    corpus = [
+def _tokenizer_corpus() -> list[str]:
+    """A fixed training corpus (deterministic, machine-independent) big enough for ~1k BPE merges."""
+    lines = [
         "The capital of Japan is Tokyo. The capital of France is Paris.",
         "def add(a, b):\n    return a + b\n",
         "Seventeen times twenty-three is three hundred ninety-one.",
@@ -159,16 +155,46 @@ def write_tokenizer(root: Path, vocab_size: int, chat_template: str | None = Non
         "Engram tables hold hashed n-gram embeddings read from disk.",
         '{"name": "get_weather", "arguments": {"location": "Paris"}}',
     ]
+    words = ("expert cache host memory pinned stream prefill decode token layer tensor trellis codebook "
+             "hadamard router weight gate shared sparse attention window index compressor engram table "
+             "shard pack verify build serve request stream reason tool call answer question number").split()
+    for i in range(600):
+        a, b, c = words[i % len(words)], words[(i * 7 + 3) % len(words)], words[(i * 13 + 5) % len(words)]
+        lines.append(f"{a} {b} {c} {i} {i * i % 997} {a.capitalize()}{b}_{c}({i}) -> {b}.{c}[{i % 17}]")
+    return lines
+
+
+def write_tokenizer(root: Path, vocab_size: int, chat_template: str | None = None) -> int:
+    """A small byte-level BPE tokenizer with exactly ``vocab_size`` ids, as vLLM's V4.1 model requires.
+
+    The V4.1 special tokens take ids 0.. (BOS 0, EOS 1, pad 2), BPE merges follow, reserved filler tokens
+    (``<｜reserved_N｜>``, plain added tokens) pad the vocabulary when the corpus gives too few merges, and
+    ``<｜deepseek_image｜>`` is the last id (``vocab_size - 1``). Writes ``tokenizer.json`` and
+    ``tokenizer_config.json``; returns the vocabulary size (= ``vocab_size``). Deterministic.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - 1,
         special_tokens=list(V41_SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus, trainer=trainer)
+    tok.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
     size = tok.get_vocab_size()
-    if size > vocab_size:
-        raise ValueError(f"tokenizer has {size} tokens, more than vocab_size {vocab_size}")
+    if size > vocab_size - 1:
+        raise ValueError(f"tokenizer has {size} tokens, more than vocab_size - 1 = {vocab_size - 1}")
+    fillers = [AddedToken(f"<｜reserved_{i}｜>", special=False) for i in range(vocab_size - 1 - size)]
+    if fillers:
+        tok.add_tokens(fillers)
+    tok.add_special_tokens([IMAGE_TOKEN])
+    size = tok.get_vocab_size()
+    if size != vocab_size or tok.token_to_id(IMAGE_TOKEN) != vocab_size - 1:
+        raise ValueError(f"tokenizer: built {size} ids (image token at {tok.token_to_id(IMAGE_TOKEN)}), "
+                         f"expected exactly {vocab_size} with the image token last")
     tok.save(str(root / "tokenizer.json"))
     cfg: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -48,30 +48,39 @@ CHAT_TEMPLATE = (
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TinyV41:
-    """Dimensions of the tiny model (every EXL3 dimension a multiple of 128, as EXL3 requires)."""
+    """Dimensions of the tiny model (every EXL3 dimension a multiple of 128, as EXL3 requires).
 
-    hidden: int = 256
-    intermediate: int = 128
+    The defaults are the smallest V4.1 that upstream vLLM 0.32's CUDA kernels build and run (the shape proven by
+    the gpu-vllm kit's smoke test): FlashMLA's sparse attention needs 64 query heads of 512 (rope 64) and an index
+    top-k of 512; a KV-source layer must be compressed (ratio 1 or 2) and a consumer reads a source of its own
+    ratio, so layers 2 and 3 are both sources. Engram uses the real hashing shape (8 heads, 4-grams: 24 rows of
+    256 per token, a 6144-wide ``wkv``).
+    """
+
+    hidden: int = 1024
+    intermediate: int = 256
     layers: int = 4
-    experts: int = 8
+    experts: int = 16
     experts_per_tok: int = 2
-    heads: int = 2
-    head_dim: int = 128
-    q_lora_rank: int = 128
-    o_groups: int = 2
-    o_lora_rank: int = 128
-    index_heads: int = 1
+    heads: int = 64
+    head_dim: int = 512
+    q_lora_rank: int = 256
+    o_groups: int = 8
+    o_lora_rank: int = 256
+    index_heads: int = 32
     index_head_dim: int = 128
+    index_topk: int = 512
     hc_mult: int = 4
     vocab: int = 1024
     mtp: int = 1
     mtp_experts: int = 4
     engram_layers: tuple[int, ...] = (1, 2)
-    engram_vocab: int = 2000
-    engram_heads: int = 2
-    engram_max_ngram: int = 3
-    kv_source_layers: tuple[int, ...] = (2,)
+    engram_vocab: int = 1000
+    engram_heads: int = 8
+    engram_max_ngram: int = 4
+    kv_source_layers: tuple[int, ...] = (2, 3)
     index_source_layers: tuple[int, ...] = (2, 3)
+    candidate_source_layer: int = -1
     routed_bits: int = 3
     mtp_bits: int = 4
     dense_bits: int = 4
@@ -87,6 +96,8 @@ class TinyV41:
             raise ValueError("TinyV41.o_groups: heads * head_dim / o_groups must be a multiple of 128")
         if any(not 0 <= i < self.layers for i in self.engram_layers + self.kv_source_layers):
             raise ValueError("TinyV41: engram / kv-source layer ids must be decoder layers")
+        if self.vocab < len(c.V41_SPECIAL_TOKENS) + 257:
+            raise ValueError(f"TinyV41.vocab: must hold the byte alphabet and the special tokens, got {self.vocab}")
 
 
 ENGRAM_DIM = 256  # the real table row width (engram_head_dim)
@@ -182,8 +193,15 @@ class SpecGen:
         }
 
 
-def tiny_v41_config(d: TinyV41 = TinyV41()) -> dict[str, Any]:
-    """The nested V4.1 ``config.json`` (without quantization_config) for dimensions ``d``."""
+def tiny_v41_config(d: TinyV41 = TinyV41(), compressed_vocab: int | None = None) -> dict[str, Any]:
+    """The nested V4.1 ``config.json`` (without quantization_config) for dimensions ``d``.
+
+    ``compressed_vocab`` is ``engram_compressed_vocab_size``: the number of classes of the tokenizer's Engram
+    token map (vLLM checks it against the map it builds from the tokenizer); default: a placeholder for callers
+    that write no tokenizer.
+    """
+    if compressed_vocab is None:
+        compressed_vocab = d.vocab - 64
     primes = engram_primes(d.engram_vocab, d.engram_heads, d.engram_max_ngram, len(d.engram_layers))
     ratios = [0, 0] + [2 if i < (d.layers + 2) // 2 else 1 for i in range(2, d.layers)] + [0] * d.mtp
     text = {
@@ -226,9 +244,9 @@ def tiny_v41_config(d: TinyV41 = TinyV41()) -> dict[str, Any]:
         "index_source_layer_ids": list(d.index_source_layers),
         "index_n_heads": d.index_heads,
         "index_head_dim": d.index_head_dim,
-        "index_topk": 16,
-        "candidate_source_layer_id": d.layers - 1,
-        "candidate_topk_blocks": 8,
+        "index_topk": d.index_topk,
+        "candidate_source_layer_id": d.candidate_source_layer,
+        "candidate_topk_blocks": 2048 if d.candidate_source_layer >= 0 else 0,
         "candidate_block_size": 8,
         "hc_mult": d.hc_mult,
         "hc_sinkhorn_iters": 20,
@@ -240,7 +258,7 @@ def tiny_v41_config(d: TinyV41 = TinyV41()) -> dict[str, Any]:
         "engram_n_heads": d.engram_heads,
         "engram_head_dim": ENGRAM_DIM,
         "engram_pad_token_id": 2,
-        "engram_compressed_vocab_size": d.vocab - 64,
+        "engram_compressed_vocab_size": compressed_vocab,
         "num_nextn_predict_layers": d.mtp,
         "dspark_block_size": 5,
         "dspark_noise_token_id": d.vocab - 1,
@@ -251,6 +269,7 @@ def tiny_v41_config(d: TinyV41 = TinyV41()) -> dict[str, Any]:
         "bos_token_id": 0,
         "eos_token_id": 1,
         "pad_token_id": 2,
+        "image_token_id": d.vocab - 1,
         "torch_dtype": "bfloat16",
     }
     return {
@@ -259,6 +278,7 @@ def tiny_v41_config(d: TinyV41 = TinyV41()) -> dict[str, Any]:
         "bos_token_id": 0,
         "eos_token_id": 1,
         "pad_token_id": 2,
+        "image_token_id": d.vocab - 1,
         "torch_dtype": "bfloat16",
         "text_config": text,
         "vision_config": {
@@ -408,7 +428,13 @@ def synth_tiny_v41(out: Path, seed: int = 0, dims: TinyV41 | None = None) -> Pat
     ex.mkdir(parents=True, exist_ok=True)
     (en / "inference").mkdir(parents=True, exist_ok=True)
 
-    cfg = tiny_v41_config(d)
+    size = c.write_tokenizer(ex, d.vocab, CHAT_TEMPLATE)
+    if size != d.vocab:  # pragma: no cover - write_tokenizer raises first
+        raise ValueError("tokenizer size differs from the vocabulary")
+    from engram_mmap.hashing import build_token_map
+
+    _, compressed_vocab = build_token_map(str(ex / "tokenizer.json"))
+    cfg = tiny_v41_config(d, compressed_vocab)
     tensors, groups = exl3_checkpoint_tensors(d, DataGen(seed))
     c.write_shards(ex, tensors, d.exl3_shards, groups=groups)
     ex_cfg = dict(cfg)
@@ -425,9 +451,6 @@ def synth_tiny_v41(out: Path, seed: int = 0, dims: TinyV41 | None = None) -> Pat
     atomic_write_json(ex / "quantization_config.json", ex_cfg["quantization_config"])
     atomic_write_json(ex / "generation_config.json", {"bos_token_id": 0, "eos_token_id": 1, "do_sample": True,
                                                       "temperature": 1.0, "top_p": 0.95})  # fmt: skip
-    size = c.write_tokenizer(ex, d.vocab, CHAT_TEMPLATE)
-    if size > d.vocab:  # pragma: no cover - write_tokenizer raises first
-        raise ValueError("tokenizer larger than the vocabulary")
 
     shards, absent = engram_release_tensors(d, DataGen(seed))
     weight_map: dict[str, str] = dict(absent)
