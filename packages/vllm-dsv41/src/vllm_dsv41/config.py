@@ -6,75 +6,70 @@ It reaches the plugin through vLLM's own configuration, never through environmen
   ``hf_config``);
 * the server passes overrides as ``additional_config={"dsv41": {...}}`` (vLLM's ``--additional-config``).
 
-Overrides win field by field. Unknown fields and bad values raise ``ValueError`` naming the field and where it
-came from.
+Overrides win field by field (the nested ``cpu`` object too). Unknown fields and bad values raise
+``ValueError`` naming the field and where it came from. The CPU expert tier's settings are cpu-tier's own
+``CpuTierConfig``, nested as ``cpu`` (not mirrored), so every cpu-tier knob is reachable and checked once.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Mapping
 from typing import Any, Literal
+
+from cpu_tier import CpuTierConfig
 
 #: The key under which the plugin's settings live in ``config.json`` and in vLLM's ``additional_config``.
 CONFIG_KEY = "dsv41"
 
-Isa = Literal["auto", "scalar", "avx2", "avx512", "amx"]
-Precision = Literal["exact", "fast"]
-_ISAS: tuple[str, ...] = ("auto", "scalar", "avx2", "avx512", "amx")
-_PRECISIONS: tuple[str, ...] = ("exact", "fast")
+Runtime = Literal["cpu", "all-in-vram"]
+DenseKernel = Literal["auto", "exllamav3", "triton"]
+RUNTIMES: tuple[str, ...] = ("cpu", "all-in-vram")
+DENSE_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton")
+
+__all__ = ["CONFIG_KEY", "DENSE_KERNELS", "RUNTIMES", "Dsv41PluginConfig"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Dsv41PluginConfig:
-    """How the plugin runs the routed experts.
+    """How the plugin runs the model's EXL3 parts.
 
     Attributes
     ----------
-    cpu_threads : worker threads of the CPU expert tier; 0 means one per CPU this process may run on.
-    cpu_cores : CPUs to pin those threads to (empty: no pinning).
-    cpu_isa : kernel variant of the CPU expert tier: "auto" picks the best one the CPU runs ("scalar" is the
-        portable fallback; "amx" adds the AMX-INT8 kernel on Sapphire Rapids and newer).
-    cpu_amx_min_tokens : with the "amx" variant, the fewest tokens per expert chunk that run the AMX kernel (1..9,
-        9 = never; cpu-tier's ``CpuTierConfig.amx_min_tokens``).
-    precision : "exact" (float32 activations; relative error <= 1e-5 against the numpy reference) or "fast"
-        (integer activations on the MUL1 path; relative RMS error <= 5e-3, see cpu-tier's README).
-    spin_us : how long idle CPU workers spin before sleeping, in microseconds.
+    cpu : the CPU expert tier (cpu-tier's ``CpuTierConfig``: threads, pinned cores, ISA, precision, spin, AMX
+        threshold, prefetch distance, work split). Its ``swiglu_limit`` is not used: each MoE layer passes the
+        model's own clamp.
+    runtime : where the routed experts run. "cpu": every routed expert in the pack's host home, computed by
+        cpu-tier (the served default). "all-in-vram": every routed expert dequantized once into the model's
+        device memory and computed by a plain fp32-accumulate path (the oracle every tier is measured
+        against; only for packs whose experts fit).
+    dense_kernel : the GPU kernel of the dense EXL3 linears (attention, shared experts, Engram ``wkv``, head).
+        "exllamav3": exllamav3's CUDA kernels (needs the ``exllamav3`` package); "triton": ours (decode to fp16
+        with dma-prefill's bit-exact Triton decode, then a GEMM); "auto": exllamav3 where it imports, else
+        ours. On the CPU the dense linears are dequantized once at load (the demo) and this is ignored.
+    register_host_memory : page-lock the host home of the experts with CUDA (``cudaHostRegister``) when a GPU
+        is present, so that copies from it are DMA and the GPU can read it in place.
     """
 
-    cpu_threads: int = 0
-    cpu_cores: tuple[int, ...] = ()
-    cpu_isa: Isa = "auto"
-    precision: Precision = "exact"
-    spin_us: int = 50
-    cpu_amx_min_tokens: int = 6
+    cpu: CpuTierConfig = dataclasses.field(default_factory=CpuTierConfig)
+    runtime: Runtime = "cpu"
+    dense_kernel: DenseKernel = "auto"
+    register_host_memory: bool = True
 
     def __post_init__(self) -> None:
-        _check_int("cpu_threads", self.cpu_threads, minimum=0)
-        if not isinstance(self.cpu_cores, tuple) or not all(
-            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in self.cpu_cores
-        ):
-            raise ValueError(f"cpu_cores: expected a tuple of CPU numbers >= 0, got {self.cpu_cores!r}")
-        if len(set(self.cpu_cores)) != len(self.cpu_cores):
-            raise ValueError(f"cpu_cores: CPU numbers repeat in {self.cpu_cores!r}")
-        if self.cpu_isa not in _ISAS:
-            raise ValueError(f"cpu_isa: expected one of {_ISAS}, got {self.cpu_isa!r}")
-        if self.precision not in _PRECISIONS:
-            raise ValueError(f"precision: expected one of {_PRECISIONS}, got {self.precision!r}")
-        _check_int("spin_us", self.spin_us, minimum=0)
-        _check_int("cpu_amx_min_tokens", self.cpu_amx_min_tokens, minimum=1)
-        if self.cpu_amx_min_tokens > 9:
-            raise ValueError(f"cpu_amx_min_tokens: expected 1..9 (9 = never), got {self.cpu_amx_min_tokens}")
+        if not isinstance(self.cpu, CpuTierConfig):
+            raise ValueError(f"cpu: expected a CpuTierConfig, got {type(self.cpu).__name__}")
+        if self.runtime not in RUNTIMES:
+            raise ValueError(f"runtime: expected one of {RUNTIMES}, got {self.runtime!r}")
+        if self.dense_kernel not in DENSE_KERNELS:
+            raise ValueError(f"dense_kernel: expected one of {DENSE_KERNELS}, got {self.dense_kernel!r}")
+        if not isinstance(self.register_host_memory, bool):
+            raise ValueError(f"register_host_memory: expected true or false, got {self.register_host_memory!r}")
 
     @property
     def effective_threads(self) -> int:
-        """The thread count the CPU tier will use (``cpu_threads``, else the CPUs this process may use)."""
-        if self.cpu_threads:
-            return self.cpu_threads
-        if self.cpu_cores:
-            return len(self.cpu_cores)
-        return len(os.sched_getaffinity(0))
+        """The thread count the CPU tier will use."""
+        return self.cpu.resolved_threads()
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], source: str = "config") -> Dsv41PluginConfig:
@@ -86,18 +81,19 @@ class Dsv41PluginConfig:
         if unknown:
             raise ValueError(f"{source}: unknown field {unknown[0]!r}; known fields: {sorted(fields)}")
         kwargs = dict(values)
-        if "cpu_cores" in kwargs and isinstance(kwargs["cpu_cores"], list):
-            kwargs["cpu_cores"] = tuple(kwargs["cpu_cores"])
+        if "cpu" in kwargs:
+            kwargs["cpu"] = _cpu_config(kwargs["cpu"], f"{source}: cpu")
         try:
             return cls(**kwargs)
-        except ValueError as e:
+        except (TypeError, ValueError) as e:
             raise ValueError(f"{source}: {e}") from None
 
     def to_mapping(self) -> dict[str, Any]:
         """The JSON-able form (what the server puts under ``additional_config["dsv41"]``)."""
-        d = dataclasses.asdict(self)
-        d["cpu_cores"] = list(self.cpu_cores)
-        return d
+        cpu = dataclasses.asdict(self.cpu)
+        cpu["cpus"] = list(self.cpu.cpus)
+        return {"cpu": cpu, "runtime": self.runtime, "dense_kernel": self.dense_kernel,
+                "register_host_memory": self.register_host_memory}  # fmt: skip
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> Dsv41PluginConfig:
@@ -106,16 +102,42 @@ class Dsv41PluginConfig:
         model_config = getattr(vllm_config, "model_config", None)
         hf_config = getattr(model_config, "hf_config", None)
         pack = getattr(hf_config, CONFIG_KEY, None)
+        if pack is None and hf_config is not None:  # nested V4.1 configs: the pack defaults sit at the top level
+            pack = getattr(getattr(hf_config, "text_config", None), CONFIG_KEY, None)
         if pack is not None:
-            merged.update(cls.from_mapping(pack, f"config.json {CONFIG_KEY!r}").to_mapping())
+            merged = cls.from_mapping(pack, f"config.json {CONFIG_KEY!r}").to_mapping()
         extra = getattr(vllm_config, "additional_config", None) or {}
         if isinstance(extra, Mapping) and CONFIG_KEY in extra:
             override = extra[CONFIG_KEY]
             cls.from_mapping(override, f"additional_config {CONFIG_KEY!r}")  # validate on its own first
-            merged.update(override)
+            merged = _merge(merged, override)
         return cls.from_mapping(merged, "merged plugin config")
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value!r}")
+def _cpu_config(value: Any, source: str) -> CpuTierConfig:
+    if isinstance(value, CpuTierConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{source}: expected an object of cpu-tier settings, got {type(value).__name__}")
+    fields = {f.name for f in dataclasses.fields(CpuTierConfig)}
+    unknown = sorted(set(value) - fields)
+    if unknown:
+        raise ValueError(f"{source}: unknown field {unknown[0]!r}; known fields: {sorted(fields)}")
+    kwargs = dict(value)
+    if isinstance(kwargs.get("cpus"), list):
+        kwargs["cpus"] = tuple(kwargs["cpus"])
+    try:
+        return CpuTierConfig(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` updated by ``override`` field by field, one level into the nested ``cpu`` object."""
+    out = dict(base)
+    for k, v in override.items():
+        if k == "cpu" and isinstance(v, Mapping) and isinstance(out.get("cpu"), Mapping):
+            out["cpu"] = {**out["cpu"], **v}
+        else:
+            out[k] = v
+    return out

@@ -1,10 +1,14 @@
 """The EXL3 layer methods ``Exl3Config`` hands to vLLM's linear and fused-MoE layers.
 
-The layers receive their EXL3 tensors through empty placeholder parameters (``trellis``, ``suh``, ...) whose
+Dense linears receive their EXL3 tensors through empty placeholder parameters (``trellis``, ``suh``, ...) whose
 weight loaders put each tensor into a ``TensorStore``; ``process_weights_after_loading`` then builds and
-validates ``Exl3Tensor`` objects and hands them on: dense ones are dequantized once
-(``cpu_tier.exl3.reconstruct``) and applied as a plain GEMM, routed experts go to the expert runtime.
-vLLM keeps doing the routing and the shared experts.
+validates ``Exl3Tensor`` objects: on a GPU they stay EXL3 in VRAM and run through a GPU EXL3 kernel
+(``vllm_dsv41.dense``); on the CPU (the demo) they are dequantized once and applied as a plain GEMM.
+
+Routed experts never pass through vLLM's weight reader: the plugin's model loader maps them from the pack (the
+host home, ``vllm_dsv41.home``) and ``process_weights_after_loading`` hands each layer's views to the expert
+runtime. vLLM keeps doing the routing; the method also runs the shared experts itself (it declares that it
+overlaps them), before the routed-expert op, so no auxiliary stream straddles the op's eager CUDA-graph break.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.model_executor.utils import set_weight_attrs
 
-from . import experts as _experts  # noqa: F401  (registers the dsv41::routed_experts custom op)
+from . import experts as _experts
 from .checkpoint import EXL3_SUFFIXES, TensorStore
 
 if TYPE_CHECKING:
@@ -42,12 +46,13 @@ _QKV = {"q": 0, "k": 1, "v": 2}
 
 
 class Exl3LinearMethod(LinearMethodBase):
-    """A dense EXL3 linear (plain or fused from shards), dequantized once after loading."""
+    """A dense EXL3 linear (plain or fused from shards): EXL3 kernels on a GPU, dequantized once on the CPU."""
 
-    def __init__(self, prefix: str, parts: list[str]) -> None:
+    def __init__(self, prefix: str, parts: list[str], quant_config: Exl3Config | None = None) -> None:
         super().__init__()
         self.prefix = prefix
         self.parts = parts  # checkpoint module names, for messages
+        self.quant_config = quant_config
 
     def create_weights(
         self,
@@ -63,6 +68,7 @@ class Exl3LinearMethod(LinearMethodBase):
             raise NotImplementedError(f"{self.prefix}: EXL3 dense linears do not support tensor parallelism yet")
         layer.exl3_store = TensorStore(self.prefix)
         layer.exl3_sizes = (input_size, list(output_partition_sizes))
+        layer.exl3_params_dtype = params_dtype
         for suffix, dtype in EXL3_SUFFIXES.items():
             layer.register_parameter(suffix, _placeholder(dtype, functools.partial(self._load, layer, suffix)))
 
@@ -85,34 +91,67 @@ class Exl3LinearMethod(LinearMethodBase):
         k, sizes = layer.exl3_sizes
         store: TensorStore = layer.exl3_store
         names = self.parts if len(self.parts) == len(sizes) else [f"{self.prefix}[{i}]" for i in range(len(sizes))]
-        weights = []
+        tensors = []
         for part, (name, n) in enumerate(zip(names, sizes, strict=True)):
             t = store.build(part, name)
             if (t.k, t.n) != (k, n):
                 raise ValueError(f"{name}: EXL3 tensor is {t.k}x{t.n} (in x out), the layer needs {k}x{n}")
-            weights.append(t.reconstruct().T)
-        w = torch.from_numpy(np.ascontiguousarray(np.concatenate(weights, axis=0)))
-        device = layer.trellis.device  # where vLLM built the layer's parameters
-        layer.register_buffer("exl3_weight", w.to(device=device, dtype=layer.params_dtype), persistent=False)
+            tensors.append(t)
         store.clear()
+        device = layer.trellis.device  # where vLLM built the layer's parameters
+        if device.type == "cuda":
+            from .dense import Exl3DenseLinear
+
+            backend = self.quant_config.plugin_config().dense_kernel if self.quant_config is not None else "auto"
+            layer.exl3_dense = Exl3DenseLinear(tensors, device, backend, names)
+        else:
+            w = np.concatenate([t.reconstruct().T for t in tensors], axis=0)
+            w_t = torch.from_numpy(np.ascontiguousarray(w)).to(device=device, dtype=layer.exl3_params_dtype)
+            layer.register_buffer("exl3_weight", w_t, persistent=False)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        dense = getattr(layer, "exl3_dense", None)
+        if dense is not None:
+            y = dense(x)
+            return y if bias is None else y + bias
         return torch.nn.functional.linear(x, layer.exl3_weight, bias)
 
 
 # ------------------------------------------------------------------------------------------ routed experts
 
-_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+@functools.cache
+def _eager_routed() -> Any:
+    """The routed-expert op as an eager break of vLLM's breakable CUDA graphs.
+
+    Decorated on first use (vLLM's decorator reads whether breakable graphs are on when it is applied, which
+    is known only once the engine's configuration exists). Outside a capture it is a plain call.
+    """
+    from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+
+    def call(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, runtime: int, layer: int) -> None:
+        torch.ops.dsv41.routed_experts_out(x, ids, w, out, runtime, layer)
+
+    return eager_break_during_capture(call)
 
 
 class Exl3HostExpertsMethod(FusedMoEMethodBase):
-    """Routed EXL3 experts kept in host memory and computed by the expert runtime."""
+    """Routed EXL3 experts kept in the pack's host home and computed by the expert runtime."""
 
-    def __init__(self, moe: Any, quant_config: "Exl3Config") -> None:
+    #: The weights are views of the host home; nothing to move to the GPU before processing.
+    requires_device_loading = False
+
+    def __init__(self, moe: Any, quant_config: Exl3Config) -> None:
         super().__init__(moe)
         self.quant_config = quant_config
         self.layer_index = -1
         self.runtime_handle = -1
+
+    @property
+    def mk_can_overlap_shared_experts(self) -> bool:
+        # The method runs the shared experts itself (in ``apply``, before the routed op): vLLM then forks no
+        # auxiliary stream that would straddle the op's eager break in a captured graph.
+        return True
 
     def create_weights(
         self,
@@ -132,51 +171,37 @@ class Exl3HostExpertsMethod(FusedMoEMethodBase):
         if getattr(layer, "apply_router_weight_on_input", False):
             raise NotImplementedError(f"{name}: apply_router_weight_on_input is not supported")
         self.layer_index = extract_layer_index(name)
-        layer.exl3_store = TensorStore(name)
         layer.exl3_sizes = (num_experts, hidden_size, intermediate_size_per_partition)
         for stem in ("w13", "w2"):
             for suffix, dtype in EXL3_SUFFIXES.items():
-                loader = functools.partial(self._load, layer, suffix)
+                loader = functools.partial(self._refuse, layer)
                 layer.register_parameter(f"{stem}_{suffix}", _placeholder(dtype, loader))
+        # The output buffer the op writes (shared by all MoE layers: a layer's output is consumed before the next
+        # layer's op runs); a persistent address, as captured CUDA graph segments read it.
+        rows = max(int(getattr(self.moe, "max_num_tokens", 0) or 0), 1)
+        self.out = self.quant_config.moe_out_buffer(rows, hidden_size, params_dtype)
         _, self.runtime_handle = self.quant_config.expert_runtime()
 
-    def _load(
-        self,
-        layer: torch.nn.Module,
-        suffix: str,
-        param: Any = None,
-        loaded_weight: torch.Tensor | None = None,
-        weight_name: str = "",
-        shard_id: str = "",
-        expert_id: int = -1,
-        return_success: bool = False,
-    ) -> bool | None:
-        if loaded_weight is None or shard_id not in _PROJ or not 0 <= expert_id < layer.exl3_sizes[0]:
-            raise ValueError(f"{layer.layer_name}: cannot place {weight_name!r} (shard {shard_id!r}, expert {expert_id})")
-        layer.exl3_store.put((expert_id, shard_id), suffix, loaded_weight)
-        return True if return_success else None
+    def _refuse(self, layer: torch.nn.Module, param: Any = None, loaded_weight: Any = None, weight_name: str = "",
+                **kw: Any) -> bool:  # fmt: skip
+        raise ValueError(
+            f"{layer.layer_name}: routed expert tensor {weight_name!r} came through vLLM's weight reader; this "
+            "plugin maps routed experts from the pack itself: load with load_format='dsv41' (the server does)"
+        )
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
         return None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         num_experts, hidden, inter = layer.exl3_sizes
-        store: TensorStore = layer.exl3_store
-        shapes = {"w1": (hidden, inter), "w3": (hidden, inter), "w2": (inter, hidden)}
-        experts: dict[str, list[Any]] = {}
-        for shard, proj in _PROJ.items():
-            experts[shard] = []
-            for e in range(num_experts):
-                name = f"{layer.layer_name}.{e}.{proj}"
-                t = store.build((e, shard), name)
-                if (t.k, t.n) != shapes[shard]:
-                    raise ValueError(f"{name}: EXL3 tensor is {t.k}x{t.n} (in x out), the layer needs {shapes[shard]}")
-                experts[shard].append(t)
-        store.clear()
+        experts = self.quant_config.home().layer(self.layer_index)
+        if (experts.num_experts, experts.hidden, experts.intermediate) != (num_experts, hidden, inter):
+            raise ValueError(
+                f"{self.quant_config.home().pack}: MoE layer {self.layer_index} has {experts.num_experts} experts of "
+                f"{experts.hidden}x{experts.intermediate}; the model needs {num_experts} of {hidden}x{inter}"
+            )
         runtime, _ = self.quant_config.expert_runtime()
-        runtime.add_layer(
-            self.layer_index, experts["w1"], experts["w3"], experts["w2"], swiglu_limit=layer.swiglu_limit
-        )
+        runtime.add_layer(experts, swiglu_limit=getattr(layer, "swiglu_limit", None))
 
     def apply(
         self,
@@ -187,4 +212,20 @@ class Exl3HostExpertsMethod(FusedMoEMethodBase):
         shared_experts: Any = None,
         shared_experts_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return torch.ops.dsv41.routed_experts(x, topk_ids, topk_weights, self.runtime_handle, self.layer_index)
+        if shared_experts is not None and shared_experts_input is not None:
+            from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
+
+            shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
+        t = x.shape[0]
+        out = self.out
+        if t > out.shape[0] or out.device != x.device or out.dtype != x.dtype:
+            out = self.out = self.quant_config.moe_out_buffer(t, x.shape[1], x.dtype, device=x.device)
+        runtime, handle = self.quant_config.expert_runtime()
+        if runtime.graph_safe or x.device.type != "cuda":
+            torch.ops.dsv41.routed_experts_out(x, topk_ids, topk_weights, out, handle, self.layer_index)
+        else:
+            _eager_routed()(x, topk_ids, topk_weights, out, handle, self.layer_index)
+        return out[:t]
+
+
+_ = _experts  # the import registers the dsv41::routed_experts_out op

@@ -2,14 +2,15 @@
 
 * ``Exl3Config`` (registered with ``register_quantization_config("exl3")``) decides per layer, from which
   modules the checkpoint stores as EXL3, what method the layer gets.
-* ``Exl3LinearMethod`` (``vllm_dsv41.methods``): dense EXL3 linears, dequantized once after loading
-  (``cpu_tier.exl3.reconstruct``) and applied as a plain GEMM.
-* ``Exl3HostExpertsMethod`` (``vllm_dsv41.methods``, a ``FusedMoEMethodBase``): routed experts stay in host
-  memory and run in the expert runtime (``vllm_dsv41.experts``); vLLM keeps doing the routing and the shared
-  experts.
+* ``Exl3LinearMethod`` (``vllm_dsv41.methods``): dense EXL3 linears (EXL3 kernels on a GPU, dequantized once
+  on the CPU).
+* ``Exl3HostExpertsMethod`` (``vllm_dsv41.methods``, a ``FusedMoEMethodBase``): routed experts stay in the
+  pack's host home and run in the expert runtime (``vllm_dsv41.experts``); vLLM keeps doing the routing.
 
-This module imports only vLLM's quantization base, so that the plugin's ``register()`` stays light; the
-methods are imported when vLLM builds the model.
+The config also owns, per model instance (in the worker that builds it), the host home of the experts (set by
+the plugin's model loader), the expert runtime and the routed op's output buffers. This module imports only
+vLLM's quantization base, so that the plugin's ``register()`` stays light; the methods are imported when vLLM
+builds the model.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from .config import Dsv41PluginConfig
 logger = init_logger("vllm.dsv41")  # under "vllm": printed with vLLM's own log lines
 
 QUANT_METHOD = "exl3"
+#: vLLM's (and the pack's) architecture name of DeepSeek-V4.1.
+V41_ARCHITECTURE = "DeepseekV41ForCausalLM"
 
-__all__ = ["QUANT_METHOD", "Exl3Config"]
+__all__ = ["QUANT_METHOD", "V41_ARCHITECTURE", "Exl3Config"]
 
 
 class Exl3Config(QuantizationConfig):
@@ -39,13 +42,20 @@ class Exl3Config(QuantizationConfig):
         #: Checkpoint module prefixes stored as EXL3 (vLLM names after the model's renames); None until
         #: ``maybe_update_config`` read the checkpoint.
         self.exl3_modules: frozenset[str] | None = None
+        self._reset_instance_state()
+
+    def _reset_instance_state(self) -> None:
         self._runtime: Any = None
         self._runtime_handle: int | None = None
+        self._home: Any = None
+        self._plugin_config: Dsv41PluginConfig | None = None
+        self._out_buffers: dict[tuple[Any, ...], torch.Tensor] = {}
 
-    def __getstate__(self) -> dict[str, Any]:  # the runtime lives in the worker that built the model
+    def __getstate__(self) -> dict[str, Any]:  # the runtime and the home live in the worker that built the model
         state = self.__dict__.copy()
-        state["_runtime"] = None
-        state["_runtime_handle"] = None
+        for k in ("_runtime", "_runtime_handle", "_home", "_plugin_config"):
+            state[k] = None
+        state["_out_buffers"] = {}
         return state
 
     def __repr__(self) -> str:
@@ -62,7 +72,7 @@ class Exl3Config(QuantizationConfig):
 
     @classmethod
     def get_min_capability(cls) -> int:
-        return 0  # no GPU kernels of our own: the CPU tier and dequantized dense weights
+        return 0  # the CPU tier and our Triton kernels need nothing; exllamav3's kernels check for themselves
 
     @staticmethod
     def get_config_filenames() -> list[str]:
@@ -79,6 +89,10 @@ class Exl3Config(QuantizationConfig):
         self.exl3_modules = exl3_modules(tensor_names(model_name))
         if not self.exl3_modules:
             raise ValueError(f"{model_name}: quant_method is 'exl3' but no tensor ends in '.trellis'")
+        if V41_ARCHITECTURE in (getattr(hf_config, "architectures", None) or []):
+            from .v41 import configure_exl3_names  # V4.1 names; its model class sets no class-level mapper
+
+            configure_exl3_names(self, hf_config)
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
         if self.exl3_modules is None:
@@ -100,12 +114,11 @@ class Exl3Config(QuantizationConfig):
             return None
         if isinstance(layer, LinearBase):
             if self._is_exl3_linear(prefix):
-                return Exl3LinearMethod(prefix, self._linear_parts(prefix))
+                return Exl3LinearMethod(prefix, self._linear_parts(prefix), self)
             return UnquantizedLinearMethod()
         if isinstance(layer, VocabParallelEmbedding) and prefix in modules:
             raise NotImplementedError(
-                f"{prefix}: EXL3-quantized embeddings and output heads are not supported yet "
-                "(store this module as a plain .weight)"
+                f"{prefix}: EXL3-quantized embeddings are not supported (store this module as a plain .weight)"
             )
         return None
 
@@ -115,6 +128,10 @@ class Exl3Config(QuantizationConfig):
         if self.exl3_modules is None:
             raise RuntimeError("Exl3Config: the checkpoint was not scanned (maybe_update_config not called)")
         return self.exl3_modules
+
+    def is_exl3(self, prefix: str) -> bool:
+        """Whether the (vLLM-named) module ``prefix`` is stored as EXL3."""
+        return prefix in self._modules()
 
     def _linear_parts(self, prefix: str) -> list[str]:
         """The checkpoint modules a vLLM linear is made of (several for a fused one, in vLLM's order)."""
@@ -134,16 +151,67 @@ class Exl3Config(QuantizationConfig):
             )
         return all(flags)
 
+    # ------------------------------------------------------------------------- per-model-instance state
+
+    def plugin_config(self) -> Dsv41PluginConfig:
+        """The plugin configuration of the model being built (read from vLLM's current config once)."""
+        if self._plugin_config is None:
+            from vllm.config import get_current_vllm_config
+
+            self._plugin_config = Dsv41PluginConfig.from_vllm_config(get_current_vllm_config())
+        return self._plugin_config
+
     def expert_runtime(self) -> tuple[Any, int]:
         """The model's expert runtime and its custom-op handle, created on first use (in the worker)."""
         if self._runtime is None:
             from vllm.config import get_current_vllm_config
 
-            from .experts import CpuExpertRuntime, register_runtime
+            from .experts import make_runtime, register_runtime
 
-            plugin_config = Dsv41PluginConfig.from_vllm_config(get_current_vllm_config())
-            logger.info("dsv41: routed experts in host memory, computed by cpu-tier (%s)", plugin_config)
-            self._runtime = CpuExpertRuntime(plugin_config)
+            vcfg = get_current_vllm_config()
+            cfg = self.plugin_config()
+            device = torch.device(getattr(getattr(vcfg, "device_config", None), "device", None) or "cpu")
+            max_tokens = int(getattr(getattr(vcfg, "scheduler_config", None), "max_num_batched_tokens", 0) or 0)
+            self._runtime = make_runtime(cfg, device, max_tokens=max_tokens)
             self._runtime_handle = register_runtime(self._runtime)
+            extra = f", cpu-tier {self._runtime.isa}, {cfg.effective_threads} threads, {cfg.cpu.precision}" \
+                if cfg.runtime == "cpu" else ""  # fmt: skip
+            logger.info("dsv41: routed experts on the %r expert runtime%s", cfg.runtime, extra)
         assert self._runtime_handle is not None
         return self._runtime, self._runtime_handle
+
+    def set_runtime(self, runtime: Any) -> Any:
+        """Put ``runtime`` in the model's expert-runtime slot; returns the runtime it replaces.
+
+        The slot keeps its custom-op handle, so CUDA graph segments captured with the old runtime call the new
+        one. The caller adds the layers (``home().layers()``) to ``runtime`` first and closes the old one.
+        """
+        from .experts import replace_runtime
+
+        old, _ = self.expert_runtime()
+        assert self._runtime_handle is not None
+        replace_runtime(self._runtime_handle, runtime)
+        self._runtime = runtime
+        return old
+
+    def attach_home(self, home: Any) -> None:
+        """Give the model its host home of the experts (the plugin's model loader calls this)."""
+        self._home = home
+
+    def home(self) -> Any:
+        if self._home is None:
+            raise RuntimeError(
+                "the routed experts' host home was not built: load EXL3 packs with load_format='dsv41' "
+                "(the plugin's model loader maps the experts from the pack)"
+            )
+        return self._home
+
+    def moe_out_buffer(self, rows: int, hidden: int, dtype: torch.dtype, device: Any = None) -> torch.Tensor:
+        """The persistent output buffer of the routed op for ``hidden``/``dtype`` (shared by all MoE layers)."""
+        dev = torch.device(device) if device is not None else torch.empty(0).device  # vLLM builds under its device
+        key = (hidden, dtype, dev)
+        buf = self._out_buffers.get(key)
+        if buf is None or buf.shape[0] < rows:
+            buf = torch.empty((rows, hidden), dtype=dtype, device=dev)
+            self._out_buffers[key] = buf
+        return buf

@@ -257,7 +257,7 @@ def _config(tok: Any) -> dict[str, Any]:
             "out_scales": "always",
         },
         # Plugin defaults for this pack (vllm_dsv41.Dsv41PluginConfig); the server may override them.
-        "dsv41": {"precision": "exact"},
+        "dsv41": {"cpu": {"precision": "exact"}},
     }
 
 

@@ -1,0 +1,178 @@
+"""Dense EXL3 linears on the GPU: the tensors stay EXL3 in VRAM and every call decodes them in the kernel.
+
+A V4.1-Flash pack's dense EXL3 part (attention projections, shared experts, Engram ``wkv``, the head) is about
+7.7 GiB; dequantized to bf16 it would be ~40 GiB, so it is never dequantized. Two kernel backends compute
+``y = x @ W`` for one EXL3 tensor (``Exl3Tensor``: ``H(H(x * suh) @ W_inner) * svh``):
+
+* ``Exllamav3Kernel``: exllamav3's own CUDA kernels, driven exactly as exllamav3 drives them (its
+  ``LinearEXL3``: the fused trellis GEMM up to its row threshold, reconstruct + fp16 GEMM above), with fp32
+  output;
+* ``TritonKernel`` (ours): dma-prefill's bit-exact Triton decode of the trellis to fp16 ``W_inner`` in a
+  scratch buffer, the input Hadamard in fp32, an fp16 GEMM with fp32 accumulation, the output Hadamard in fp32.
+
+``Exl3DenseLinear`` holds the parts of one vLLM linear (several for a fused one such as ``fused_wqa_wkv``:
+each part is its own EXL3 tensor, with its own sign vectors, so they run one after the other) and returns the
+concatenation in the activations' dtype. ``benches/bench_dense_exl3.py`` times both backends per V4.1 shape.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Literal, Protocol
+
+import torch
+from cpu_tier.exl3 import Exl3Tensor
+
+__all__ = ["Exl3DenseLinear", "Exllamav3Kernel", "TritonKernel", "exllamav3_available", "make_kernel"]
+
+
+class DenseKernel(Protocol):
+    """One EXL3 tensor on the GPU, callable on fp32/bf16/fp16 ``[M, k]`` activations -> fp32 ``[M, n]``."""
+
+    k: int
+    n: int
+    name: str
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def _device_tensors(t: Exl3Tensor, device: torch.device) -> dict[str, torch.Tensor]:
+    out = {
+        "trellis": torch.from_numpy(t.trellis).to(device),
+        "suh": torch.from_numpy(t.suh).to(device),
+        "svh": torch.from_numpy(t.svh).to(device),
+    }
+    if t.bias is not None:
+        out["bias"] = torch.from_numpy(t.bias).to(device=device, dtype=torch.float32)
+    return out
+
+
+@functools.cache
+def exllamav3_available() -> bool:
+    """Whether exllamav3's CUDA extension imports here (prebuilt, or compiled on first import)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        from exllamav3.modules.quant.exl3 import LinearEXL3  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return False
+    return True
+
+
+class Exllamav3Kernel:
+    """exllamav3's EXL3 kernels for one tensor (its ``LinearEXL3``; fp16 in, fp32 out)."""
+
+    backend = "exllamav3"
+
+    def __init__(self, t: Exl3Tensor, device: torch.device, name: str = "exl3") -> None:
+        from exllamav3.modules.quant.exl3 import LinearEXL3
+
+        d = _device_tensors(t, device)
+        self.k, self.n, self.name = t.k, t.n, name
+        self.bias = d.pop("bias", None)
+        marker = torch.zeros((), dtype=torch.int32, device=device)
+        self._lin = LinearEXL3(
+            None, t.k, t.n, suh=d["suh"], svh=d["svh"], trellis=d["trellis"],
+            mcg=marker if t.codebook == "mcg" else None, mul1=marker if t.codebook == "mul1" else None,
+            out_dtype=torch.float32, key=name,
+        )  # fmt: skip
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from exllamav3.modules.quant.exl3 import AUTO_RECONSTRUCT_THRESHOLD
+
+        # exllamav3's fused trellis GEMM writes fp32; its reconstruct + hgemm path (more rows) writes fp16.
+        out = torch.float32 if x.shape[0] <= AUTO_RECONSTRUCT_THRESHOLD else torch.float16
+        y = self._lin.forward(x.to(torch.float16).contiguous(), {}, out_dtype=out).float()
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def trellis_bytes(self) -> int:
+        return int(self._lin.trellis.numel() * 2)
+
+
+class TritonKernel:
+    """Ours: Triton decode of the whole trellis to fp16 per call, fp32 Hadamards, fp16 GEMM (fp32 accumulate)."""
+
+    backend = "triton"
+
+    def __init__(self, t: Exl3Tensor, device: torch.device, name: str = "exl3") -> None:
+        d = _device_tensors(t, device)
+        self.k, self.n, self.name = t.k, t.n, name
+        self.codebook = t.codebook
+        self.trellis = d["trellis"]
+        self.suh = d["suh"].float()
+        self.svh = d["svh"].float()
+        self.bias = d.get("bias")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from dma_prefill.compute import decode_triton
+        from dma_prefill.ops_torch import hadamard_128_torch
+
+        w = decode_triton(self.trellis, self.codebook)  # fp16 W_inner (k, n)
+        xh = hadamard_128_torch(x.float() * self.suh).to(torch.float16)
+        y = torch.matmul(xh, w, out_dtype=torch.float32) if _HAS_OUT_DTYPE else (xh.float() @ w.float())
+        y = hadamard_128_torch(y) * self.svh
+        return y if self.bias is None else y + self.bias
+
+    @property
+    def trellis_bytes(self) -> int:
+        return int(self.trellis.numel() * 2)
+
+
+def _has_out_dtype() -> bool:
+    try:
+        torch.matmul(torch.zeros(1, 1, dtype=torch.float16), torch.zeros(1, 1, dtype=torch.float16),
+                     out_dtype=torch.float32)  # fmt: skip
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
+_HAS_OUT_DTYPE = _has_out_dtype()
+
+Backend = Literal["auto", "exllamav3", "triton"]
+
+
+def make_kernel(t: Exl3Tensor, device: torch.device, backend: Backend, name: str = "exl3") -> DenseKernel:
+    """The kernel for one EXL3 tensor: ``backend`` "auto" takes exllamav3's where it imports, else ours."""
+    if backend == "auto":
+        backend = "exllamav3" if exllamav3_available() else "triton"
+    if backend == "exllamav3":
+        if not exllamav3_available():
+            raise RuntimeError(f"{name}: dense_kernel 'exllamav3' asked for, but exllamav3's CUDA extension "
+                               "does not import here (pip install exllamav3, or dense_kernel 'triton')")  # fmt: skip
+        return Exllamav3Kernel(t, device, name)
+    if backend == "triton":
+        return TritonKernel(t, device, name)
+    raise ValueError(f"{name}: unknown dense kernel backend {backend!r}")
+
+
+class Exl3DenseLinear:
+    """A vLLM linear made of one or more EXL3 tensors (its output parts, in order) on the GPU.
+
+    ``__call__(x)`` takes ``[..., k]`` activations and returns ``[..., sum(n)]`` in ``x.dtype``.
+    """
+
+    def __init__(self, parts: list[Exl3Tensor], device: torch.device, backend: Backend, names: list[str]) -> None:
+        if not parts:
+            raise ValueError("Exl3DenseLinear needs at least one EXL3 tensor")
+        k = parts[0].k
+        for t, n in zip(parts, names, strict=True):
+            if t.k != k:
+                raise ValueError(f"{n}: input size {t.k} differs from the first part's {k}")
+        self.k = k
+        self.n = sum(t.n for t in parts)
+        self.kernels = [make_kernel(t, device, backend, n) for t, n in zip(parts, names, strict=True)]
+        self.backend = self.kernels[0].backend  # type: ignore[attr-defined]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.k)
+        ys = [kern(x2) for kern in self.kernels]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        return y.to(x.dtype).reshape(*shape[:-1], self.n)
+
+    @property
+    def trellis_bytes(self) -> int:
+        return sum(k.trellis_bytes for k in self.kernels)  # type: ignore[attr-defined]
+

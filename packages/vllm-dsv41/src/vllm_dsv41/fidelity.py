@@ -1,0 +1,310 @@
+"""``python -m vllm_dsv41.fidelity PACK --runtime cpu --against all-in-vram``: one expert runtime against another.
+
+The pack is loaded once; the model runs fixed prompts with the reference runtime, then with the tested one
+(switched in place: the model's expert-runtime handle is a slot, so captured CUDA graphs call the new runtime
+too), everything else identical. At every prompt position the full next-token distribution is compared:
+
+* top-1 agreement (the two argmaxes are equal),
+* KL(reference || tested), mean and max, in float64 from the fp32 logits,
+* greedy continuations (``--greedy`` tokens from each of the first prompts) token for token.
+
+The logits are read where vLLM computes them (the model's ``compute_logits``), so nothing is rounded to the
+logprobs API's top-k. Prefix caching is off (both runtimes must compute every position).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["FidelityResult", "compare_logits", "main", "run_fidelity"]
+
+#: Text the fixed prompts are cut from (tokenized with the pack's tokenizer).
+CORPUS = (
+    "The capital of Japan is Tokyo. The capital of France is Paris. A mixture of experts routes each token to a "
+    "few experts, and the experts that are used most stay in the cache of the graphics card while the others "
+    "are computed by the processor straight from host memory. def add(a, b):\n    return a + b\n"
+    "Seventeen times twenty-three is three hundred ninety-one. Engram tables hold hashed n-gram embeddings read "
+    'from disk. {"name": "get_weather", "arguments": {"location": "Paris"}} The quick brown fox jumps over the '
+    "lazy dog while the prefill streams every expert over the bus in fixed batches. "
+)
+
+
+@dataclasses.dataclass
+class FidelityResult:
+    runtime: str
+    against: str
+    positions: int
+    top1_agreement: float
+    kl_mean: float
+    kl_max: float
+    greedy_prompts: int
+    greedy_tokens: int
+    greedy_match: bool
+    greedy_first_divergence: list[int | None]
+    seconds: dict[str, float]
+
+    def table(self) -> str:
+        rows = [
+            ("runtime vs reference", f"{self.runtime} vs {self.against}"),
+            ("scored positions", str(self.positions)),
+            ("top-1 agreement", f"{self.top1_agreement:.6f}"),
+            ("KL mean", f"{self.kl_mean:.3e}"),
+            ("KL max", f"{self.kl_max:.3e}"),
+            ("greedy continuations", f"{'match' if self.greedy_match else 'DIFFER'} ({self.greedy_prompts} x "
+                                     f"{self.greedy_tokens} tokens; first divergence {self.greedy_first_divergence})"),
+        ]  # fmt: skip
+        w = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def compare_logits(ref: np.ndarray, test: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per position: whether the argmaxes agree, and KL(ref || test) in float64 (``[N, V]`` logits each)."""
+    if ref.shape != test.shape:
+        raise ValueError(f"logits shapes differ: {ref.shape} vs {test.shape}")
+    a = ref.astype(np.float64)
+    b = test.astype(np.float64)
+    la = a - a.max(axis=1, keepdims=True)
+    la -= np.log(np.exp(la).sum(axis=1, keepdims=True))
+    lb = b - b.max(axis=1, keepdims=True)
+    lb -= np.log(np.exp(lb).sum(axis=1, keepdims=True))
+    kl = (np.exp(la) * (la - lb)).sum(axis=1)
+    return a.argmax(axis=1) == b.argmax(axis=1), np.maximum(kl, 0.0)
+
+
+def make_prompts(tokenizer: Any, positions: int, length: int, bos: int | None) -> list[list[int]]:
+    """Fixed prompts of ``length`` tokens (BOS first when the tokenizer has one) covering ``positions``."""
+    ids = tokenizer.encode(CORPUS, add_special_tokens=False)
+    if not ids:
+        raise ValueError("the tokenizer encodes the fixed corpus to nothing")
+    n = max(1, math.ceil(positions / length))
+    body = length - (bos is not None)
+    prompts = []
+    for p in range(n):
+        start = (p * 97) % len(ids)
+        seq = [ids[(start + i) % len(ids)] for i in range(body)]
+        prompts.append(([bos] if bos is not None else []) + seq)
+    return prompts
+
+
+# ------------------------------------------------------------------------------ worker-side functions
+# Module-level so they pickle into a multiprocess engine; they keep state in the worker process.
+
+_STATE: dict[str, Any] = {"calls": [], "on": False}
+
+
+def _exl3_config(model: torch.nn.Module) -> Any:
+    from .quant import Exl3Config
+
+    for m in model.modules():
+        q = getattr(getattr(m, "quant_method", None), "quant_config", None)
+        if isinstance(q, Exl3Config):
+            return q
+    raise RuntimeError("the model has no EXL3 layers (is this a dsv41 pack?)")
+
+
+def _install(model: torch.nn.Module) -> str:
+    if getattr(model, "_dsv41_fidelity", False):
+        return "installed"
+    orig = model.compute_logits
+
+    def recording(hidden_states: torch.Tensor, *a: Any, **k: Any) -> Any:
+        logits = orig(hidden_states, *a, **k)
+        if _STATE["on"] and logits is not None:
+            _STATE["calls"].append(logits.detach().float().cpu())
+        return logits
+
+    model.compute_logits = recording  # type: ignore[method-assign]
+    model._dsv41_fidelity = True  # type: ignore[attr-defined]
+    return "installed"
+
+
+def _record(model: torch.nn.Module, on: bool) -> None:
+    _STATE["on"] = on
+    if on:
+        _STATE["calls"] = []
+
+
+def _take(model: torch.nn.Module) -> list[np.ndarray]:
+    calls = [c.numpy() for c in _STATE["calls"]]
+    _STATE["calls"] = []
+    return calls
+
+
+def _switch(model: torch.nn.Module, runtime: str) -> str:
+    """Make ``runtime`` the model's expert runtime (built from the model's host home)."""
+    import dataclasses as dc
+
+    from .experts import make_runtime
+
+    q = _exl3_config(model)
+    current, _ = q.expert_runtime()
+    if current.name == runtime:
+        return runtime
+    cfg = dc.replace(q.plugin_config(), runtime=runtime)
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    new = make_runtime(cfg, device)
+    limits = _swiglu_limits(model)
+    for layer in q.home().layers():
+        new.add_layer(layer, limits.get(layer.layer))
+    old = q.set_runtime(new)
+    if old is not None and old is not new:
+        old.close()
+    return runtime
+
+
+def _swiglu_limits(model: torch.nn.Module) -> dict[int, float | None]:
+    from .methods import Exl3HostExpertsMethod
+
+    out: dict[int, float | None] = {}
+    for m in model.modules():
+        qm = getattr(m, "quant_method", None)
+        if isinstance(qm, Exl3HostExpertsMethod):
+            out[qm.layer_index] = getattr(m, "swiglu_limit", None)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+
+def _logits_of(llm: Any, ids: list[int]) -> np.ndarray:
+    """The next-token logits at every position of ``ids`` (``[len(ids), V]``)."""
+    from vllm import SamplingParams
+
+    llm.apply_model(functools.partial(_record, on=True))
+    llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
+                 use_tqdm=False)  # fmt: skip
+    llm.apply_model(functools.partial(_record, on=False))
+    calls = llm.apply_model(_take)[0]
+    prompt = [c for c in calls if c.shape[0] == len(ids) - 1]
+    last = [c for c in calls if c.shape[0] == 1]
+    if len(prompt) != 1 or len(last) != 1:
+        raise RuntimeError(f"expected one prompt-logits call of {len(ids) - 1} rows and one of 1 row, got "
+                           f"{[c.shape[0] for c in calls]}")  # fmt: skip
+    return np.concatenate([prompt[0], last[0]], axis=0)
+
+
+def run_fidelity(
+    llm: Any,
+    runtime: str,
+    against: str,
+    *,
+    positions: int = 2048,
+    length: int = 256,
+    greedy_prompts: int = 4,
+    greedy_tokens: int = 32,
+) -> FidelityResult:
+    """Compare ``runtime`` against ``against`` on an already built ``LLM`` of a dsv41 pack.
+
+    The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as ``main`` sets) or accept
+    pickled callables: the comparison reaches into the model with ``LLM.apply_model``.
+    """
+    from vllm import SamplingParams
+
+    llm.apply_model(_install)
+    tok = llm.get_tokenizer()
+    bos = getattr(tok, "bos_token_id", None)
+    prompts = make_prompts(tok, positions, length, bos)
+    greedy = SamplingParams(max_tokens=greedy_tokens, temperature=0.0, ignore_eos=True)
+    seconds: dict[str, float] = {}
+    results: dict[str, tuple[list[np.ndarray], list[list[int]]]] = {}
+    for name in (against, runtime):
+        t0 = time.perf_counter()
+        llm.apply_model(functools.partial(_switch, runtime=name))
+        logits = [_logits_of(llm, p) for p in prompts]
+        outs = llm.generate([{"prompt_token_ids": p[:64]} for p in prompts[:greedy_prompts]], greedy, use_tqdm=False)
+        results[name] = (logits, [list(o.outputs[0].token_ids) for o in outs])
+        seconds[name] = time.perf_counter() - t0
+    ref_logits, ref_greedy = results[against]
+    test_logits, test_greedy = results[runtime]
+    agree, kl = compare_logits(np.concatenate(ref_logits), np.concatenate(test_logits))
+    first = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)
+             for x, y in zip(ref_greedy, test_greedy, strict=True)]  # fmt: skip
+    return FidelityResult(
+        runtime=runtime, against=against, positions=int(agree.size), top1_agreement=float(agree.mean()),
+        kl_mean=float(kl.mean()), kl_max=float(kl.max()), greedy_prompts=len(ref_greedy),
+        greedy_tokens=greedy_tokens, greedy_match=all(f is None for f in first), greedy_first_divergence=first,
+        seconds=seconds,
+    )  # fmt: skip
+
+
+def build_llm(pack: str | Path, *, runtime: str = "all-in-vram", eager: bool = False, max_model_len: int = 1024,
+              gpu_memory_gib: float | None = None, cpu_threads: int = 0, precision: str = "exact",
+              dtype: str | None = None, extra: dict[str, Any] | None = None) -> Any:  # fmt: skip
+    """An ``LLM`` of a dsv41 pack, set up the way the server runs it (loader, text-only, PIECEWISE graphs)."""
+    from vllm import LLM
+
+    pack = Path(pack)
+    cfg = json.loads((pack / "config.json").read_text())
+    v41 = "DeepseekV41ForCausalLM" in (cfg.get("architectures") or [])
+    cuda = torch.cuda.is_available()
+    kw: dict[str, Any] = {
+        "model": str(pack),
+        "load_format": "dsv41",
+        "max_model_len": max_model_len,
+        "enable_prefix_caching": False,
+        "seed": 0,
+        "additional_config": {"dsv41": {"runtime": runtime, "cpu": {"threads": cpu_threads, "precision": precision}}},
+    }
+    kw["dtype"] = dtype or ("bfloat16" if cuda else "float32")
+    if v41:
+        kw["limit_mm_per_prompt"] = {"image": 0}
+    if eager or not cuda:
+        kw["enforce_eager"] = True
+    else:
+        kw["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+    if cuda and gpu_memory_gib:
+        kw["gpu_memory_utilization"] = gpu_memory_gib * (1 << 30) / torch.cuda.get_device_properties(0).total_memory
+    if not cuda:
+        kw["kv_cache_memory_bytes"] = 1 << 30  # vLLM-CPU otherwise reserves most of the host's memory
+    kw.update(extra or {})
+    return LLM(**kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    # The tool drives the model through ``LLM.apply_model``: run the engine in this process (a callable cannot
+    # cross vLLM's engine-process boundary without pickle fallback). Set before vLLM is imported.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    ap = argparse.ArgumentParser(prog="python -m vllm_dsv41.fidelity", description=__doc__.split("\n\n")[0])
+    ap.add_argument("pack", help="the pack directory")
+    ap.add_argument("--runtime", default="cpu", help="the expert runtime under test (default cpu)")
+    ap.add_argument("--against", default="all-in-vram", help="the reference runtime (default all-in-vram)")
+    ap.add_argument("--positions", type=int, default=2048, help="scored prompt positions (default 2048)")
+    ap.add_argument("--length", type=int, default=256, help="tokens per prompt (default 256)")
+    ap.add_argument("--greedy-prompts", type=int, default=4)
+    ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (default: PIECEWISE on a GPU)")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--gpu-memory-gib", type=float, default=None, help="cap vLLM's GPU memory (e.g. 24)")
+    ap.add_argument("--cpu-threads", type=int, default=0)
+    ap.add_argument("--precision", choices=("exact", "fast"), default="exact", help="the CPU tier's precision")
+    ap.add_argument("--json", type=Path, help="also write the result as JSON")
+    ap.add_argument("--min-top1", type=float, default=None, help="exit 1 when top-1 agreement is below this")
+    ap.add_argument("--max-kl-mean", type=float, default=None, help="exit 1 when the mean KL is above this")
+    a = ap.parse_args(argv)
+    llm = build_llm(a.pack, runtime=a.against, eager=a.eager, max_model_len=a.max_model_len,
+                    gpu_memory_gib=a.gpu_memory_gib, cpu_threads=a.cpu_threads, precision=a.precision)  # fmt: skip
+    res = run_fidelity(llm, a.runtime, a.against, positions=a.positions, length=a.length,
+                       greedy_prompts=a.greedy_prompts, greedy_tokens=a.greedy_tokens)  # fmt: skip
+    print(res.table(), flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(dataclasses.asdict(res), indent=2))
+    bad = (a.min_top1 is not None and res.top1_agreement < a.min_top1) or (
+        a.max_kl_mean is not None and res.kl_mean > a.max_kl_mean
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""DeepSeek-V4.1 EXL3 packs on upstream vLLM's V4.1 model, under upstream's own architecture name.
+
+``Dsv41ForCausalLM`` subclasses vLLM's ``DeepseekV41ForCausalLM`` (the VL wrapper; text-only with
+``limit_mm_per_prompt={"image": 0}``) and is registered as ``"DeepseekV41ForCausalLM"``, so everything vLLM
+keys on that name stays on: the Engram config, breakable CUDA graphs, the ``deepseek_v41`` tokenizer mode and
+parsers. For packs that are not EXL3 (an FP8 release) it is upstream's model unchanged.
+
+For an EXL3 pack it adds what upstream lacks:
+
+* checkpoint names -> vLLM names: upstream's VL weight mapper plus the EXL3 head (``head.trellis`` ...), also
+  given to ``Exl3Config`` (upstream sets its mapper per instance and keeps ``packed_modules_mapping`` on the inner
+  text model, where vLLM's quant-config wiring does not look);
+* an EXL3 output head (upstream builds an unquantized ``ParallelLMHead``): ``Exl3LMHead`` runs the head through
+  the dense EXL3 kernels, never materializing a bf16 ``[vocab, hidden]`` weight;
+* the checks the expert runtime needs: CUDA graphs must be PIECEWISE or off (FULL graphs would capture the CPU
+  tier), one GPU.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from vllm.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+from .quant import Exl3Config
+
+__all__ = ["EXL3_HEAD_PREFIX", "PACKED_MODULES", "Dsv41ForCausalLM", "Exl3LMHead", "v41_weights_mapper"]
+
+#: The vLLM module name of the text model's output head inside the VL wrapper.
+EXL3_HEAD_PREFIX = "language_model.lm_head"
+#: vLLM's fused V4.1 modules and the checkpoint modules they are made of (upstream's inner-model table).
+PACKED_MODULES: dict[str, list[str]] = {
+    "gate_up_proj": ["w1", "w3"],
+    "fused_wqa_wkv": ["wq_a", "wkv"],
+    "fused_wkv_wgate": ["wkv", "wgate"],
+}
+_HEAD_RE = re.compile(r"^head\.(trellis|suh|svh|su|sv|mcg|mul1|bias)$")
+
+
+def v41_weights_mapper(expert_dtype: str = "fp4", linear_scale_name: str = "weight_scale_inv") -> Any:
+    """Upstream's V4.1 VL weight mapper plus the EXL3 head's tensors (``head.<part>`` -> the wrapper's head)."""
+    from vllm.model_executor.models.utils import WeightsMapper
+    from vllm.models.deepseek_v41.nvidia.model import DeepseekV41LLMForCausalLM
+    from vllm.models.deepseek_v41.nvidia.vl_model import _make_deepseek_v4_vl_weights_mapper
+
+    assert DeepseekV41LLMForCausalLM.packed_modules_mapping == PACKED_MODULES, "upstream's fused modules changed"
+    base = _make_deepseek_v4_vl_weights_mapper(expert_dtype, linear_scale_name)
+    return base | WeightsMapper(orig_to_new_regex={_HEAD_RE: EXL3_HEAD_PREFIX + r".\1"})
+
+
+class Exl3LMHead(torch.nn.Module):
+    """The output head as an EXL3 linear (``hidden -> vocab``), driven by vLLM's ``LogitsProcessor``."""
+
+    def __init__(self, quant: Exl3Config, vocab_size: int, hidden_size: int, params_dtype: torch.dtype,
+                 prefix: str = EXL3_HEAD_PREFIX) -> None:  # fmt: skip
+        super().__init__()
+        from .methods import Exl3LinearMethod
+
+        self.tp_size = 1
+        self.num_embeddings = self.org_vocab_size = vocab_size
+        self.embedding_dim = hidden_size
+        self.quant_method = Exl3LinearMethod(prefix, [prefix], quant)
+        self.quant_method.create_weights(self, hidden_size, [vocab_size], hidden_size, vocab_size, params_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - vLLM calls quant_method.apply
+        return self.quant_method.apply(self, x)
+
+
+class Dsv41ForCausalLM(DeepseekV41ForCausalLM):
+    """vLLM's DeepSeek-V4.1, serving EXL3 packs through the dsv41 plugin (see the module docstring)."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        quant = vllm_config.quant_config
+        if isinstance(quant, Exl3Config):
+            _check_serving_config(vllm_config, quant)
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        if not isinstance(quant, Exl3Config):
+            return  # not an EXL3 pack: upstream's model, unchanged
+        cfg = self.config
+        expert_dtype = getattr(cfg, "expert_dtype", "fp4")
+        from vllm.models.deepseek_v41.nvidia.model import _linear_scale_param_name
+
+        self.hf_to_vllm_mapper = v41_weights_mapper(expert_dtype, _linear_scale_param_name(vllm_config, expert_dtype))
+        lm = self.language_model
+        if quant.is_exl3(EXL3_HEAD_PREFIX):
+            lm.lm_head = Exl3LMHead(quant, cfg.vocab_size, cfg.hidden_size, vllm_config.model_config.dtype,
+                                    prefix=f"{prefix + '.' if prefix else ''}{EXL3_HEAD_PREFIX}")  # fmt: skip
+        self._has_bias_vl = getattr(cfg, "vision_n_layers", 0) > 0
+
+    def is_unused_checkpoint_weight(self, name: str) -> bool:
+        """Checkpoint tensors a text-only EXL3 pack carries but this model does not load (skipped unread).
+
+        ``<moe>.gate.bias_vl`` routes image tokens; without a vision tower upstream creates no parameter for it.
+        """
+        return not getattr(self, "_has_bias_vl", True) and name.endswith(".ffn.gate.bias_vl")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return super().load_weights((n, t) for n, t in weights if not self.is_unused_checkpoint_weight(n))
+
+
+def configure_exl3_names(quant: Exl3Config, hf_config: Any) -> None:
+    """Give ``Exl3Config`` the V4.1 names: mapped module names and the fused-module table."""
+    expert_dtype = getattr(hf_config, "expert_dtype", "fp4")
+    quant.apply_vllm_mapper(v41_weights_mapper(expert_dtype).get_rename_mapper())
+    quant.packed_modules_mapping = dict(PACKED_MODULES)
+
+
+def _check_serving_config(vllm_config: Any, quant: Exl3Config) -> None:
+    par = vllm_config.parallel_config
+    sizes = {"tensor_parallel_size": par.tensor_parallel_size, "pipeline_parallel_size": par.pipeline_parallel_size,
+             "data_parallel_size": par.data_parallel_size}  # fmt: skip
+    more = {k: v for k, v in sizes.items() if v != 1}
+    if more or par.enable_expert_parallel:
+        raise NotImplementedError(f"dsv41: EXL3 packs are served on one GPU for now; got {more or 'expert parallel'}")
+    cfg = quant.plugin_config()
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if cfg.runtime in ("cpu", "all-in-vram") and mode is not None and mode.has_full_cudagraphs():
+        raise ValueError(
+            f"dsv41: cudagraph_mode {mode.name} captures FULL CUDA graphs, which would freeze the {cfg.runtime!r} "
+            "expert runtime's host work into the graph: serve with compilation_config={'cudagraph_mode': "
+            "'PIECEWISE'} (the expert op becomes an eager break; the server does this) or enforce_eager=True"
+        )
