@@ -1,4 +1,4 @@
-"""Dsv41PluginConfig: validation, and how it reaches the plugin through vLLM's configuration."""
+"""Dsv41PluginConfig: validation, the nested cpu-tier config, and how it reaches the plugin through vLLM's config."""
 
 from __future__ import annotations
 
@@ -6,44 +6,52 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+from cpu_tier import CpuTierConfig
 from vllm_dsv41 import Dsv41PluginConfig
 
 
 def test_defaults_and_frozen() -> None:
     cfg = Dsv41PluginConfig()
-    assert (cfg.cpu_threads, cfg.cpu_cores, cfg.cpu_isa, cfg.precision, cfg.spin_us) == (0, (), "auto", "exact", 50)
+    assert cfg.cpu == CpuTierConfig()
+    assert (cfg.runtime, cfg.dense_kernel, cfg.register_host_memory) == ("cpu", "auto", True)
     assert cfg.effective_threads >= 1
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.cpu_threads = 3  # type: ignore[misc]
+        cfg.runtime = "all-in-vram"  # type: ignore[misc]
 
 
 @pytest.mark.parametrize(
     ("values", "field"),
     [
-        ({"cpu_threads": -1}, "cpu_threads"),
-        ({"cpu_threads": True}, "cpu_threads"),
-        ({"cpu_cores": [0, 0]}, "cpu_cores"),
-        ({"cpu_cores": [-1]}, "cpu_cores"),
-        ({"cpu_isa": "sse2"}, "cpu_isa"),
-        ({"precision": "approx"}, "precision"),
-        ({"spin_us": 1.5}, "spin_us"),
-        ({"cpu_amx_min_tokens": 0}, "cpu_amx_min_tokens"),
-        ({"cpu_amx_min_tokens": 10}, "cpu_amx_min_tokens"),
-        ({"threads": 4}, "threads"),
+        ({"cpu": {"threads": -1}}, "threads"),
+        ({"cpu": {"threads": True}}, "threads"),
+        ({"cpu": {"cpus": [0, 0]}}, "cpus"),
+        ({"cpu": {"isa": "sse2"}}, "isa"),
+        ({"cpu": {"precision": "approx"}}, "precision"),
+        ({"cpu": {"spin_us": 1.5}}, "spin_us"),
+        ({"cpu": {"amx_min_tokens": 10}}, "amx_min_tokens"),
+        ({"cpu": {"prefetch_blocks": 9}}, "prefetch_blocks"),
+        ({"cpu": {"bogus": 1}}, "bogus"),
+        ({"cpu": 3}, "cpu"),
+        ({"runtime": "gpu"}, "runtime"),
+        ({"dense_kernel": "cutlass"}, "dense_kernel"),
+        ({"register_host_memory": "yes"}, "register_host_memory"),
+        ({"cpu_threads": 4}, "cpu_threads"),  # the old flat names are gone: the cpu-tier config is nested
     ],
 )
 def test_bad_values_name_the_field_and_the_source(values: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field) as info:
         Dsv41PluginConfig.from_mapping(values, "somewhere")
-    assert str(info.value).startswith("somewhere: ")
+    assert str(info.value).startswith("somewhere")
 
 
-def test_mapping_round_trip() -> None:
-    cfg = Dsv41PluginConfig(cpu_threads=4, cpu_cores=(2, 3, 4, 5), cpu_isa="amx", precision="fast", spin_us=0,
-                            cpu_amx_min_tokens=8)
+def test_mapping_round_trip_reaches_every_cpu_tier_field() -> None:
+    cpu = CpuTierConfig(threads=4, isa="amx", precision="fast", spin_us=0, amx_min_tokens=8, prefetch_blocks=2,
+                        slab_blocks=3)  # fmt: skip
+    cfg = Dsv41PluginConfig(cpu=cpu, runtime="all-in-vram", dense_kernel="triton", register_host_memory=False)
     assert Dsv41PluginConfig.from_mapping(cfg.to_mapping()) == cfg
     assert cfg.effective_threads == 4
-    assert Dsv41PluginConfig(cpu_cores=(1, 2)).effective_threads == 2
+    # every CpuTierConfig field travels (nothing mirrored, nothing dropped)
+    assert set(cfg.to_mapping()["cpu"]) == {f.name for f in dataclasses.fields(CpuTierConfig)}
 
 
 def _vllm_config(pack: dict | None, extra: dict | None) -> SimpleNamespace:
@@ -51,13 +59,14 @@ def _vllm_config(pack: dict | None, extra: dict | None) -> SimpleNamespace:
     return SimpleNamespace(model_config=SimpleNamespace(hf_config=hf), additional_config=extra or {})
 
 
-def test_from_vllm_config_merges_pack_defaults_and_overrides() -> None:
+def test_from_vllm_config_merges_pack_defaults_and_overrides_field_by_field() -> None:
     assert Dsv41PluginConfig.from_vllm_config(_vllm_config(None, None)) == Dsv41PluginConfig()
     cfg = Dsv41PluginConfig.from_vllm_config(
-        _vllm_config({"precision": "fast", "spin_us": 10}, {"dsv41": {"spin_us": 0, "cpu_cores": [0, 1]}})
+        _vllm_config({"cpu": {"precision": "fast", "spin_us": 10}, "dense_kernel": "triton"},
+                     {"dsv41": {"cpu": {"spin_us": 0}, "runtime": "all-in-vram"}})  # fmt: skip
     )
-    assert (cfg.precision, cfg.spin_us, cfg.cpu_cores) == ("fast", 0, (0, 1))
+    assert (cfg.cpu.precision, cfg.cpu.spin_us, cfg.dense_kernel, cfg.runtime) == ("fast", 0, "triton", "all-in-vram")
     with pytest.raises(ValueError, match="config.json 'dsv41': unknown field 'bogus'"):
         Dsv41PluginConfig.from_vllm_config(_vllm_config({"bogus": 1}, None))
-    with pytest.raises(ValueError, match="additional_config 'dsv41': cpu_isa"):
-        Dsv41PluginConfig.from_vllm_config(_vllm_config(None, {"dsv41": {"cpu_isa": "x"}}))
+    with pytest.raises(ValueError, match="additional_config 'dsv41': cpu: isa"):
+        Dsv41PluginConfig.from_vllm_config(_vllm_config(None, {"dsv41": {"cpu": {"isa": "x"}}}))

@@ -1,41 +1,56 @@
-"""The expert runtime (cpu_tier.ExpertTier behind the ``dsv41::routed_experts`` op) against the numpy reference."""
+"""The expert runtimes behind the ``dsv41::routed_experts_out`` op, on views of the pack's host home, against the
+float64 numpy reference; the op's out-buffer contract."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from cpu_tier.exl3 import Exl3Tensor
+from cpu_tier import CpuTierConfig
 from vllm_dsv41 import Dsv41PluginConfig
-from vllm_dsv41.experts import CpuExpertRuntime, register_runtime, routed_experts, unregister_runtime
+from vllm_dsv41.experts import (
+    AllInVramRuntime,
+    CpuExpertRuntime,
+    get_runtime,
+    register_runtime,
+    replace_runtime,
+    routed_experts,
+    unregister_runtime,
+)
+from vllm_dsv41.home import ExpertHome
 from vllm_dsv41.reference import ReferenceExperts
 
 LAYERS, EXPERTS, TOP_K, HIDDEN = 2, 8, 2, 256
 
 
-def _experts(pack: Path, layer: int) -> list[list[Exl3Tensor]]:
-    from safetensors import safe_open
-
-    with safe_open(str(pack / "model.safetensors"), framework="numpy") as f:
-        return [
-            [Exl3Tensor.from_safetensors(f, f"model.layers.{layer}.mlp.experts.{e}.{p}") for e in range(EXPERTS)]
-            for p in ("gate_proj", "up_proj", "down_proj")
-        ]
+@pytest.fixture(scope="module")
+def home(demo_pack: Path) -> Iterator[ExpertHome]:
+    with ExpertHome(demo_pack) as h:
+        yield h
 
 
 @pytest.fixture(scope="module")
-def runtimes(demo_pack: Path) -> tuple[int, ReferenceExperts]:
+def reference(home: ExpertHome) -> ReferenceExperts:
     ref = ReferenceExperts()
-    runtime = CpuExpertRuntime(Dsv41PluginConfig(precision="exact"))
-    for layer in range(LAYERS):
-        gate, up, down = _experts(demo_pack, layer)
-        ref.add_layer(layer, gate, up, down, swiglu_limit=None)
-        runtime.add_layer(layer, gate, up, down, swiglu_limit=None)
-    handle = register_runtime(runtime)
-    yield handle, ref
-    unregister_runtime(handle)
+    for lx in home.layers():
+        ref.add_layer(lx.layer, lx.gate, lx.up, lx.down, swiglu_limit=None)
+    return ref
+
+
+@pytest.fixture(scope="module", params=["cpu", "all-in-vram"])
+def handle(request: pytest.FixtureRequest, home: ExpertHome) -> Iterator[int]:
+    if request.param == "cpu":
+        runtime = CpuExpertRuntime(Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact")))
+    else:
+        runtime = AllInVramRuntime("cpu")
+    for lx in home.layers():
+        runtime.add_layer(lx, swiglu_limit=None)
+    h = register_runtime(runtime)
+    yield h
+    unregister_runtime(h)
 
 
 def _routing(rng: np.random.Generator, tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -44,40 +59,80 @@ def _routing(rng: np.random.Generator, tokens: int) -> tuple[np.ndarray, np.ndar
     return ids, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
 
 
+def test_home_layers_are_views_of_the_pack(home: ExpertHome) -> None:
+    assert home.layer_ids == tuple(range(LAYERS))
+    lx = home.layer(1)
+    assert (lx.num_experts, lx.hidden) == (EXPERTS, HIDDEN)
+    t = lx.down[3].trellis
+    assert not t.flags.owndata  # a view of the mapping, not a copy
+    name = "model.layers.1.mlp.experts.3.down_proj.trellis"
+    assert home.address(name) == t.ctypes.data
+    with pytest.raises(KeyError, match="layer 7"):
+        home.layer(7)
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 17, 64])
 @pytest.mark.parametrize("layer", range(LAYERS))
-def test_routed_experts_op_matches_reference(runtimes: tuple[int, ReferenceExperts], tokens: int, layer: int) -> None:
-    handle, ref = runtimes
+def test_op_matches_reference(handle: int, reference: ReferenceExperts, tokens: int, layer: int) -> None:
     rng = np.random.default_rng(100 * tokens + layer)
     x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
     ids, w = _routing(rng, tokens)
     out = routed_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w), handle, layer)
     assert out.dtype == torch.float32 and out.shape == (tokens, HIDDEN)
-    expected = ref.forward(layer, x, ids, w)
-    scale = np.abs(expected).max()
-    np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=2e-5 * scale)
+    expected = reference.forward(layer, x, ids, w)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=2e-5 * np.abs(expected).max())
 
 
-def test_int32_ids_bf16_activations_and_empty_batches(runtimes: tuple[int, ReferenceExperts]) -> None:
-    handle, ref = runtimes
+def test_out_buffer_contract(handle: int, reference: ReferenceExperts) -> None:
     rng = np.random.default_rng(7)
     x = torch.from_numpy(rng.standard_normal((5, HIDDEN)).astype(np.float32)).to(torch.bfloat16)
     ids, w = _routing(rng, 5)
-    out = routed_experts(x, torch.from_numpy(ids.astype(np.int32)), torch.from_numpy(w), handle, 1)
-    assert out.dtype == torch.bfloat16
-    expected = ref.forward(1, x.float().numpy(), ids, w)
-    np.testing.assert_allclose(out.float().numpy(), expected, rtol=0, atol=2e-2 * np.abs(expected).max())
-    empty = routed_experts(torch.zeros(0, HIDDEN), torch.zeros(0, TOP_K, dtype=torch.int64), torch.zeros(0, TOP_K), handle, 0)
-    assert empty.shape == (0, HIDDEN)
+    out = torch.full((9, HIDDEN), float("nan"), dtype=torch.bfloat16)  # rows past T must stay untouched
+    torch.ops.dsv41.routed_experts_out(x, torch.from_numpy(ids.astype(np.int32)), torch.from_numpy(w), out, handle, 1)
+    assert torch.isfinite(out[:5].float()).all() and torch.isnan(out[5:].float()).all()
+    expected = reference.forward(1, x.float().numpy(), ids, w)
+    np.testing.assert_allclose(out[:5].float().numpy(), expected, rtol=0, atol=2e-2 * np.abs(expected).max())
+    empty = torch.zeros(0, HIDDEN)
+    torch.ops.dsv41.routed_experts_out(empty, torch.zeros(0, TOP_K, dtype=torch.int64), torch.zeros(0, TOP_K),
+                                       torch.zeros(1, HIDDEN), handle, 0)  # fmt: skip
     with pytest.raises(ValueError, match=r"\[T, 256\]"):
         routed_experts(torch.zeros(2, 128), torch.zeros(2, TOP_K, dtype=torch.int64), torch.zeros(2, TOP_K), handle, 0)
+    with pytest.raises(ValueError, match="out must be"):
+        torch.ops.dsv41.routed_experts_out(torch.zeros(3, HIDDEN), torch.zeros(3, TOP_K, dtype=torch.int64),
+                                           torch.zeros(3, TOP_K), torch.zeros(2, HIDDEN), handle, 0)  # fmt: skip
+    with pytest.raises(ValueError, match="out must be"):
+        torch.ops.dsv41.routed_experts_out(torch.zeros(3, HIDDEN), torch.zeros(3, TOP_K, dtype=torch.int64),
+                                           torch.zeros(3, TOP_K), torch.zeros(3, HIDDEN, dtype=torch.float16), handle, 0)  # fmt: skip
+    with pytest.raises(KeyError, match="layer 5"):
+        routed_experts(torch.zeros(1, HIDDEN), torch.zeros(1, TOP_K, dtype=torch.int64), torch.zeros(1, TOP_K), handle, 5)
 
 
-def test_op_has_a_shape_only_fake(runtimes: tuple[int, ReferenceExperts]) -> None:
-    handle, _ = runtimes
+def test_op_has_a_shape_only_fake(handle: int) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         x = torch.empty(9, HIDDEN)
-        out = torch.ops.dsv41.routed_experts(x, torch.empty(9, TOP_K, dtype=torch.int64), torch.empty(9, TOP_K), handle, 0)
-        assert out.shape == (9, HIDDEN)
+        out = torch.empty(9, HIDDEN)
+        torch.ops.dsv41.routed_experts_out(x, torch.empty(9, TOP_K, dtype=torch.int64), torch.empty(9, TOP_K), out,
+                                           handle, 0)  # fmt: skip
+
+
+def test_runtime_slot_can_be_swapped(home: ExpertHome) -> None:
+    a = AllInVramRuntime("cpu")
+    b = AllInVramRuntime("cpu")
+    for lx in home.layers():
+        a.add_layer(lx, swiglu_limit=None)
+        b.add_layer(lx, swiglu_limit=1.0)  # a different clamp, so the outputs differ
+    h = register_runtime(a)
+    try:
+        rng = np.random.default_rng(3)
+        x = torch.from_numpy(rng.standard_normal((4, HIDDEN)).astype(np.float32) * 4)
+        ids, w = (torch.from_numpy(v) for v in _routing(rng, 4))
+        ya = routed_experts(x, ids, w, h, 0)
+        assert replace_runtime(h, b) is a and get_runtime(h) is b
+        yb = routed_experts(x, ids, w, h, 0)
+        assert not torch.allclose(ya, yb)  # the same handle now calls the other runtime
+    finally:
+        unregister_runtime(h)
+    with pytest.raises(KeyError, match="no expert runtime"):
+        get_runtime(h)
