@@ -180,4 +180,4 @@ def test_plugin_settings_reach_the_expert_runtime(demo_server: Any, client: Any)
     assert _chat(client, max_tokens=1).usage.completion_tokens == 1
     lines = [ln for ln in demo_server.log_path.read_text(errors="replace").splitlines() if "dsv41: routed experts" in ln]
     assert len(lines) == 1, demo_server.log_tail()
-    assert "cpu_threads=1" in lines[0] and "precision='exact'" in lines[0]
+    assert "1 threads" in lines[0] and "exact" in lines[0] and "'cpu' expert runtime" in lines[0]

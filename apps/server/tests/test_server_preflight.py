@@ -71,19 +71,22 @@ def test_defaults_serve_the_demo_on_loopback() -> None:
 
 def test_flags_map_onto_the_configs(tmp_path: Path) -> None:
     cfg, check = parse_args(
-        ["--pack", str(tmp_path), "--host", "0.0.0.0", "--port", "9001", "--cpu-cores", "0-2,5", "--cpu-isa", "avx2",
+        ["--pack", str(tmp_path), "--host", "0.0.0.0", "--port", "9001", "--cpu-cores", "0-1", "--cpu-isa", "avx2",
          "--precision", "fast", "--max-num-seqs", "8", "--cpu-amx-min-tokens", "4", "--check"]
     )  # fmt: skip
     assert cfg.pack == tmp_path and not cfg.demo and not cfg.loopback and check
     assert cfg.port == 9001 and cfg.max_num_seqs == 8
-    assert dict(cfg.plugin_overrides) == {"cpu_cores": (0, 1, 2, 5), "cpu_isa": "avx2", "precision": "fast",
-                                          "cpu_amx_min_tokens": 4}
+    assert dict(cfg.plugin_overrides) == {"cpu": {"cpus": (0, 1), "isa": "avx2", "precision": "fast",
+                                                  "amx_min_tokens": 4}}  # fmt: skip
+    cfg, _ = parse_args(["--expert-runtime", "all-in-vram", "--dense-kernel", "triton", "--cpu-prefetch-blocks", "2"])
+    assert dict(cfg.plugin_overrides) == {"cpu": {"prefetch_blocks": 2}, "runtime": "all-in-vram",
+                                          "dense_kernel": "triton"}  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [(["--spin-us", "-1"], "spin_us"), (["--port", "70000"], "port"), (["--max-num-seqs", "0"], "max_num_seqs"),
-     (["--cpu-amx-min-tokens", "0"], "cpu_amx_min_tokens")],
+     (["--cpu-amx-min-tokens", "0"], "amx_min_tokens"), (["--cpu-prefetch-blocks", "7"], "prefetch_blocks")],
 )
 def test_bad_flag_values_name_the_setting(argv: list[str], needle: str) -> None:
     with pytest.raises(ServerError, match=needle):
@@ -91,17 +94,22 @@ def test_bad_flag_values_name_the_setting(argv: list[str], needle: str) -> None:
 
 
 def test_vllm_arguments_per_pack_kind(tmp_path: Path) -> None:
-    cfg = ServerConfig(pack=tmp_path, plugin_overrides={"cpu_threads": 2})
+    cfg = ServerConfig(pack=tmp_path, plugin_overrides={"cpu": {"threads": 2}})
     demo = vllm_argv(cfg, tmp_path, DEMO)
     assert demo[demo.index("--tool-call-parser") + 1] == "hermes"
     assert demo[demo.index("--reasoning-parser") + 1] == "qwen3"
     assert demo[demo.index("--dtype") + 1] == "float32" and "--enforce-eager" in demo
-    assert json.loads(demo[demo.index("--additional-config") + 1]) == {"dsv41": {"cpu_threads": 2}}
+    assert json.loads(demo[demo.index("--additional-config") + 1]) == {"dsv41": {"cpu": {"threads": 2}}}
+    assert demo[demo.index("--load-format") + 1] == "dsv41"  # the plugin's loader maps the experts
     assert "--cpu-threads" not in demo  # plugin settings travel in vLLM's additional_config only
     v41 = vllm_argv(cfg, tmp_path, V41)
     assert v41[v41.index("--tool-call-parser") + 1] == "deepseek_v41"
     assert v41[v41.index("--reasoning-parser") + 1] == "deepseek_v41"
     assert v41[v41.index("--tokenizer-mode") + 1] == "deepseek_v41"
+    assert v41[v41.index("--load-format") + 1] == "dsv41"
+    assert json.loads(v41[v41.index("--limit-mm-per-prompt") + 1]) == {"image": 0}  # text only
+    # the routed-expert op is an eager break of vLLM's breakable CUDA graphs: FULL graphs would capture the CPU tier
+    assert json.loads(v41[v41.index("--compilation-config") + 1]) == {"cudagraph_mode": "PIECEWISE"}
     assert "--api-key" not in demo + v41
     assert vllm_env(cfg, DEMO)["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(cfg, V41)
@@ -157,16 +165,17 @@ def test_resource_checks() -> None:
 def test_plugin_settings_merge_and_cpu_checks(demo_pack: Path) -> None:
     from cpu_tier import runnable_isas
 
-    merged = plugin_config(demo_pack, {"spin_us": 5})
-    assert (merged.precision, merged.spin_us) == ("exact", 5)  # pack default + flag
+    merged = plugin_config(demo_pack, {"cpu": {"spin_us": 5}})
+    assert (merged.cpu.precision, merged.cpu.spin_us) == ("exact", 5)  # pack default + flag
     assert check_cpu(merged, require_simd=False) == []
     assert "scalar" in runnable_isas()
-    assert check_cpu(plugin_config(demo_pack, {"cpu_isa": "scalar"}), require_simd=False) == []
+    assert check_cpu(plugin_config(demo_pack, {"cpu": {"isa": "scalar"}}), require_simd=False) == []
     if "avx512" not in runnable_isas():
-        assert "this CPU runs only" in check_cpu(plugin_config(demo_pack, {"cpu_isa": "avx512"}), False)[0]
-    assert "cpus" in check_cpu(plugin_config(demo_pack, {"cpu_cores": (4095,)}), False)[0]
-    with pytest.raises(ValueError, match="cpu_threads"):
-        plugin_config(demo_pack, {"cpu_threads": -3})
+        assert "this CPU runs only" in check_cpu(plugin_config(demo_pack, {"cpu": {"isa": "avx512"}}), False)[0]
+    with pytest.raises(ValueError, match="cpus"):
+        plugin_config(demo_pack, {"cpu": {"cpus": (4095,)}})
+    with pytest.raises(ValueError, match="threads"):
+        plugin_config(demo_pack, {"cpu": {"threads": -3}})
 
 
 def test_gpu_check_on_this_machine() -> None:

@@ -61,6 +61,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--spin-us", type=int, help="idle spin before sleeping, microseconds")
     g.add_argument("--cpu-amx-min-tokens", type=int,
                    help="with --cpu-isa amx (or auto on AMX CPUs): fewest tokens per expert chunk on the AMX kernel")
+    g.add_argument("--cpu-prefetch-blocks", type=int, help="the kernels' software prefetch distance (0..4)")
+    e = p.add_argument_group("GPU path")
+    e.add_argument("--expert-runtime", choices=("cpu", "all-in-vram"),
+                   help="where routed experts run: the CPU tier from the host home (default), or all dequantized "
+                        "in VRAM (the oracle; only packs that fit)")
+    e.add_argument("--dense-kernel", choices=("auto", "exllamav3", "triton"),
+                   help="GPU kernel of the dense EXL3 linears (default auto: exllamav3's where it imports)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--check", action="store_true", help="run the preflight checks and exit")
     return p
@@ -69,8 +76,17 @@ def _parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
     """Flags -> (``ServerConfig``, check-only)."""
     a = _parser().parse_args(argv)
-    names = ("cpu_threads", "cpu_cores", "cpu_isa", "precision", "spin_us", "cpu_amx_min_tokens")
-    plugin = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
+    # flag -> field of the plugin's nested cpu-tier config (CpuTierConfig)
+    cpu_fields = {"cpu_threads": "threads", "cpu_cores": "cpus", "cpu_isa": "isa", "precision": "precision",
+                  "spin_us": "spin_us", "cpu_amx_min_tokens": "amx_min_tokens", "cpu_prefetch_blocks": "prefetch_blocks"}
+    plugin: dict[str, object] = {}
+    cpu = {f: getattr(a, n) for n, f in cpu_fields.items() if getattr(a, n) is not None}
+    if cpu:
+        plugin["cpu"] = cpu
+    if a.expert_runtime is not None:
+        plugin["runtime"] = a.expert_runtime
+    if a.dense_kernel is not None:
+        plugin["dense_kernel"] = a.dense_kernel
     try:
         cfg = ServerConfig(
             pack=a.pack,

@@ -43,10 +43,13 @@ DEMO = PackKind(
     max_model_len=2048,
     tool_call_parser="hermes",
     reasoning_parser="qwen3",
-    extra_vllm_args=("--enforce-eager", "--default-chat-template-kwargs", json.dumps({"enable_thinking": False})),
+    extra_vllm_args=("--enforce-eager", "--load-format", "dsv41",
+                     "--default-chat-template-kwargs", json.dumps({"enable_thinking": False})),
 )
 
-#: DeepSeek-V4.1-Flash EXL3 packs: vLLM's own V4.1 model, tokenizer mode and parsers, on a GPU.
+#: DeepSeek-V4.1-Flash EXL3 packs: vLLM's own V4.1 model (the plugin's subclass under its name), tokenizer mode and
+#: parsers, on a GPU; text only; the plugin's loader (routed experts mapped from the pack, never read through vLLM);
+#: PIECEWISE CUDA graphs (the routed-expert op is an eager break: FULL graphs would capture the CPU tier).
 V41 = PackKind(
     name="deepseek-v4.1",
     architectures=("DeepseekV41ForCausalLM", "DeepseekV41LLMForCausalLM"),
@@ -56,7 +59,9 @@ V41 = PackKind(
     max_model_len=65536,
     tool_call_parser="deepseek_v41",
     reasoning_parser="deepseek_v41",
-    extra_vllm_args=("--tokenizer-mode", "deepseek_v41", "--language-model-only"),
+    extra_vllm_args=("--tokenizer-mode", "deepseek_v41", "--load-format", "dsv41",
+                     "--limit-mm-per-prompt", json.dumps({"image": 0}),
+                     "--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE"})),
 )
 
 KINDS: tuple[PackKind, ...] = (DEMO, V41)

@@ -71,32 +71,31 @@ def plugin_config(pack: Path, overrides: Mapping[str, Any]) -> Any:
     import json
 
     from vllm_dsv41 import CONFIG_KEY, Dsv41PluginConfig
+    from vllm_dsv41.config import merge_settings
 
     try:
         pack_defaults = json.loads((pack / "config.json").read_text()).get(CONFIG_KEY) or {}
     except (OSError, ValueError, AttributeError):
         pack_defaults = {}  # reported by the pack verification
     Dsv41PluginConfig.from_mapping(pack_defaults, f"{pack / 'config.json'} {CONFIG_KEY!r}")
-    return Dsv41PluginConfig.from_mapping({**pack_defaults, **overrides}, "plugin settings")
+    return Dsv41PluginConfig.from_mapping(merge_settings(pack_defaults, overrides), "plugin settings")
 
 
 def check_cpu(plugin: Any, require_simd: bool) -> list[str]:
     """The CPU expert tier can start as configured, with a SIMD kernel variant when ``require_simd``."""
+    isa = plugin.cpu.isa
     try:
-        from cpu_tier import CpuTierConfig, cpu_features, runnable_isas
+        from cpu_tier import cpu_features, runnable_isas
 
-        CpuTierConfig(threads=plugin.cpu_threads, cpus=plugin.cpu_cores, isa=plugin.cpu_isa,
-                      precision=plugin.precision, spin_us=plugin.spin_us,
-                      amx_min_tokens=plugin.cpu_amx_min_tokens)  # fmt: skip
         isas = runnable_isas()
         features = cpu_features()
     except ValueError as e:
         return [f"CPU expert tier settings: {e}"]
     except Exception as e:  # the native probe is missing or broken: cpu-tier is not built
         return [f"cannot query the CPU through cpu-tier ({type(e).__name__}: {e}); is cpu-tier built?"]
-    if plugin.cpu_isa != "auto" and plugin.cpu_isa not in isas:
-        return [f"--cpu-isa {plugin.cpu_isa}: this CPU runs only {', '.join(isas)}"]
-    if require_simd and plugin.cpu_isa in ("auto", "scalar") and isas[0] == "scalar":
+    if isa != "auto" and isa not in isas:
+        return [f"--cpu-isa {isa}: this CPU runs only {', '.join(isas)}"]
+    if require_simd and isa in ("auto", "scalar") and isas[0] == "scalar":
         missing = [f for f in REQUIRED_CPU_FEATURES if not features.get(f)]
         return [
             f"this CPU lacks {', '.join(missing) or 'the SIMD features'} that the CPU expert tier's fast kernels "

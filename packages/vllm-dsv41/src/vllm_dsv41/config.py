@@ -27,7 +27,7 @@ DenseKernel = Literal["auto", "exllamav3", "triton"]
 RUNTIMES: tuple[str, ...] = ("cpu", "all-in-vram")
 DENSE_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton")
 
-__all__ = ["CONFIG_KEY", "DENSE_KERNELS", "RUNTIMES", "Dsv41PluginConfig"]
+__all__ = ["CONFIG_KEY", "DENSE_KERNELS", "RUNTIMES", "Dsv41PluginConfig", "merge_settings"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,7 +110,7 @@ class Dsv41PluginConfig:
         if isinstance(extra, Mapping) and CONFIG_KEY in extra:
             override = extra[CONFIG_KEY]
             cls.from_mapping(override, f"additional_config {CONFIG_KEY!r}")  # validate on its own first
-            merged = _merge(merged, override)
+            merged = merge_settings(merged, override)
         return cls.from_mapping(merged, "merged plugin config")
 
 
@@ -132,7 +132,7 @@ def _cpu_config(value: Any, source: str) -> CpuTierConfig:
         raise ValueError(f"{source}: {e}") from None
 
 
-def _merge(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
+def merge_settings(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
     """``base`` updated by ``override`` field by field, one level into the nested ``cpu`` object."""
     out = dict(base)
     for k, v in override.items():
