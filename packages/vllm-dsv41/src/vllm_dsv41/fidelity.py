@@ -54,6 +54,8 @@ class FidelityResult:
     greedy_match: bool
     greedy_first_divergence: list[int | None]
     seconds: dict[str, float]
+    greedy_reference: list[list[int]] = dataclasses.field(default_factory=list)
+    greedy_runtime: list[list[int]] = dataclasses.field(default_factory=list)
 
     def table(self) -> str:
         rows = [
@@ -235,7 +237,7 @@ def run_fidelity(
         runtime=runtime, against=against, positions=int(agree.size), top1_agreement=float(agree.mean()),
         kl_mean=float(kl.mean()), kl_max=float(kl.max()), greedy_prompts=len(ref_greedy),
         greedy_tokens=greedy_tokens, greedy_match=all(f is None for f in first), greedy_first_divergence=first,
-        seconds=seconds,
+        seconds=seconds, greedy_reference=ref_greedy, greedy_runtime=test_greedy,
     )  # fmt: skip
 
 

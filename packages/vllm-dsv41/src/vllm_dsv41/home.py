@@ -30,7 +30,8 @@ import numpy as np
 from cpu_tier.exl3 import Exl3Tensor
 from engram_mmap.safetensors_header import TensorInfo, read_header
 
-__all__ = ["EXPERT_RE", "PROJECTIONS", "ExpertHome", "HomeStats", "LayerExperts", "expert_tensor", "resident_bytes"]
+__all__ = ["EXPERT_RE", "PROJECTIONS", "ExpertHome", "HomeStats", "LayerExperts", "expert_tensor", "process_memory",
+           "resident_bytes"]
 
 #: A routed expert's tensor: ``<moe>.experts.<e>.<proj>.<part>`` (``layers.3.ffn`` for V4.1's native names,
 #: ``model.layers.3.mlp`` for the demo's). ``<moe>`` must hold the decoder layer number.
@@ -102,7 +103,8 @@ class _Mapping:
         self.registered = False
         self.device_base = 0
         buf = (ctypes.c_uint8 * self.length).from_address(base)
-        self.array = np.frombuffer(buf, dtype=np.uint8)  # the OS refuses writes (PROT_READ)
+        self.array = np.frombuffer(buf, dtype=np.uint8)
+        self.array.flags.writeable = False  # the OS refuses writes (PROT_READ): numpy says so instead of a SIGSEGV
 
     def view(self, info: TensorInfo) -> np.ndarray:
         start = info.offset - self.file_offset
@@ -374,6 +376,17 @@ def _ranges(infos: list[TensorInfo]) -> Iterator[tuple[int, int, list[TensorInfo
             yield begin, end, members
             begin, end, members = i.offset, i.offset + i.nbytes, [i]
     yield begin, end, members
+
+
+def process_memory() -> dict[str, int]:
+    """``VmRSS`` / ``RssAnon`` / ``RssFile`` / ``RssShmem`` / ``VmLck`` / ``VmPin`` of this process, bytes."""
+    out: dict[str, int] = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmLck", "VmPin"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
 
 
 def resident_bytes(home: ExpertHome) -> dict[str, int]:

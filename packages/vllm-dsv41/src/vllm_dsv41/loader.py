@@ -24,28 +24,17 @@ import torch
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-from .home import ExpertHome, expert_tensor
+from .home import ExpertHome, expert_tensor, process_memory
 
 logger = init_logger("vllm.dsv41")
 
-__all__ = ["LOAD_FORMAT", "Dsv41ModelLoader", "LoadReport", "process_memory"]
+__all__ = ["FULL_PACK_EXPERT_BYTES", "LOAD_FORMAT", "Dsv41ModelLoader", "LoadReport"]
 
 #: The ``load_format`` the plugin registers its loader under.
 LOAD_FORMAT = "dsv41"
 #: The routed experts of a full DeepSeek-V4.1-Flash pack at 3 bpw (pack-tools inspect of the real shape).
 FULL_PACK_EXPERT_BYTES = 204_000_000_000
 GiB = 1 << 30
-
-
-def process_memory() -> dict[str, int]:
-    """``VmRSS`` / ``RssAnon`` / ``RssFile`` / ``VmLck`` of this process, bytes (``/proc/self/status``)."""
-    out: dict[str, int] = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmLck", "VmPin"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
 
 
 class LoadReport(dict):  # type: ignore[type-arg]

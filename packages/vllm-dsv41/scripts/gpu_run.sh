@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# vllm-dsv41 on the device machine: the V4.1 EXL3 path end to end. Needs the gpu-vllm kit staged (with the project
+# wheels) and, for the dense-kernel comparison, gpu_stage_exl3.sh. Logs under $OUT.
+#   STEPS="pack tests fidelity" bash packages/vllm-dsv41/scripts/gpu_run.sh
+# Steps (in this order, each optional):
+#   pack      synthesize tiny-v41 and build its pack in /tmp/dsv41 (pack-tools)
+#   tests     pytest -m gpu of vllm-dsv41
+#   fidelity  python -m vllm_dsv41.fidelity: cpu vs all-in-vram, PIECEWISE CUDA graphs, VRAM capped at 24 GiB
+#   fast      the same with the CPU tier's fast precision
+#   eager     the same without CUDA graphs (greedy tokens compared with the PIECEWISE run)
+#   bench     benches/bench_dense_exl3.py (exllamav3 vs ours, every V4.1 dense shape)
+#   serve     the server on the pack, driven by the openai client (scripts/gpu_serve_check.py)
+#   flash     load time and RSS of a Flash-shaped pack with real-size layers (scripts/gpu_flash_load.py)
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+OUT=${OUT:-/tmp/dsv41-out}
+mkdir -p "$OUT"
+source packages/vllm-dsv41/scripts/gpu_env.sh
+STEPS=${STEPS:-"pack tests fidelity"}
+PACK=/tmp/dsv41/tiny-v41
+rc=0
+step() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
+log() { echo "[gpu_run $(date +%T)] $*" | tee -a "$OUT/steps.log"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/steps.log"
+if step pack; then
+    log "pack: synth + build"
+    python3 - <<'PY' 2>&1 | tee "$OUT/pack.log"
+import time
+from pathlib import Path
+from pack_tools import build_pack, verify_pack
+from pack_tools.origin import ENGRAM, EXL3
+from pack_tools.presets.tiny_v41 import synth_tiny_v41
+t = time.time(); root = Path("/tmp/dsv41"); synth_tiny_v41(root / "in")
+build_pack(root / "in" / EXL3.dirname, root / "in" / ENGRAM.dirname, root / "tiny-v41", jobs=8, force=True)
+assert verify_pack(root / "tiny-v41") == []
+print(f"tiny-v41 pack built and verified in {time.time() - t:.1f} s")
+PY
+    [ "${PIPESTATUS[0]}" = 0 ] || { log "pack FAILED"; exit 1; }
+fi
+if step tests; then
+    log "tests"
+    timeout 300 python3 -m pytest packages/vllm-dsv41/tests -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
+        2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
+    r=${PIPESTATUS[0]}; log "tests rc=$r"; rc=$((rc || r))
+fi
+fid() {  # name, extra args
+    local name=$1; shift
+    log "fidelity $name"
+    timeout 560 python3 -m vllm_dsv41.fidelity "$PACK" --runtime cpu --against all-in-vram --gpu-memory-gib 24 \
+        --cpu-threads 8 --json "$OUT/fidelity_$name.json" --min-top1 0.999 --max-kl-mean 1e-4 "$@" \
+        > "$OUT/fidelity_$name.log" 2>&1
+    local r=$?
+    grep -v "INFO\|DEBUG" "$OUT/fidelity_$name.log" | tail -30
+    log "fidelity $name rc=$r"; rc=$((rc || r))
+}
+step fidelity && fid piecewise
+step fast && fid fast --precision fast --max-kl-mean 1e-2 --min-top1 0.95
+step eager && fid eager --eager
+if step eager && step fidelity; then
+    python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/steps.log"
+import json, sys
+a = json.load(open(f"{sys.argv[1]}/fidelity_piecewise.json")); b = json.load(open(f"{sys.argv[1]}/fidelity_eager.json"))
+same = a["greedy_runtime"] == b["greedy_runtime"]
+print(f"greedy tokens, cpu runtime, PIECEWISE graphs vs eager: {'IDENTICAL' if same else 'DIFFER'}")
+PY
+fi
+if step bench; then
+    log "bench"
+    timeout 500 python3 packages/vllm-dsv41/benches/bench_dense_exl3.py --json "$OUT/bench_dense.json" \
+        2>&1 | tee "$OUT/bench_dense.log"
+    r=${PIPESTATUS[0]}; log "bench rc=$r"; rc=$((rc || r))
+fi
+if step serve; then
+    log "serve"
+    timeout 560 python3 packages/vllm-dsv41/scripts/gpu_serve_check.py "$PACK" "$OUT" 2>&1 | tee "$OUT/serve_check.log" | tail -30
+    r=${PIPESTATUS[0]}; log "serve rc=$r"; rc=$((rc || r))
+fi
+if step flash; then
+    log "flash"
+    timeout 560 python3 packages/vllm-dsv41/scripts/gpu_flash_load.py "$OUT" 2>&1 | tee "$OUT/flash_load.log" | tail -30
+    r=${PIPESTATUS[0]}; log "flash rc=$r"; rc=$((rc || r))
+fi
+log "done rc=$rc"
+exit $rc
