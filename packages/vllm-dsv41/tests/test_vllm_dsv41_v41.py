@@ -1,0 +1,81 @@
+"""DeepSeek-V4.1 packs (CPU side): the model class under upstream's name, and which method each V4.1 module gets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+
+@pytest.fixture(scope="module")
+def v41_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pack_tools import build_pack
+    from pack_tools.origin import ENGRAM, EXL3
+    from pack_tools.presets.tiny_v41 import synth_tiny_v41
+
+    root = tmp_path_factory.mktemp("v41")
+    synth_tiny_v41(root / "in")
+    return build_pack(root / "in" / EXL3.dirname, root / "in" / ENGRAM.dirname, root / "pack", jobs=1)
+
+
+def test_registered_under_the_upstream_architecture_name() -> None:
+    from vllm import ModelRegistry
+    from vllm_dsv41 import register
+    from vllm_dsv41.v41 import Dsv41ForCausalLM
+
+    register()
+    model_cls = ModelRegistry._try_load_model_cls("DeepseekV41ForCausalLM")
+    assert model_cls is Dsv41ForCausalLM
+    from vllm.models.deepseek_v41 import DeepseekV41ForCausalLM as Upstream
+
+    assert issubclass(model_cls, Upstream)
+
+
+def test_exl3_config_names_every_v41_module(v41_pack: Path) -> None:
+    import json
+
+    from vllm.transformers_utils.configs.deepseek_v41 import DeepseekV41Config
+    from vllm_dsv41.quant import Exl3Config
+
+    raw = json.loads((v41_pack / "config.json").read_text())
+    hf = DeepseekV41Config(**{k: v for k, v in raw.items() if k != "model_type"})
+    q = Exl3Config.from_config({"quant_method": "exl3", "bits": 3.0})
+    q.maybe_update_config(str(v41_pack), hf_config=hf)
+    L = "language_model.model.layers"
+    # EXL3 on the GPU: attention (fused wq_a + wkv), wq_b, wo_b, shared experts, indexer wq_b, Engram wkv, head
+    for prefix, parts in [
+        (f"{L}.0.attn.fused_wqa_wkv", [f"{L}.0.attn.wq_a", f"{L}.0.attn.wkv"]),
+        (f"{L}.3.attn.wq_b", [f"{L}.3.attn.wq_b"]),
+        (f"{L}.1.attn.wo_b", [f"{L}.1.attn.wo_b"]),
+        (f"{L}.2.ffn.shared_experts.gate_up_proj", [f"{L}.2.ffn.shared_experts.w1", f"{L}.2.ffn.shared_experts.w3"]),
+        (f"{L}.2.ffn.shared_experts.down_proj", [f"{L}.2.ffn.shared_experts.down_proj"]),
+        (f"{L}.3.attn.indexer.wq_b", [f"{L}.3.attn.indexer.wq_b"]),
+        (f"{L}.1.engram.wkv", [f"{L}.1.engram.wkv"]),
+        ("language_model.lm_head", ["language_model.lm_head"]),
+    ]:
+        assert q._is_exl3_linear(prefix), prefix
+        assert q._linear_parts(prefix) == parts
+    # FP16 in the pack (reconstructed by pack-tools), loaded as they are
+    for prefix in (f"{L}.0.attn.wo_a", f"{L}.2.attn.compressor.fused_wkv_wgate", f"{L}.3.attn.indexer.wk",
+                   f"{L}.3.attn.indexer.weights_proj", f"{L}.0.ffn.gate"):  # fmt: skip
+        assert not q._is_exl3_linear(prefix), prefix
+    # routed experts under the MoE runner's prefix; MTP modules keep their checkpoint names (no vLLM module has them)
+    assert any(m.startswith(f"{L}.3.ffn.experts.") for m in q.exl3_modules)
+    assert not any(m.startswith("language_model.") and "mtp" in m for m in q.exl3_modules)
+
+
+def test_pack_loader_skips_what_the_model_does_not_load(v41_pack: Path) -> None:
+    from vllm_dsv41.home import expert_tensor
+    from vllm_dsv41.loader import Dsv41ModelLoader
+    from vllm_dsv41.v41 import v41_weights_mapper
+
+    counts = {"tensors": 0, "bytes": 0}
+    names = [n for n, _ in Dsv41ModelLoader._dense_weights(None, v41_pack, v41_weights_mapper(), counts)]  # type: ignore[arg-type]
+    assert not [n for n in names if expert_tensor(n) is not None]
+    assert not [n for n in names if n.startswith("mtp.")]
+    assert "head.trellis" in names and "layers.1.engram.embed.weight" in names
+    mapped = v41_weights_mapper().apply_list(["head.trellis", "layers.0.attn.wq_a.trellis", "layers.0.ffn.gate.bias"])
+    assert mapped == ["language_model.lm_head.trellis", "language_model.model.layers.0.attn.wq_a.trellis",
+                      "language_model.model.layers.0.ffn.gate.e_score_correction_bias"]  # fmt: skip
