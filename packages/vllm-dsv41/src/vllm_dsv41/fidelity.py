@@ -189,12 +189,21 @@ def _logits_of(llm: Any, ids: list[int]) -> np.ndarray:
                  use_tqdm=False)  # fmt: skip
     llm.apply_model(functools.partial(_record, on=False))
     calls = llm.apply_model(_take)[0]
-    prompt = [c for c in calls if c.shape[0] == len(ids) - 1]
-    last = [c for c in calls if c.shape[0] == 1]
-    if len(prompt) != 1 or len(last) != 1:
-        raise RuntimeError(f"expected one prompt-logits call of {len(ids) - 1} rows and one of 1 row, got "
-                           f"{[c.shape[0] for c in calls]}")  # fmt: skip
-    return np.concatenate([prompt[0], last[0]], axis=0)
+    n = len(ids)
+    ones = [i for i, c in enumerate(calls) if c.shape[0] == 1]
+    if not ones:
+        raise RuntimeError(f"no sampling-logits call among {[c.shape[0] for c in calls]} rows")
+    last = calls[ones[-1]]
+    prompt = [c for i, c in enumerate(calls) if i != ones[-1]]
+    rows = sum(c.shape[0] for c in prompt)
+    if rows == n:  # vLLM's model runner V2 scores every prompt position, the last one included
+        out = np.concatenate(prompt, axis=0)
+        np.testing.assert_allclose(out[-1], last[0], rtol=0, atol=1e-3 * float(np.abs(last).max()) + 1e-6)
+        return out
+    if rows == n - 1:  # runner V1: positions 0..n-2, then the sampled position
+        return np.concatenate([*prompt, last], axis=0)
+    raise RuntimeError(f"expected {n - 1} or {n} prompt-logit rows for a {n}-token prompt, got calls of "
+                       f"{[c.shape[0] for c in calls]} rows")
 
 
 def run_fidelity(

@@ -1,0 +1,44 @@
+"""The fidelity tool: its metrics on known inputs, and a whole run on the demo pack (cpu vs all-in-memory)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from vllm_dsv41.fidelity import compare_logits
+
+
+def test_compare_logits_metrics() -> None:
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((50, 40)).astype(np.float32)
+    agree, kl = compare_logits(a, a.copy())
+    assert agree.all() and np.abs(kl).max() < 1e-12
+    b = a.copy()
+    b[7] = -b[7]  # one position flipped: disagrees, positive KL there only
+    agree, kl = compare_logits(a, b)
+    assert not agree[7] and agree.sum() == 49 and kl[7] > 0.1 and np.delete(kl, 7).max() < 1e-12
+    p = np.exp(a[3].astype(np.float64) - a[3].max())
+    p /= p.sum()
+    q = np.exp(b[3].astype(np.float64) - b[3].max())
+    q /= q.sum()
+    assert np.isclose(kl[3], (p * np.log(p / q)).sum())
+    with pytest.raises(ValueError, match="shapes differ"):
+        compare_logits(a, a[:3])
+
+
+@pytest.mark.slow
+def test_fidelity_tool_on_the_demo_pack(demo_pack: Path, tmp_path: Path) -> None:
+    out = tmp_path / "fidelity.json"
+    cmd = [sys.executable, "-m", "vllm_dsv41.fidelity", str(demo_pack), "--runtime", "cpu", "--against", "all-in-vram",
+           "--positions", "512", "--length", "128", "--greedy-prompts", "2", "--greedy-tokens", "12",
+           "--cpu-threads", "2", "--json", str(out), "--min-top1", "0.999", "--max-kl-mean", "1e-4"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["positions"] == 512 and res["top1_agreement"] == 1.0 and res["kl_mean"] < 1e-8
+    assert res["greedy_match"] and len(res["greedy_runtime"]) == 2 and len(res["greedy_runtime"][0]) == 12
+    assert "top-1 agreement" in r.stdout
