@@ -11,6 +11,8 @@
 #   bench     benches/bench_dense_exl3.py (exllamav3 vs ours, every V4.1 dense shape)
 #   serve     the server on the pack, driven by the openai client (scripts/gpu_serve_check.py)
 #   flash     load time and RSS of a Flash-shaped pack with real-size layers (scripts/gpu_flash_load.py)
+#   savejit   tar the JIT caches (TileLang, Triton, vLLM/DeepGEMM) into $OUT/jitcache.tgz; a later machine restores
+#             them from .jitcache/jitcache.tgz when that folder is carried (saves the cold compile, ~2-3 min)
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/dsv41-out}
@@ -22,6 +24,9 @@ rc=0
 step() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 log() { echo "[gpu_run $(date +%T)] $*" | tee -a "$OUT/steps.log"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/steps.log"
+if [ -f .jitcache/jitcache.tgz ] && [ ! -f /tmp/dsv41-jit-restored ]; then
+    tar xzf .jitcache/jitcache.tgz -C "$HOME" && touch /tmp/dsv41-jit-restored && log "JIT caches restored"
+fi
 if step pack; then
     log "pack: synth + build"
     python3 - <<'PY' 2>&1 | tee "$OUT/pack.log"
@@ -79,6 +84,10 @@ if step flash; then
     log "flash"
     timeout 560 python3 packages/vllm-dsv41/scripts/gpu_flash_load.py "$OUT" 2>&1 | tee "$OUT/flash_load.log" | tail -30
     r=${PIPESTATUS[0]}; log "flash rc=$r"; rc=$((rc || r))
+fi
+if step savejit; then
+    (cd "$HOME" && tar czf "$OUT/jitcache.tgz" $(ls -d .cache/vllm .triton .tilelang 2>/dev/null))
+    log "jit caches: $(du -sh "$OUT/jitcache.tgz" | cut -f1)"
 fi
 log "done rc=$rc"
 exit $rc

@@ -79,3 +79,28 @@ def test_pack_loader_skips_what_the_model_does_not_load(v41_pack: Path) -> None:
     mapped = v41_weights_mapper().apply_list(["head.trellis", "layers.0.attn.wq_a.trellis", "layers.0.ffn.gate.bias"])
     assert mapped == ["language_model.lm_head.trellis", "language_model.model.layers.0.attn.wq_a.trellis",
                       "language_model.model.layers.0.ffn.gate.e_score_correction_bias"]  # fmt: skip
+
+
+def test_expert_problems_name_the_file(v41_pack: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from vllm_dsv41.home import expert_problems
+
+    assert expert_problems(v41_pack) == []
+    bad = tmp_path / "bad"
+    shutil.copytree(v41_pack, bad, symlinks=False)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["text_config"]["moe_intermediate_size"] = 512
+    (bad / "config.json").write_text(json.dumps(cfg))
+    problems = expert_problems(bad)
+    assert problems and ".safetensors: layers.0.ffn.experts.0.w1.trellis: trellis" in problems[0]
+    assert "the config needs 1024 x 512" in problems[0]
+    cfg["text_config"]["moe_intermediate_size"] = 256
+    cfg["text_config"]["n_routed_experts"] = 17
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert "experts [16] are missing (16 of 17)" in expert_problems(bad)[0]
+    first = sorted(bad.glob("model-*.safetensors"))[0]
+    first.write_bytes(first.read_bytes()[:100])  # truncated: one line naming the file, nothing that follows from it
+    problems = expert_problems(bad)
+    assert len(problems) == 1 and first.name in problems[0]

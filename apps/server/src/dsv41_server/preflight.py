@@ -206,6 +206,10 @@ def preflight(cfg: ServerConfig, pack: Path, kind: PackKind) -> PreflightResult:
     problems += p
     problems += check_port(cfg.host, cfg.port)
     pack_problems = check_pack(pack)
+    if not pack_problems:
+        from vllm_dsv41.home import expert_problems
+
+        pack_problems = [f"pack {pack}: {p}" for p in expert_problems(pack)[:MAX_PACK_LINES]]
     problems += pack_problems
     info: dict[str, Any] = {}
     if not pack_problems:

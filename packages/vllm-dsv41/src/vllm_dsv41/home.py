@@ -30,7 +30,7 @@ import numpy as np
 from cpu_tier.exl3 import Exl3Tensor
 from engram_mmap.safetensors_header import TensorInfo, read_header
 
-__all__ = ["EXPERT_RE", "PROJECTIONS", "ExpertHome", "HomeStats", "LayerExperts", "expert_tensor", "process_memory",
+__all__ = ["EXPERT_RE", "PROJECTIONS", "ExpertHome", "HomeStats", "LayerExperts", "expert_problems", "expert_tensor", "process_memory",
            "resident_bytes"]
 
 #: A routed expert's tensor: ``<moe>.experts.<e>.<proj>.<part>`` (``layers.3.ffn`` for V4.1's native names,
@@ -339,6 +339,73 @@ class ExpertHome:
 
 #: ``cudaHostRegisterReadOnly``: pin a read-only mapping (the GPU only reads it).
 HOST_REGISTER_READ_ONLY = 8
+
+
+def expert_problems(pack: str | os.PathLike[str], config: Mapping[str, object] | None = None) -> list[str]:
+    """What is wrong with a pack's routed experts, from the index and the safetensors headers only (no data read).
+
+    Checks that every MoE layer ``0 .. num_hidden_layers - 1`` has ``n_routed_experts`` experts, each with gate, up
+    and down EXL3 tensor sets whose trellis shapes are ``hidden x moe_intermediate_size`` (down: the transpose),
+    as ``config`` (the pack's ``config.json``, nested ``text_config`` or flat; read from the pack when None) says.
+    Every problem names the file (and tensor) at fault; an empty list means the experts match the config.
+    """
+    pack = Path(pack)
+    if config is None:
+        try:
+            config = json.loads((pack / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            return [f"{pack / 'config.json'}: unreadable ({e})"]
+    tc = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
+    assert isinstance(tc, Mapping)
+    try:
+        n_exp = tc["n_routed_experts"] if "n_routed_experts" in tc else tc["num_experts"]  # DeepSeek / Qwen names
+        layers, experts = int(tc["num_hidden_layers"]), int(n_exp)  # type: ignore[call-overload]
+        hidden, inter = int(tc["hidden_size"]), int(tc["moe_intermediate_size"])  # type: ignore[call-overload]
+    except (KeyError, TypeError, ValueError) as e:
+        return [f"{pack / 'config.json'}: no usable {e} for the routed experts"]
+    try:
+        by_file = _expert_names_by_file(pack)
+    except ValueError as e:
+        return [str(e)]
+    found: dict[tuple[int, int, str], tuple[str, tuple[int, ...]]] = {}
+    problems: list[str] = []
+    for path, names in by_file.items():
+        try:
+            header = read_header(path)
+        except (OSError, ValueError) as e:
+            problems.append(f"{path}: {e}")
+            continue
+        for n in names:
+            info = header.get(n)
+            if info is None:
+                problems.append(f"{path}: {n}: named by the index but not in the file")
+                continue
+            layer, expert, role, part = expert_tensor(n)  # type: ignore[misc]
+            if part == "trellis":
+                found[(layer, expert, role)] = (f"{path.name}: {n}", info.shape)
+    if problems:  # unreadable files first: what follows from them would only repeat them
+        return problems
+    want = {"gate": (hidden // 16, inter // 16), "up": (hidden // 16, inter // 16), "down": (inter // 16, hidden // 16)}
+    extra_layers = sorted({k[0] for k in found} - set(range(layers)))
+    if extra_layers:
+        problems.append(f"{pack}: routed experts for layers {extra_layers}, but the config has {layers} layers")
+    for layer in range(layers):
+        for role, shape in want.items():
+            ids = sorted(e for (ly, e, r) in found if ly == layer and r == role)
+            if ids != list(range(experts)):
+                missing = sorted(set(range(experts)) - set(ids))[:5]
+                problems.append(f"{pack}: layer {layer}: {role} projections of experts {missing or ids[experts:][:5]} "
+                                f"are {'missing' if missing else 'beyond n_routed_experts'} ({len(ids)} of {experts})")
+                continue
+            for e in ids:
+                where, got = found[(layer, e, role)]
+                if tuple(got[:2]) != shape:
+                    problems.append(f"{where}: trellis {list(got)}, the config needs {16 * shape[0]} x "
+                                    f"{16 * shape[1]} (in x out)")  # fmt: skip
+                    break
+        if len(problems) > 20:
+            break
+    return problems
 
 
 def _expert_names_by_file(pack: Path) -> dict[Path, list[str]]:
