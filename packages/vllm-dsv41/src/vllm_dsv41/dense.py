@@ -18,6 +18,7 @@ concatenation in the activations' dtype. ``benches/bench_dense_exl3.py`` times b
 from __future__ import annotations
 
 import functools
+import os
 from typing import Literal, Protocol
 
 import torch
@@ -52,6 +53,9 @@ def exllamav3_available() -> bool:
     """Whether exllamav3's CUDA extension imports here (prebuilt, or compiled on first import)."""
     if not torch.cuda.is_available():
         return False
+    # Importing the exllamav3 package switches the process-wide CUDA caching allocator to expandable segments
+    # (its __init__), under vLLM's memory pools and CUDA graphs; its own switch turns that off.
+    os.environ.setdefault("EXL3_EXPANDABLE_SEGMENTS", "0")
     try:
         from exllamav3.modules.quant.exl3 import LinearEXL3  # noqa: F401
     except Exception:  # noqa: BLE001 - any import failure means "not available"
