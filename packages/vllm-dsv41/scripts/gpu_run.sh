@@ -36,7 +36,7 @@ from pack_tools import build_pack, verify_pack
 from pack_tools.origin import ENGRAM, EXL3
 from pack_tools.presets.tiny_v41 import synth_tiny_v41
 t = time.time(); root = Path("/tmp/dsv41"); synth_tiny_v41(root / "in")
-build_pack(root / "in" / EXL3.dirname, root / "in" / ENGRAM.dirname, root / "tiny-v41", jobs=8, force=True)
+build_pack(root / "in" / EXL3.dirname, root / "in" / ENGRAM.dirname, root / "tiny-v41", jobs=1, force=True)
 assert verify_pack(root / "tiny-v41") == []
 print(f"tiny-v41 pack built and verified in {time.time() - t:.1f} s")
 PY

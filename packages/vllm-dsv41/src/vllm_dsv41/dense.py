@@ -107,15 +107,21 @@ class TritonKernel:
         self.suh = d["suh"].float()
         self.svh = d["svh"].float()
         self.bias = d.get("bias")
+        from dma_prefill.ops_torch import hadamard_pm1
+
+        self.h128 = hadamard_pm1(torch.float32, device) * (1.0 / 128**0.5)
+
+    def _had(self, v: torch.Tensor) -> torch.Tensor:
+        """Blockwise orthonormal Hadamard-128 over the last dim (the matrix lives on the device: graph-capturable)."""
+        return (v.reshape(*v.shape[:-1], v.shape[-1] // 128, 128) @ self.h128).reshape(v.shape)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from dma_prefill.compute import decode_triton
-        from dma_prefill.ops_torch import hadamard_128_torch
 
         w = decode_triton(self.trellis, self.codebook)  # fp16 W_inner (k, n)
-        xh = hadamard_128_torch(x.float() * self.suh).to(torch.float16)
+        xh = self._had(x.float() * self.suh).to(torch.float16)
         y = torch.matmul(xh, w, out_dtype=torch.float32) if _HAS_OUT_DTYPE else (xh.float() @ w.float())
-        y = hadamard_128_torch(y) * self.svh
+        y = self._had(y) * self.svh
         return y if self.bias is None else y + self.bias
 
     @property

@@ -197,9 +197,9 @@ def _logits_of(llm: Any, ids: list[int]) -> np.ndarray:
     prompt = [c for i, c in enumerate(calls) if i != ones[-1]]
     rows = sum(c.shape[0] for c in prompt)
     if rows == n:  # vLLM's model runner V2 scores every prompt position, the last one included
-        out = np.concatenate(prompt, axis=0)
-        np.testing.assert_allclose(out[-1], last[0], rtol=0, atol=1e-3 * float(np.abs(last).max()) + 1e-6)
-        return out
+        # (its last row is the sampled position again, from a batch of a different size: a bf16 head's rounding
+        # differs between the two, so the prompt pass's own row is kept: every position from one batch)
+        return np.concatenate(prompt, axis=0)
     if rows == n - 1:  # runner V1: positions 0..n-2, then the sampled position
         return np.concatenate([*prompt, last], axis=0)
     raise RuntimeError(f"expected {n - 1} or {n} prompt-logit rows for a {n}-token prompt, got calls of "

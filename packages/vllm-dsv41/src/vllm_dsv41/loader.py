@@ -82,8 +82,9 @@ class Dsv41ModelLoader(DefaultModelLoader):
         quant.attach_home(home)
         logger.info("dsv41: host home: %s", home.describe())
         mapper = getattr(model, "hf_to_vllm_mapper", None)
+        unused = getattr(model, "is_unused_checkpoint_weight", None)
         counts = {"tensors": 0, "bytes": 0}
-        loaded = model.load_weights(self._dense_weights(pack, mapper, counts))
+        loaded = model.load_weights(self._dense_weights(pack, mapper, counts, unused))
         t2 = time.perf_counter()
         del loaded
         mem = process_memory()
@@ -98,12 +99,15 @@ class Dsv41ModelLoader(DefaultModelLoader):
         model.dsv41_load_report = report  # type: ignore[assignment]
         logger.info("%s", report.line())
 
-    def _dense_weights(self, pack: Path, mapper: Any, counts: dict[str, int]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor of the pack but the routed experts and what the model's mapper drops, file by file."""
+    def _dense_weights(self, pack: Path, mapper: Any, counts: dict[str, int],
+                       unused: Any = None) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+        """Every tensor of the pack but the routed experts, what the model's mapper drops and what the model says
+        it does not load (``is_unused_checkpoint_weight``, vLLM's hook), file by file."""
         from safetensors import safe_open
 
         for path, names in _names_by_file(pack).items():
-            keep = [n for n in names if expert_tensor(n) is None and not _dropped(mapper, n)]
+            keep = [n for n in names if expert_tensor(n) is None and not _dropped(mapper, n)
+                    and not (unused is not None and unused(n))]  # fmt: skip
             if not keep:
                 continue
             with safe_open(str(path), framework="pt") as f:

@@ -37,6 +37,7 @@ PACKED_MODULES: dict[str, list[str]] = {
     "fused_wqa_wkv": ["wq_a", "wkv"],
     "fused_wkv_wgate": ["wkv", "wgate"],
 }
+_COMPRESSOR_RE = re.compile(r"^layers\.(?P<layer>\d+)\.attn\.compressor\.(?P<what>ape|wgate\.weight)$")
 _HEAD_RE = re.compile(r"^head\.(trellis|suh|svh|su|sv|mcg|mul1|bias)$")
 
 
@@ -94,7 +95,15 @@ class Dsv41ForCausalLM(DeepseekV41ForCausalLM):
         """Checkpoint tensors a text-only EXL3 pack carries but this model does not load (skipped unread).
 
         ``<moe>.gate.bias_vl`` routes image tokens; without a vision tower upstream creates no parameter for it.
+        ``hc_head_*`` is V4's learned output mix, which V4.1 does not have (upstream has no parameter for it).
         """
+        if name.startswith("hc_head"):  # V4's learned head mix; V4.1 collapses with the last pre-mix instead
+            return True
+        m = _COMPRESSOR_RE.match(name)
+        if m:  # V4.1's compressor has no position embedding, and a gate only at compress ratio 2
+            ratios = getattr(self.config, "compress_ratios", None) or []
+            layer = int(m["layer"])
+            return m["what"] == "ape" or (layer < len(ratios) and int(ratios[layer]) <= 1)
         return not getattr(self, "_has_bias_vl", True) and name.endswith(".ffn.gate.bias_vl")
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
