@@ -43,6 +43,10 @@ def test_exl3_config_names_every_v41_module(v41_pack: Path) -> None:
     hf = DeepseekV41Config(**{k: v for k, v in raw.items() if k != "model_type"})
     q = Exl3Config.from_config({"quant_method": "exl3", "bits": 3.0})
     q.maybe_update_config(str(v41_pack), hf_config=hf)
+    assert q.is_v41
+    from vllm_dsv41.v41 import configure_exl3_names  # what Dsv41ForCausalLM does at construction
+
+    configure_exl3_names(q, hf)
     L = "language_model.model.layers"
     # EXL3 on the GPU: attention (fused wq_a + wkv), wq_b, wo_b, shared experts, indexer wq_b, Engram wkv, head
     for prefix, parts in [
@@ -61,9 +65,12 @@ def test_exl3_config_names_every_v41_module(v41_pack: Path) -> None:
     for prefix in (f"{L}.0.attn.wo_a", f"{L}.2.attn.compressor.fused_wkv_wgate", f"{L}.3.attn.indexer.wk",
                    f"{L}.3.attn.indexer.weights_proj", f"{L}.0.ffn.gate"):  # fmt: skip
         assert not q._is_exl3_linear(prefix), prefix
-    # routed experts under the MoE runner's prefix; MTP modules keep their checkpoint names (no vLLM module has them)
+    # routed experts under the MoE runner's prefix; MTP modules land under .mtp. (no vLLM module there: not served),
+    # never on a decoder layer
     assert any(m.startswith(f"{L}.3.ffn.experts.") for m in q.exl3_modules)
-    assert not any(m.startswith("language_model.") and "mtp" in m for m in q.exl3_modules)
+    mtp = [m for m in q.exl3_modules if "mtp" in m]
+    assert mtp and all(m.startswith("language_model.model.mtp.") for m in mtp)
+    assert not any(m.startswith(f"{L}.4.") for m in q.exl3_modules)
 
 
 def test_pack_loader_skips_what_the_model_does_not_load(v41_pack: Path) -> None:
@@ -104,3 +111,32 @@ def test_expert_problems_name_the_file(v41_pack: Path, tmp_path: Path) -> None:
     first.write_bytes(first.read_bytes()[:100])  # truncated: one line naming the file, nothing that follows from it
     problems = expert_problems(bad)
     assert len(problems) == 1 and first.name in problems[0]
+
+
+_PROBE = """
+import sys
+from vllm.engine.arg_utils import EngineArgs
+EngineArgs(model=sys.argv[1], load_format="dsv41", limit_mm_per_prompt={"image": 0},
+           max_model_len=1024).create_engine_config()
+from vllm_dsv41.v41 import upstream_breaks_enabled
+print("BREAKS", upstream_breaks_enabled())
+"""
+
+
+def test_breakable_graph_env_must_precede_vllm(v41_pack: Path) -> None:
+    """vLLM imports the V4.1 model while building its config, before it enables breakable CUDA graphs: its eager
+    breaks are live only when the environment asks for them first, which ``vllm_env_for_pack`` says to do."""
+    import os
+    import subprocess
+    import sys
+
+    from vllm_dsv41 import vllm_env_for_pack
+
+    env = vllm_env_for_pack(v41_pack)
+    assert env == {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
+    assert vllm_env_for_pack(v41_pack, cuda_graphs=False) == {}
+    base = {k: v for k, v in os.environ.items() if k != "VLLM_USE_BREAKABLE_CUDAGRAPH"}
+    for extra, expected in (({}, "BREAKS False"), (env, "BREAKS True")):
+        r = subprocess.run([sys.executable, "-c", _PROBE, str(v41_pack)], env={**base, **extra}, capture_output=True,
+                           text=True, timeout=600)  # fmt: skip
+        assert expected in r.stdout, (extra, r.stdout[-2000:], r.stderr[-3000:])

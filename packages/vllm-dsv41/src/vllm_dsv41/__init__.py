@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from importlib.metadata import version as _version
 
-from .config import CONFIG_KEY, Dsv41PluginConfig
+from .config import CONFIG_KEY, Dsv41PluginConfig, vllm_env_for_pack
 from .plugin import ARCHITECTURES, register
 
 __version__ = _version("vllm-dsv41")
-__all__ = ["ARCHITECTURES", "CONFIG_KEY", "Dsv41PluginConfig", "__version__", "register"]
+__all__ = ["ARCHITECTURES", "CONFIG_KEY", "Dsv41PluginConfig", "__version__", "register", "vllm_env_for_pack"]

@@ -14,7 +14,10 @@ Overrides win field by field (the nested ``cpu`` object too). Unknown fields and
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 from cpu_tier import CpuTierConfig
@@ -27,7 +30,7 @@ DenseKernel = Literal["auto", "exllamav3", "triton"]
 RUNTIMES: tuple[str, ...] = ("cpu", "all-in-vram")
 DENSE_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton")
 
-__all__ = ["CONFIG_KEY", "DENSE_KERNELS", "RUNTIMES", "Dsv41PluginConfig", "merge_settings"]
+__all__ = ["CONFIG_KEY", "DENSE_KERNELS", "RUNTIMES", "Dsv41PluginConfig", "merge_settings", "vllm_env_for_pack"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -141,3 +144,21 @@ def merge_settings(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict
         else:
             out[k] = v
     return out
+
+
+def vllm_env_for_pack(pack: str | os.PathLike[str], *, cuda_graphs: bool = True) -> dict[str, str]:
+    """Environment variables vLLM must see, before it is imported, to serve ``pack`` through this plugin.
+
+    The plugin reads and writes no environment variable itself; the applications (the server, the fidelity
+    tool) apply what this returns. For DeepSeek-V4.1 packs served with CUDA graphs it is
+    ``VLLM_USE_BREAKABLE_CUDAGRAPH=1``: vLLM turns breakable graphs on for V4.1 only after it has imported the
+    model, whose eager breaks are fixed when imported (see ``vllm_dsv41.v41.upstream_breaks_enabled``).
+    """
+    try:
+        cfg = json.loads((Path(pack) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{Path(pack) / 'config.json'}: unreadable ({e})") from None
+    archs = cfg.get("architectures") or [] if isinstance(cfg, dict) else []
+    if cuda_graphs and "DeepseekV41ForCausalLM" in archs:
+        return {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
+    return {}

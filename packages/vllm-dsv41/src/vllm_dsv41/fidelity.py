@@ -304,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-top1", type=float, default=None, help="exit 1 when top-1 agreement is below this")
     ap.add_argument("--max-kl-mean", type=float, default=None, help="exit 1 when the mean KL is above this")
     a = ap.parse_args(argv)
+    from .config import vllm_env_for_pack
+
+    for k, v in vllm_env_for_pack(a.pack, cuda_graphs=not a.eager).items():
+        os.environ.setdefault(k, v)  # before vLLM is imported (see vllm_env_for_pack)
     llm = build_llm(a.pack, runtime=a.against, eager=a.eager, max_model_len=a.max_model_len,
                     gpu_memory_gib=a.gpu_memory_gib, cpu_threads=a.cpu_threads, precision=a.precision)  # fmt: skip
     res = run_fidelity(llm, a.runtime, a.against, positions=a.positions, length=a.length,

@@ -89,10 +89,10 @@ class Exl3Config(QuantizationConfig):
         self.exl3_modules = exl3_modules(tensor_names(model_name))
         if not self.exl3_modules:
             raise ValueError(f"{model_name}: quant_method is 'exl3' but no tensor ends in '.trellis'")
-        if V41_ARCHITECTURE in (getattr(hf_config, "architectures", None) or []):
-            from .v41 import configure_exl3_names  # V4.1 names; its model class sets no class-level mapper
-
-            configure_exl3_names(self, hf_config)
+        # V4.1's module names are given at model construction (``Dsv41ForCausalLM`` calls ``configure_exl3_names``):
+        # importing vLLM's V4.1 model code here, while vLLM is still building its config, would freeze its
+        # eager-break decorators (they read whether breakable CUDA graphs are on when they are applied) as off.
+        self.is_v41 = V41_ARCHITECTURE in (getattr(hf_config, "architectures", None) or [])
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper: Any) -> None:
         if self.exl3_modules is None:

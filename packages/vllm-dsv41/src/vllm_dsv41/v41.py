@@ -27,7 +27,14 @@ from vllm.models.deepseek_v41 import DeepseekV41ForCausalLM
 
 from .quant import Exl3Config
 
-__all__ = ["EXL3_HEAD_PREFIX", "PACKED_MODULES", "Dsv41ForCausalLM", "Exl3LMHead", "v41_weights_mapper"]
+__all__ = [
+    "EXL3_HEAD_PREFIX",
+    "PACKED_MODULES",
+    "Dsv41ForCausalLM",
+    "Exl3LMHead",
+    "upstream_breaks_enabled",
+    "v41_weights_mapper",
+]
 
 #: The vLLM module name of the text model's output head inside the VL wrapper.
 EXL3_HEAD_PREFIX = "language_model.lm_head"
@@ -76,6 +83,7 @@ class Dsv41ForCausalLM(DeepseekV41ForCausalLM):
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         quant = vllm_config.quant_config
         if isinstance(quant, Exl3Config):
+            configure_exl3_names(quant, vllm_config.model_config.hf_config)
             _check_serving_config(vllm_config, quant)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         if not isinstance(quant, Exl3Config):
@@ -111,10 +119,28 @@ class Dsv41ForCausalLM(DeepseekV41ForCausalLM):
 
 
 def configure_exl3_names(quant: Exl3Config, hf_config: Any) -> None:
-    """Give ``Exl3Config`` the V4.1 names: mapped module names and the fused-module table."""
+    """Give ``Exl3Config`` the V4.1 names: mapped module names and the fused-module table (once)."""
+    if getattr(quant, "_v41_named", False):
+        return
+    quant._v41_named = True  # type: ignore[attr-defined]
     expert_dtype = getattr(hf_config, "expert_dtype", "fp4")
     quant.apply_vllm_mapper(v41_weights_mapper(expert_dtype).get_rename_mapper())
     quant.packed_modules_mapping = dict(PACKED_MODULES)
+
+
+def upstream_breaks_enabled() -> bool:
+    """Whether upstream's V4.1 eager breaks (attention, Engram prefetch) are live in this process.
+
+    vLLM's ``eager_break_during_capture`` decides when it decorates, at import: vLLM imports the V4.1 model while
+    it still builds its config (the multimodal registry resolves the class), before it turns breakable CUDA graphs
+    on, so in that process the breaks are plain calls unless ``VLLM_USE_BREAKABLE_CUDAGRAPH=1`` was in the
+    environment first (``vllm_dsv41.vllm_env_for_pack`` says so; the server and the tools set it). Upstream's own
+    model survives that (its whole forward is then one captured segment); ours cannot, because the routed-expert
+    op must break the graph, and a captured Engram prefetch fork would straddle the break.
+    """
+    from vllm.models.deepseek_v41.attention import DeepseekV4Attention
+
+    return hasattr(DeepseekV4Attention._prepare_and_attn_eager, "__wrapped__")
 
 
 def _check_serving_config(vllm_config: Any, quant: Exl3Config) -> None:
@@ -126,6 +152,14 @@ def _check_serving_config(vllm_config: Any, quant: Exl3Config) -> None:
         raise NotImplementedError(f"dsv41: EXL3 packs are served on one GPU for now; got {more or 'expert parallel'}")
     cfg = quant.plugin_config()
     mode = vllm_config.compilation_config.cudagraph_mode
+    if cfg.runtime in ("cpu", "all-in-vram") and mode is not None and mode.has_piecewise_cudagraphs() \
+            and not upstream_breaks_enabled():  # fmt: skip
+        raise RuntimeError(
+            "dsv41: vLLM's V4.1 eager breaks were decorated before breakable CUDA graphs were enabled in this "
+            "process, so the routed-expert op's break would split a captured Engram prefetch: set "
+            "VLLM_USE_BREAKABLE_CUDAGRAPH=1 in the environment before vLLM starts (vllm_dsv41.vllm_env_for_pack; "
+            "the dsv41 server and tools do), or serve with enforce_eager=True"
+        )
     if cfg.runtime in ("cpu", "all-in-vram") and mode is not None and mode.has_full_cudagraphs():
         raise ValueError(
             f"dsv41: cudagraph_mode {mode.name} captures FULL CUDA graphs, which would freeze the {cfg.runtime!r} "

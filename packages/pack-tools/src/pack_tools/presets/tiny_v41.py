@@ -322,7 +322,7 @@ def _layer_tensors(d: TinyV41, g: Gen, root: str, layer: int, is_mtp: bool) -> d
     if not is_mtp and layer in d.index_source_layers:
         ip = a + "indexer."
         t.update(g.exl3(ip + "wq_b", d.q_lora_rank, d.index_heads * d.index_head_dim, db))
-        t.update(g.exl3(ip + "wk", H, d.index_head_dim, db))
+        t.update(g.exl3(ip + "wk", d.head_dim, d.index_head_dim, db))  # the compressor's latent -> index keys
         t[ip + "k_norm.weight"] = g.bf16(ip + "k_norm.weight", (d.index_head_dim,), 0.05, 1.0)
         t[ip + "weights_proj.weight"] = g.bf16(ip + "weights_proj.weight", (d.index_heads, H))
     f = p + "ffn."
