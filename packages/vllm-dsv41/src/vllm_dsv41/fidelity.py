@@ -56,6 +56,10 @@ class FidelityResult:
     seconds: dict[str, float]
     greedy_reference: list[list[int]] = dataclasses.field(default_factory=list)
     greedy_runtime: list[list[int]] = dataclasses.field(default_factory=list)
+    #: the reference's top-1 minus top-2 logit where the argmaxes differ (largest of them), and the share of all
+    #: positions whose reference margin is below that: flips that only happen at near-ties are rounding, not error
+    flip_margin_max: float = 0.0
+    near_tie_share: float = 0.0
 
     def table(self) -> str:
         rows = [
@@ -66,6 +70,8 @@ class FidelityResult:
             ("KL max", f"{self.kl_max:.3e}"),
             ("greedy continuations", f"{'match' if self.greedy_match else 'DIFFER'} ({self.greedy_prompts} x "
                                      f"{self.greedy_tokens} tokens; first divergence {self.greedy_first_divergence})"),
+            ("top-1 flips", f"at reference margins <= {self.flip_margin_max:.3g} (logits; {self.near_tie_share:.2%} "
+                            "of all positions have a margin that small)"),
         ]  # fmt: skip
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
@@ -239,14 +245,19 @@ def run_fidelity(
         seconds[name] = time.perf_counter() - t0
     ref_logits, ref_greedy = results[against]
     test_logits, test_greedy = results[runtime]
-    agree, kl = compare_logits(np.concatenate(ref_logits), np.concatenate(test_logits))
+    ref_all = np.concatenate(ref_logits)
+    agree, kl = compare_logits(ref_all, np.concatenate(test_logits))
+    top2 = np.sort(ref_all.astype(np.float64), axis=1)[:, -2:]
+    margin = top2[:, 1] - top2[:, 0]
+    flip_margin = float(margin[~agree].max()) if (~agree).any() else 0.0
     first = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)
              for x, y in zip(ref_greedy, test_greedy, strict=True)]  # fmt: skip
     return FidelityResult(
         runtime=runtime, against=against, positions=int(agree.size), top1_agreement=float(agree.mean()),
         kl_mean=float(kl.mean()), kl_max=float(kl.max()), greedy_prompts=len(ref_greedy),
         greedy_tokens=greedy_tokens, greedy_match=all(f is None for f in first), greedy_first_divergence=first,
-        seconds=seconds, greedy_reference=ref_greedy, greedy_runtime=test_greedy,
+        seconds=seconds, greedy_reference=ref_greedy, greedy_runtime=test_greedy, flip_margin_max=flip_margin,
+        near_tie_share=float((margin <= flip_margin).mean()) if flip_margin else 0.0,
     )  # fmt: skip
 
 
