@@ -77,13 +77,7 @@ class Dsv41PluginConfig:
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any], source: str = "config") -> Dsv41PluginConfig:
         """Build from a JSON-like mapping; ``source`` names where it came from in error messages."""
-        if not isinstance(values, Mapping):
-            raise ValueError(f"{source}: expected an object of plugin settings, got {type(values).__name__}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - fields)
-        if unknown:
-            raise ValueError(f"{source}: unknown field {unknown[0]!r}; known fields: {sorted(fields)}")
-        kwargs = dict(values)
+        kwargs = _known_fields(cls, values, source, "plugin settings")
         if "cpu" in kwargs:
             kwargs["cpu"] = _cpu_config(kwargs["cpu"], f"{source}: cpu")
         try:
@@ -117,16 +111,21 @@ class Dsv41PluginConfig:
         return cls.from_mapping(merged, "merged plugin config")
 
 
+def _known_fields(cls: type, values: Any, source: str, what: str) -> dict[str, Any]:
+    """``values`` as keyword arguments of dataclass ``cls``; errors name ``source`` and the unknown field."""
+    if not isinstance(values, Mapping):
+        raise ValueError(f"{source}: expected an object of {what}, got {type(values).__name__}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"{source}: unknown field {unknown[0]!r}; known fields: {sorted(fields)}")
+    return dict(values)
+
+
 def _cpu_config(value: Any, source: str) -> CpuTierConfig:
     if isinstance(value, CpuTierConfig):
         return value
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{source}: expected an object of cpu-tier settings, got {type(value).__name__}")
-    fields = {f.name for f in dataclasses.fields(CpuTierConfig)}
-    unknown = sorted(set(value) - fields)
-    if unknown:
-        raise ValueError(f"{source}: unknown field {unknown[0]!r}; known fields: {sorted(fields)}")
-    kwargs = dict(value)
+    kwargs = _known_fields(CpuTierConfig, value, source, "cpu-tier settings")
     if isinstance(kwargs.get("cpus"), list):
         kwargs["cpus"] = tuple(kwargs["cpus"])
     try:
