@@ -209,14 +209,16 @@ def main(argv: list[str] | None = None) -> int:
             pin = usable_cpus()[:thr] if thr <= len(usable_cpus()) else ()
             cfg = CpuTierConfig(threads=thr, cpus=pin, isa=isa)  # type: ignore[arg-type]
             with ExpertTier(cfg) as probe_tier:
-                bw = probe_tier._rt.read_bandwidth(probe_bytes, 3) / 1e9
+                probes = probe_tier._mod.bench  # the native module's probes (csrc/bench_probes.cpp)
+                bw = probes.read_bandwidth(probe_tier._rt, probe_bytes, 3) / 1e9
                 # the gate/up band kernels' memory pattern without their compute: 8 tiles (768 B at K=3) of every
                 # tile row, rows (I/16) x 96 B apart
                 seg, stride = 8 * 2 * K * 16, inter // 16 * 2 * K * 16
-                bw_band = probe_tier._rt.read_bandwidth(probe_bytes, 3, seg, stride, hidden // 16) / 1e9
-                ghz = float(np.median(probe_tier._rt.clock_ghz()))
+                bw_band = probes.read_bandwidth(probe_tier._rt, probe_bytes, 3, seg, stride, hidden // 16) / 1e9
+                ghz = float(np.median(probes.clock_ghz(probe_tier._rt)))
                 # three runs: the fastest one alone (one thread), the median one with all busy
-                runs = sorted((np.asarray(probe_tier._rt.port_rates(0.03)) for _ in range(3)), key=lambda r: r.sum())
+                runs = sorted((np.asarray(probes.port_rates(probe_tier._rt, 0.03)) for _ in range(3)),
+                              key=lambda r: r.sum())
                 ports = runs[-1] if thr == 1 else runs[1]
             row = {"case": "probe/stream-read", "isa": isa, "threads": thr, "GBps": bw, "GBps_per_core": bw / thr,
                    "bytes": probe_bytes, "clock_GHz": ghz}
@@ -240,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(per core {ports.min() / port_best:.2f}..{ports.max() / port_best:.2f})", flush=True)
             if "kernel" in want:
                 # kernel alone, every worker at once on its own L2-resident band (the job's compute ceiling);
-                # variants of the AVX-512 int16 kernel (see csrc/kernels.h), for an A/B against the default
+                # variants of the AVX-512 int16 kernel (see csrc/arch/avx512/kernels.h), for an A/B against the default
                 # (vpermb on an in-tile 64-byte window for the column pairs that do not wrap): 1 = vpermt2b on the
                 # whole tile reloaded per column pair, 2 = vpermt2b with the tiles hoisted (the former default)
                 for variant in ((0, 1, 2) if isa == "avx512" else (0,)):
@@ -248,8 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                                                   amx_min_tokens=1)) as kt:
                         g0 = gate[0]
                         kb_iters = 200 if not args.quick else 4  # ~12 ms per worker: sustained clock
-                        secs = np.asarray(kt._rt.kernel_band_seconds(
-                            g0.trellis, g0.suh.view(np.uint16), g0.svh.view(np.uint16), 2, True, 1, 1, kb_iters,
+                        secs = np.asarray(kt._mod.bench.kernel_band_seconds(
+                            kt._rt, g0.trellis, g0.suh.view(np.uint16), g0.svh.view(np.uint16), 2, True, 1, 1, kb_iters,
                             variant))
                     band_w = hidden * 128
                     per_worker = band_w / secs / 1e9
