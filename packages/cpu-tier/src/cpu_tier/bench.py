@@ -244,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                 # kernel alone, every worker at once on its own L2-resident band (the job's compute ceiling);
                 # variants of the AVX-512 int16 kernel (see csrc/arch/avx512/kernels.h), for an A/B against the default
                 # (vpermb on an in-tile 64-byte window for the column pairs that do not wrap): 1 = vpermt2b on the
-                # whole tile reloaded per column pair, 2 = vpermt2b with the tiles hoisted (the former default)
-                for variant in ((0, 1, 2) if isa == "avx512" else (0,)):
+                # whole tile reloaded per column pair, 2 = vpermt2b with the tiles hoisted (the former default);
+                # of the AVX2 integer kernel (csrc/arch/avx2/kernels.h): 1 = the former 32-bit-lane forms
+                for variant in {"avx512": (0, 1, 2), "amx": (0, 1, 2), "avx2": (0, 1)}.get(isa, (0,)):
                     with ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa,  # type: ignore[arg-type]
                                                   amx_min_tokens=1)) as kt:
                         g0 = gate[0]

@@ -4,8 +4,29 @@
 namespace cpu_tier {
 namespace CPU_TIER_NS {
 
-// K = 3 (DeepSeek-V4.1's) is compiled with compile-time window offsets; every other K runs the generic
-// (table-driven) kernels, except the one-token kernel, which also specialises K = 2 and 4.
+// f(std::integral_constant<int, m>{}) for a runtime token count m in 1..MAXM (nothing otherwise).
+template <class F>
+CT_INLINE void with_tokens(int m, F&& f) {
+    static_for<MAXM>([&](auto I) CT_LAMBDA_INLINE {
+        if (m == decltype(I)::value + 1) f(std::integral_constant<int, decltype(I)::value + 1>{});
+    });
+}
+
+// K = 2, 3 (DeepSeek-V4.1's), 4 are compiled with compile-time window offsets; every other K runs the generic
+// (table-driven) kernels.
+template <int M>
+static void pair_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
+    switch (A.bits2) {
+        case 4: return band_pair<M, 4, true>(A, band, X, y);
+        case 6: return band_pair<M, 6, true>(A, band, X, y);
+        case 8: return band_pair<M, 8, true>(A, band, X, y);
+        default:
+            if (A.tb->uniform_shift) return band_pair<M, 0, true>(A, band, X, y);
+            return band_pair<M, 0, false>(A, band, X, y);
+    }
+}
+
+// The former forms (Acts::variant 1, the benchmark's A/B): one token row by row, several tokens in 32-bit lanes.
 template <int M>
 static void intm_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
     if (A.bits2 == 6) return band_intm<M, 6, true>(A, band, X, y);
@@ -13,7 +34,7 @@ static void intm_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
     band_intm<M, 0, false>(A, band, X, y);
 }
 
-void gemv_int(const MatRef& A, int band, const Acts& X, float* y) {
+static void former_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
     if (X.m == 1) {
         switch (A.bits2) {
             case 4: return band_int1<4, true>(A, band, X, y);
@@ -24,16 +45,15 @@ void gemv_int(const MatRef& A, int band, const Acts& X, float* y) {
                 return band_int1<0, false>(A, band, X, y);
         }
     }
-    switch (X.m) {
-        case 2: return intm_dispatch<2>(A, band, X, y);
-        case 3: return intm_dispatch<3>(A, band, X, y);
-        case 4: return intm_dispatch<4>(A, band, X, y);
-        case 5: return intm_dispatch<5>(A, band, X, y);
-        case 6: return intm_dispatch<6>(A, band, X, y);
-        case 7: return intm_dispatch<7>(A, band, X, y);
-        case 8: return intm_dispatch<8>(A, band, X, y);
-        default: return;
-    }
+    with_tokens(X.m, [&](auto MM) {
+        constexpr int M = decltype(MM)::value;
+        if constexpr (M >= 2) intm_dispatch<M>(A, band, X, y);
+    });
+}
+
+void gemv_int(const MatRef& A, int band, const Acts& X, float* y) {
+    if (X.variant == 1) return former_dispatch(A, band, X, y);
+    with_tokens(X.m, [&](auto MM) { pair_dispatch<decltype(MM)::value>(A, band, X, y); });
 }
 
 const KernelTable& kernel_table() {

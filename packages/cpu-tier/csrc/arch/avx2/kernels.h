@@ -48,6 +48,123 @@ CT_INLINE __m256i slot_states(__m256i L, const TrellisTables& tb, __m256i sh, __
     return _mm256_and_si256(v, mask16);
 }
 
+// ------------------------------------------------------------------------------------------------ pair form
+// The MUL1 integer path (the default for every K and token count; band_int1 / band_intm below are the former forms,
+// kept as the benchmark's A/B variant 1). Per slot (16 weights): one vpshufb gathers, in each dword, the 4 stream
+// bytes that hold two consecutive elements t, t + 1 (rows 2p, 2p + 1 of one column: TrellisTables::pair_ctrl);
+// vpsrlvd leaves t's state in bits 0..15, vpsllvd puts t + 1's in bits 16..31, vpblendw keeps both (4 ops for 16
+// states, no mask); s * 0x83DCD12D from three 16-bit multiplies (low half lo16(s * 0xD12D), high half
+// hi16(s * 0xD12D) + lo16(s * 0x83DC)); two vpmaddubsw + one add give the byte sums bs as int16; one vpmaddwd per
+// token multiplies a row pair by its two int16 activations and adds them. 13 vector ops per 16 weights at one token
+// (the former form: 14), 6 of them multiplies, + 2 per further token (former: 3.5).
+// Block order: for each 128-row block (8 tile rows, L1 resident) every (tile, column pair-pair a) sums its 8 rows x 4
+// slots in registers, flushed once with the block's per-token scale. Exact int32 sums: a dword lane accumulates
+// 64 rows of a block, |sum| <= 64 * 1005 * 32639 = 2.10e9 < 2^31 (1005: the largest byte sum of any state).
+struct PairConsts {
+    __m256i mlo, mhi, ones8, srl, sll;
+};
+
+// The 16 states of slot S, as int16 byte sums bs (dword d = 4 L + i: [bs(t) | bs(t + 1)], see pair_ctrl).
+template <int BITS2, bool UNIFORM, int S>
+CT_INLINE __m256i pair_bytesums(const uint8_t* tile, const uint8_t* e, int tbytes, const TrellisTables& tb,
+                                const PairConsts& K) {
+    __m128i wrapv = _mm_setzero_si128();
+    if constexpr (BITS2 != 0) {
+        constexpr CtSlot sl = ct_slot(BITS2, S);
+        if constexpr (!sl.single && (sl.baseA < 0 || sl.baseB < 0)) wrapv = wrap_window(tile, tbytes);
+    }
+    (void)tbytes;
+    const __m256i L = slot_window<BITS2, S>(tile, e, wrapv, tb);
+    const __m256i v = _mm256_shuffle_epi8(L, _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.pair_ctrl[S])));
+    const __m256i lo = _mm256_srlv_epi32(v, UNIFORM ? K.srl : _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.pair_srl[S])));
+    const __m256i hi = _mm256_sllv_epi32(v, UNIFORM ? K.sll : _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.pair_sll[S])));
+    const __m256i st = _mm256_blend_epi16(lo, hi, 0xAA);
+    const __m256i plo = _mm256_mullo_epi16(st, K.mlo);
+    const __m256i phi = _mm256_add_epi16(_mm256_mulhi_epu16(st, K.mlo), _mm256_mullo_epi16(st, K.mhi));
+    return _mm256_add_epi16(_mm256_maddubs_epi16(plo, K.ones8), _mm256_maddubs_epi16(phi, K.ones8));
+}
+
+template <int M, int BITS2, bool UNIFORM>
+static void band_pair(const MatRef& A, int band, const Acts& X, float* y) {
+    const TrellisTables& tb = *A.tb;
+    const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
+    const BandWalk w(A, band, X, tbytes);
+    const size_t row_stride = w.row_stride;
+    alignas(64) float facc[M][8][4][8];            // [token][tile j][a][dword]
+    alignas(64) __m256i xb[8][4][M];                // [row rr][q][token]: (x_2q, x_2q+1, x_2q+8, x_2q+9) x 4
+    alignas(64) uint8_t ext[BITS2 == 0 ? 8 * 8 * EXT_STRIDE : 16];
+    std::memset(facc, 0, sizeof(facc));
+    PairConsts K;
+    K.mlo = _mm256_set1_epi16(short(MUL1_MULT & 0xFFFF));
+    K.mhi = _mm256_set1_epi16(short(MUL1_MULT >> 16));
+    K.ones8 = _mm256_set1_epi8(1);
+    K.srl = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.pair_srl[0]));
+    K.sll = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.pair_sll[0]));
+    w.start();
+    for (int blk = w.r0 / 8; blk < w.r1 / 8; ++blk) {
+        const uint8_t* brow = w.block(blk);
+        for (int rr = 0; rr < 8; ++rr) {
+            if constexpr (BITS2 == 0) copy_row_ext(brow + rr * row_stride, tbytes, ext + rr * 8 * EXT_STRIDE);
+            for (int q = 0; q < 4; ++q)
+                for (int t = 0; t < M; ++t) {
+                    int64_t v;
+                    std::memcpy(&v, X.xq + t * X.xq_stride + 16 * (8 * blk + rr) + 4 * q, 8);
+                    xb[rr][q][t] = _mm256_set1_epi64x(v);
+                }
+        }
+        __m256 sc[M];
+        for (int t = 0; t < M; ++t) sc[t] = _mm256_set1_ps(X.xs[t * X.xs_stride + blk]);
+        for (int j = 0; j < 8; ++j) {
+            w.at(blk, j);  // block blk + D, one row per tile column, spread over the block's work
+            // AG column pair-pairs (a, ..., a + AG - 1) at a time: 4 AG independent slots per row (AG = 2 up to two
+            // tokens; with more tokens the AG x M accumulators would not fit the 16 registers)
+            constexpr int AG = M <= 2 ? 2 : 1;
+            static_for<4 / AG>([&](auto AA) CT_LAMBDA_INLINE {
+                constexpr int a0 = AG * decltype(AA)::value;
+                __m256i acc[AG][M];
+                for (int h = 0; h < AG; ++h)
+                    for (int t = 0; t < M; ++t) acc[h][t] = _mm256_setzero_si256();
+                const uint8_t* tile = brow + j * tbytes;
+                const uint8_t* e = ext + (BITS2 == 0 ? j * EXT_STRIDE : 0);
+                // rows in a loop, the slots of a row unrolled
+#pragma GCC unroll 1
+                for (int rr = 0; rr < 8; ++rr, tile += row_stride, e += (BITS2 == 0 ? 8 * EXT_STRIDE : 0)) {
+                    static_for<4>([&](auto QQ) CT_LAMBDA_INLINE {
+                        constexpr int q = decltype(QQ)::value;
+                        static_for<AG>([&](auto HH) CT_LAMBDA_INLINE {
+                            constexpr int h = decltype(HH)::value;
+                            const __m256i bs = pair_bytesums<BITS2, UNIFORM, 4 * (a0 + h) + q>(tile, e, tbytes, tb, K);
+                            for (int t = 0; t < M; ++t) {
+                                acc[h][t] = _mm256_add_epi32(acc[h][t], _mm256_madd_epi16(bs, xb[rr][q][t]));
+                                // keep each sum in one register, in order (GCC otherwise reassociates the integer
+                                // adds into trees whose partial sums spill to the stack)
+                                __asm__("" : "+x"(acc[h][t]));
+                            }
+                        });
+                    });
+                }
+                for (int h = 0; h < AG; ++h)
+                    for (int t = 0; t < M; ++t) {
+                        float* f = facc[t][j][a0 + h];
+                        _mm256_store_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[h][t]), sc[t], _mm256_load_ps(f)));
+                    }
+            });
+        }
+    }
+    for (int t = 0; t < M; ++t) {
+        // dword d = 4 L + i of (j, a): column 2a + L + 8 (i >> 1), rows of class i & 1 (added here)
+        for (int j = 0; j < 8; ++j)
+            for (int a = 0; a < 4; ++a)
+                for (int L = 0; L < 2; ++L)
+                    for (int h = 0; h < 2; ++h) {
+                        const float* v = facc[t][j][a] + 4 * L + 2 * h;
+                        y[t * 128 + 16 * j + 2 * a + L + 8 * h] = v[0] + v[1];
+                    }
+        int_affine(y + 128 * t, X, t);
+    }
+}
+
+// ------------------------------------------------------------------------------- former forms (variant 1)
 // One token, MUL1, int16 activations (per 128-block scale), int32 sums per block.
 template <int BITS2, bool UNIFORM>
 static void band_int1(const MatRef& A, int band, const Acts& X, float* y) {
