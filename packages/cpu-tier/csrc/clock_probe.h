@@ -1,4 +1,4 @@
-// Core clock estimate and vector-port rate, shared by the bench jobs (module.cpp) and scripts/port_probe.cpp,
+// Core clock estimate and vector-port rate, shared by the bench probes (bench_probes.cpp) and scripts/port_probe.cpp,
 // scripts/smt_probe.cpp.
 //
 // Chains of dependent 64-bit imul (latency 3 cycles on every x86 core we target; a chain of immediate adds is not

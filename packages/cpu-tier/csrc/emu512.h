@@ -1,5 +1,5 @@
 // A scalar emulation of the AVX-512 intrinsics the kernels use, so the avx512 variant's kernel code can run (and
-// be tested) on hosts without AVX-512. Included by kernels.h only when CT_EMU512 is defined (the test-only
+// be tested) on hosts without AVX-512. Included by arch/avx512/kernels.h only when CT_EMU512 is defined (the test-only
 // module _native_avx512emu); the real avx512 variant uses the hardware instructions.
 #pragma once
 

@@ -8,7 +8,7 @@
 #include <numeric>
 #include <vector>
 
-#include "kernels.h"
+#include "kernel.h"
 #include "ops.h"
 #include "pool.h"
 

@@ -6,7 +6,7 @@
 #include <cmath>
 
 #include "common.h"
-#include "kernels.h"
+#include "kernel.h"
 
 namespace cpu_tier {
 namespace CPU_TIER_NS {

@@ -86,6 +86,14 @@ struct TrellisTables {
     // Half h of a slot: lanes 0-3 = elements 4h..4h+3 of gA, lanes 4-7 = elements 4h..4h+3 of gB.
     alignas(64) uint8_t ctrl[16][2][32];  // pshufb control per (slot, half); 0x80 = zero
     alignas(64) uint32_t shift[16][2][8];  // right shift per lane
+    // Pair form (the AVX2 integer path): dword d = 4 L + i of slot s holds the two consecutive elements
+    // t = 8 g + 2 i and t + 1 (g = gA for lane L = 0, gB for L = 1): rows 2q + 8 (i & 1) and the next one, column
+    // g / 4 + 8 (i >> 1). pair_ctrl: pshufb control gathering the 4 stream bytes from t's first byte on, most
+    // significant first (0x80 where a byte is not needed); pair_srl: right shift leaving t's state in bits 0..15;
+    // pair_sll: left shift putting t + 1's state in bits 16..31 (the same for every slot when uniform_shift).
+    alignas(64) uint8_t pair_ctrl[16][32];
+    alignas(64) uint32_t pair_srl[16][8];
+    alignas(64) uint32_t pair_sll[16][8];
     // AVX-512 16-bit path (tiles <= 128 bytes, K <= 4): states of the 32 elements 32c + L (L = 0..31) in 16-bit
     // lanes. perm16[c]: vpermt2b indices (tile bytes, 0..127) filling each qword k with the 8 stream bytes from
     // the first byte of element 32c + 4k on, most significant first; mshift16[c]: vpmultishiftqb bit offsets of
@@ -178,6 +186,20 @@ inline void build(TrellisTables& tb, int bits2) {
                 tb.shift[s][h][l] = uint32_t(16 - o);
                 if (w >= 0 && w + 16 > tbytes) throw std::logic_error("trellis table: window past the tile");
             }
+        for (int d = 0; d < 8; ++d) {  // pair form: dword d = 4 L + i
+            const int L = d / 4, i = d % 4;
+            const int w = L == 0 ? sl.baseA : sl.baseB;
+            const int t = 8 * (L == 0 ? gA : gB) + 2 * i;
+            const int b = floordiv(st[t], 8);
+            const int o = st[t] - 8 * b;
+            const int delta = st[t + 1] - st[t];
+            if (o + delta + 16 > 32) throw std::logic_error("trellis table: a pair's states span more than 4 bytes");
+            const int needed = (o + delta + 16 + 7) / 8;  // bytes b .. b + needed - 1
+            for (int k = 0; k < 4; ++k)
+                tb.pair_ctrl[s][16 * L + 4 * i + 3 - k] = k < needed ? uint8_t(window_pos(b + k, w)) : uint8_t(0x80);
+            tb.pair_srl[s][d] = uint32_t(16 - o);
+            tb.pair_sll[s][d] = uint32_t(o + delta);
+        }
     }
     tb.has16 = tbytes <= 128;
     if (tb.has16) {
@@ -220,6 +242,11 @@ inline void build(TrellisTables& tb, int bits2) {
             for (int h = 0; h < 2; ++h)
                 for (int l = 0; l < 8; ++l)
                     if (tb.shift[s][h][l] != tb.shift[0][h][l]) throw std::logic_error("trellis table: shift not uniform");
+    if (!half)
+        for (int s = 0; s < 16; ++s)
+            for (int d = 0; d < 8; ++d)
+                if (tb.pair_srl[s][d] != tb.pair_srl[0][d] || tb.pair_sll[s][d] != tb.pair_sll[0][d])
+                    throw std::logic_error("trellis table: pair shifts not uniform");
 }
 
 }  // namespace detail

@@ -49,10 +49,12 @@ def test_band_read_rejects_bad_geometry() -> None:
     from cpu_tier import CpuTierConfig, ExpertTier
 
     with ExpertTier(CpuTierConfig(threads=1)) as tier:
-        assert tier._rt.read_bandwidth(1 << 20, 1, 768, 768 * 4, 16) > 0
+        probes = tier._mod.bench  # the probes live in their own submodule, off the production Runtime
+        assert not any(hasattr(tier._rt, f) for f in ("read_bandwidth", "clock_ghz", "port_rates", "kernel_band_seconds"))
+        assert probes.read_bandwidth(tier._rt, 1 << 20, 1, 768, 768 * 4, 16) > 0
         for seg, stride, rows in ((100, 800, 4), (768, 1000, 4), (768, 768 * 4, 0), (768, 768 * 4, 10_000)):
             with pytest.raises(ValueError, match="read_bandwidth"):
-                tier._rt.read_bandwidth(1 << 20, 1, seg, stride, rows)
+                probes.read_bandwidth(tier._rt, 1 << 20, 1, seg, stride, rows)
 
 
 def test_bad_arguments() -> None:
@@ -60,3 +62,39 @@ def test_bad_arguments() -> None:
         bench.main(["--quick", "--prefetch-blocks", "5"])
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--cases", "nope"])
+
+
+@pytest.mark.skipif(not SIMD, reason="the host runs no SIMD variant (scalar-only x86-64)")
+def test_anchor_rows_and_rounds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--anchor runs the given exl3-cpu-anchor binary (here a stand-in script that checks its arguments and the tier
+    and pinning it is asked for, and prints a RESULT line) interleaved with our m=1 fast case over --rounds, and a
+    summary row gives min/median/max and the speedup of medians."""
+    fake = tmp_path / "bench_a"
+    fake.write_text(
+        "#!/bin/sh\n"
+        '[ "$1" = time ] && [ "$5" = job ] || exit 3\n'
+        '[ "$EXL3_MOE_CPU_MAX_ISA" = avx2 ] || [ "$EXL3_MOE_CPU_MAX_ISA" = vbmi ] || exit 4\n'
+        '[ "$EXL3_MOE_CPU_PIN" = 0 ] || exit 5\n'
+        'echo "RESULT kernel=A tier=$EXL3_MOE_CPU_MAX_ISA swz_group=2 planar=1 mode=job threads=$2 experts=$3 '
+        'passes=9 wall_s=0.10 build_s=0.1 ms_med=4.0000 ms_min=3.5000 ms_max=5.0000 GBps=3.318 '
+        'GBps_per_thread=3.318 out_rms=1.570"\n'
+    )
+    fake.chmod(0o755)
+    out = tmp_path / "bench.json"
+    isa = SIMD[-1]
+    rc = bench.main(["--quick", "--isa", isa, "--threads", "2", "--tokens", "1", "--iters", "1", "--cases", "fast",
+                     "--rounds", "3", "--anchor", str(fake), "--anchor-seconds", "0.1", "--json", str(out)])
+    assert rc == 0
+    assert "summary (ms/expert min/med/max)" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["rows"]
+    for thr in (1, 2):
+        anchors = [r for r in rows if r["case"].startswith("anchor/exllamav3") and r["threads"] == thr]
+        ours = [r for r in rows if r["case"] == "expert/mul1 K=3 fast" and r["threads"] == thr]
+        assert len(anchors) == len(ours) == 3 and [r["round"] for r in ours] == [0, 1, 2]
+        assert all(r["ms_per_expert"] == 4.0 and r["max_ms"] == 5.0 for r in anchors)
+        assert all(len(r["job_ms_per_expert"]) == 1 and r["p10_ms"] <= r["ms_per_expert"] <= r["p90_ms"] for r in ours)
+        (s,) = [r for r in rows if r["case"] == "summary/expert/mul1 K=3 fast" and r["threads"] == thr]
+        assert s["anchor_ms_min_med_max"] == [4.0, 4.0, 4.0] and len(s["speedup_over_anchor_per_round"]) == 3
+        assert s["speedup_over_anchor_of_medians"] == pytest.approx(4.0 / s["ours_ms_min_med_max"][1])
+    with pytest.raises(SystemExit):
+        bench.main(["--quick", "--anchor", str(tmp_path / "missing")])

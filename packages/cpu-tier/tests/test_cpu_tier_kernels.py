@@ -139,3 +139,44 @@ def test_native_state_extraction_matches_reference() -> None:
         want = exl3.trellis_states(tile[None, :])[0]
         got = mod.tile_states(tile.view(np.uint8), int(2 * bits))
         assert np.array_equal(got, want), bits
+
+
+def _constant_state_tensor(k: int, n: int, seed: int) -> exl3.Exl3Tensor:
+    """A K = 3 MUL1 tensor whose every state is 0xB6DB, byte sum 724 (the largest among the constant streams): the
+    stream repeats 011 (a 3-bit period, so every 16-bit window, which starts at a bit = 2 mod 3, reads 1011011...)."""
+    bits = np.tile(np.array([0, 1, 1], np.uint32), 256)  # 768 stream bits of one tile
+    words = (bits.reshape(24, 32) << np.arange(31, -1, -1, dtype=np.uint32)).sum(1).astype(np.uint32)
+    trellis = np.broadcast_to(words.view(np.int16), (k // 16, n // 16, 48)).copy()
+    rnd = exl3.random_tensor(k, n, 3, "mul1", seed=seed)
+    return exl3.Exl3Tensor.from_arrays(trellis, rnd.suh, rnd.svh, "mul1")
+
+
+@pytest.mark.parametrize("isa", [*ISAS, "avx512emu"])
+def test_fast_path_int32_sums_do_not_overflow(isa: str) -> None:
+    """The integer path's worst case: every prepared activation of a block equal to +XQ_MAX (x * suh is one spike at
+    the block's first input: the Hadamard spreads it evenly) times weights whose byte sums are all 724. A block's
+    128 rows sum to 128 * 724 * 32639 = 3.0e9 > 2^31 in one column: a kernel must split each column's rows over
+    several int32 lanes (each kernel's lanes hold at most 64 rows: <= 64 * 1005 * 32639 < 2^31)."""
+    from cpu_tier._loader import load_emulated
+
+    t = _constant_state_tensor(256, 256, seed=1)
+    states = exl3.trellis_states(t.trellis)
+    assert (states == 0xB6DB).all()
+    x = np.zeros((2, 256), np.float32)
+    x[0, 0], x[0, 128] = 1.0 / float(t.suh[0]), 1.0 / float(t.suh[128])  # block-wise spikes: equal activations
+    x[1, 0], x[1, 128] = -2.0 / float(t.suh[0]), 0.5 / float(t.suh[128])  # negative ones too
+    ref = x.astype(np.float64) @ t.reconstruct().astype(np.float64)
+    if isa == "avx512emu":
+        mod = load_emulated()
+        if mod is None:
+            pytest.skip("the emulated AVX-512 module is not built")
+        rt = mod.Runtime(1, [], 50)
+        try:
+            out = np.empty((2, 256), np.float32)
+            rt.matmul(x, t.trellis, t.suh.view(np.uint16), t.svh.view(np.uint16), None, 2, True, out)
+        finally:
+            rt.close()
+    else:
+        out = exl3_matmul(x, t, precision="fast", config=CpuTierConfig(threads=1, isa=isa))  # type: ignore[arg-type]
+    for i in range(2):
+        assert rel_rms(out[i : i + 1], ref[i : i + 1]) <= 5e-3, (isa, i)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import mmap
+import os
 import platform
 import subprocess
 import sys
@@ -121,8 +122,44 @@ def _experts(n: int, hidden: int, inter: int, codebook: str, seed: int) -> tuple
 
 
 def _stats(ts: list[float]) -> tuple[float, float, float]:
+    """p50, p10, p90."""
     a = np.sort(np.asarray(ts))
     return float(np.median(a)), float(np.percentile(a, 10)), float(np.percentile(a, 90))
+
+
+def _load() -> float:
+    """The 1-minute load average (nan where the OS does not say)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+ANCHOR_TIER = {"avx2": "avx2", "avx512": "vbmi", "amx": "vbmi"}  # exllamav3's kernel tier for our ISA variant
+
+
+def _run_anchor(path: str, isa: str, threads: int, experts: int, seconds: float, pin: bool) -> dict[str, Any]:
+    """One run of exllamav3's CPU MoE kernel (the exl3-cpu-anchor tool's bench_a: ``time THREADS NEXP SECONDS job``,
+    DeepSeek-V4.1 experts at m = 1 from DRAM), capped at the tier that matches our ``isa`` (EXL3_MOE_CPU_MAX_ISA) and
+    pinned or not like our workers (EXL3_MOE_CPU_PIN). Returns its RESULT fields (ms_med, ms_min, ms_max per
+    expert, tier, passes, ...)."""
+    env = dict(os.environ, EXL3_MOE_CPU_MAX_ISA=ANCHOR_TIER.get(isa, isa), EXL3_MOE_CPU_PIN="1" if pin else "0")
+    cmd = [path, "time", str(threads), str(experts), str(seconds), "job"]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60 + 10 * seconds)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"--anchor {path}: could not run it ({e})") from None
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if res.returncode or line is None:
+        raise RuntimeError(f"--anchor {path}: exit code {res.returncode}, no RESULT line; stderr: {res.stderr[-500:]}")
+    out: dict[str, Any] = {}
+    for kv in line.split()[1:]:
+        k, _, v = kv.partition("=")
+        try:
+            out[k] = float(v) if "." in v else int(v)
+        except ValueError:
+            out[k] = v
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +188,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--amx-min-tokens", type=int, default=6,
                    help="CpuTierConfig.amx_min_tokens of the isa 'amx' job cases (its kernel ceiling always runs the "
                         "AMX kernel)")
+    p.add_argument("--pin", action="store_true",
+                   help="pin the workers to the first usable cores (CpuTierConfig.cpus; the anchor too). Default: not "
+                        "pinned: on a machine shared with other processes a pinned worker cannot leave a busy core, "
+                        "and every phase of a job waits for it (see the README)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds of the m=1 fast case (and of the anchor, when given), interleaved; a summary row gives "
+                        "min/median/max over the rounds' medians")
+    p.add_argument("--anchor", metavar="BENCH_A",
+                   help="exllamav3's CPU kernel timed beside ours: the exl3-cpu-anchor tool's bench_a binary (see "
+                        "/work/shared/tools/exl3-cpu-anchor); its row follows each round of the m=1 fast case")
+    p.add_argument("--anchor-seconds", type=float, default=2.0, help="seconds per anchor run")
     p.add_argument("--quick", action="store_true", help="small shapes, few experts: a smoke test of the CLI")
     args = p.parse_args(argv)
 
@@ -171,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     pfbs = [int(v) for v in args.prefetch_blocks.split(",")]
     if any(not 0 <= v <= 4 for v in pfbs):
         p.error("--prefetch-blocks: values must be in 0..4")
+    if args.rounds < 1:
+        p.error("--rounds: must be >= 1")
+    if args.anchor and not Path(args.anchor).is_file():
+        p.error(f"--anchor {args.anchor}: no such file")
     expert_bytes = 3 * hidden * inter * K // 8
     n_exp = args.experts or (4 if args.quick else max(16, 4 * all_threads))
     probe_bytes = (4 if args.quick else args.probe_mib) << 20
@@ -180,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"# cpu-tier bench | git {_git()} | {_cpu_model()} | {len(usable_cpus())} cores | {' '.join(feats)} | "
         f"expert H={hidden} I={inter} MUL1 K={K} ({expert_bytes / 1e6:.2f} MB) x {n_exp} per job | "
-        f"warmup=1 iters={args.iters} | amx jobs: AMX kernel from {args.amx_min_tokens} tokens per expert",
+        f"warmup=1 iters={args.iters} | amx jobs: AMX kernel from {args.amx_min_tokens} tokens per expert | "
+        f"workers {'pinned' if args.pin else 'not pinned'} | load average {_load():.2f}",
         flush=True,
     )
     t0 = time.perf_counter()
@@ -198,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     l2e = _experts(1, hidden, l2_inter, "mul1", seed=3)
     l2 = (l2e[0] * n_exp, l2e[1] * n_exp, l2e[2] * n_exp)
     print(f"# built {n_exp} experts in {time.perf_counter() - t0:.1f} s", flush=True)
-    hdr = (f"{'case':<30}{'isa':>8}{'thr':>5}{'m':>3}{'prec':>7}{'ms/exp':>9}{'p10':>8}{'p90':>8}"
+    hdr = (f"{'case':<30}{'isa':>8}{'thr':>5}{'m':>3}{'prec':>7}{'p50 ms':>9}{'p10':>8}{'p90':>8}"
            f"{'Gw/s':>8}{'GB/s':>8}{'GB/s/core':>10}{'probe':>8}{'ratio':>7}{'cyc/w':>7}")
     print(hdr, flush=True)
     rows: list[dict[str, Any]] = []
@@ -206,17 +259,19 @@ def main(argv: list[str] | None = None) -> int:
     for isa in isas:
         port_best = 0.0  # the fastest one core's vector-port rate seen so far (alone, or with others busy)
         for thr in thread_counts:
-            pin = usable_cpus()[:thr] if thr <= len(usable_cpus()) else ()
+            pin = usable_cpus()[:thr] if args.pin and thr <= len(usable_cpus()) else ()
             cfg = CpuTierConfig(threads=thr, cpus=pin, isa=isa)  # type: ignore[arg-type]
             with ExpertTier(cfg) as probe_tier:
-                bw = probe_tier._rt.read_bandwidth(probe_bytes, 3) / 1e9
+                probes = probe_tier._mod.bench  # the native module's probes (csrc/bench_probes.cpp)
+                bw = probes.read_bandwidth(probe_tier._rt, probe_bytes, 3) / 1e9
                 # the gate/up band kernels' memory pattern without their compute: 8 tiles (768 B at K=3) of every
                 # tile row, rows (I/16) x 96 B apart
                 seg, stride = 8 * 2 * K * 16, inter // 16 * 2 * K * 16
-                bw_band = probe_tier._rt.read_bandwidth(probe_bytes, 3, seg, stride, hidden // 16) / 1e9
-                ghz = float(np.median(probe_tier._rt.clock_ghz()))
+                bw_band = probes.read_bandwidth(probe_tier._rt, probe_bytes, 3, seg, stride, hidden // 16) / 1e9
+                ghz = float(np.median(probes.clock_ghz(probe_tier._rt)))
                 # three runs: the fastest one alone (one thread), the median one with all busy
-                runs = sorted((np.asarray(probe_tier._rt.port_rates(0.03)) for _ in range(3)), key=lambda r: r.sum())
+                runs = sorted((np.asarray(probes.port_rates(probe_tier._rt, 0.03)) for _ in range(3)),
+                              key=lambda r: r.sum())
                 ports = runs[-1] if thr == 1 else runs[1]
             row = {"case": "probe/stream-read", "isa": isa, "threads": thr, "GBps": bw, "GBps_per_core": bw / thr,
                    "bytes": probe_bytes, "clock_GHz": ghz}
@@ -240,16 +295,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"(per core {ports.min() / port_best:.2f}..{ports.max() / port_best:.2f})", flush=True)
             if "kernel" in want:
                 # kernel alone, every worker at once on its own L2-resident band (the job's compute ceiling);
-                # variants of the AVX-512 int16 kernel (see csrc/kernels.h), for an A/B against the default
+                # variants of the AVX-512 int16 kernel (see csrc/arch/avx512/kernels.h), for an A/B against the default
                 # (vpermb on an in-tile 64-byte window for the column pairs that do not wrap): 1 = vpermt2b on the
-                # whole tile reloaded per column pair, 2 = vpermt2b with the tiles hoisted (the former default)
-                for variant in ((0, 1, 2) if isa == "avx512" else (0,)):
+                # whole tile reloaded per column pair, 2 = vpermt2b with the tiles hoisted (the former default);
+                # of the AVX2 integer kernel (csrc/arch/avx2/kernels.h): 1 = the former 32-bit-lane forms
+                for variant in {"avx512": (0, 1, 2), "amx": (0, 1, 2), "avx2": (0, 1)}.get(isa, (0,)):
                     with ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa,  # type: ignore[arg-type]
                                                   amx_min_tokens=1)) as kt:
                         g0 = gate[0]
                         kb_iters = 200 if not args.quick else 4  # ~12 ms per worker: sustained clock
-                        secs = np.asarray(kt._rt.kernel_band_seconds(
-                            g0.trellis, g0.suh.view(np.uint16), g0.svh.view(np.uint16), 2, True, 1, 1, kb_iters,
+                        secs = np.asarray(kt._mod.bench.kernel_band_seconds(
+                            kt._rt, g0.trellis, g0.suh.view(np.uint16), g0.svh.view(np.uint16), 2, True, 1, 1, kb_iters,
                             variant))
                     band_w = hidden * 128
                     per_worker = band_w / secs / 1e9
@@ -285,30 +341,6 @@ def main(argv: list[str] | None = None) -> int:
                 e_inter = experts[0][0].n
                 e_bytes = 3 * hidden * e_inter * K // 8
                 e_weights = 3 * hidden * e_inter
-                tier = ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa, precision=prec,  # type: ignore[arg-type]
-                                                slab_blocks=sb, amx_min_tokens=args.amx_min_tokens,
-                                                prefetch_blocks=pf))
-                tier.add_layer(0, *experts)
-                x = rng.standard_normal((m, hidden)).astype(np.float32)
-                picks = Picks(np.repeat(np.arange(m, dtype=np.int32), ne), np.tile(np.arange(ne, dtype=np.int32), m),
-                              np.full(m * ne, 0.5, np.float32))
-                out = np.empty((m, hidden), np.float32)
-                iters = max(1, args.iters if isa != "scalar" else 1)
-                times = []
-                phases = np.zeros(6)
-                for it in range(iters + 1):
-                    t1 = time.perf_counter()
-                    job = tier.submit(0, x, picks, out)
-                    job.wait()
-                    job.result()
-                    dt = time.perf_counter() - t1
-                    if it:
-                        times.append(dt / ne)
-                        phases += np.asarray(job._native.phase_s()) / ne / iters
-                tier.close()
-                med, p10, p90 = _stats(times)
-                gbps = e_bytes / med / 1e9
-                gw = e_weights / med / 1e9
                 case = f"expert/{cb} K={K} {'fast' if prec == 'fast' else 'exact'}"
                 if pool == "dram-huge":
                     case += " huge"
@@ -318,17 +350,83 @@ def main(argv: list[str] | None = None) -> int:
                     case += f" rows/{sb}"
                 if len(pfbs) > 1:
                     case += f" pf{pf}"
-                rows.append({"case": case, "pool": pool, "slab_blocks": sb, "prefetch_blocks": pf, "expert_bytes": e_bytes, "isa": isa, "threads": thr, "tokens": m,
-                             "precision": prec, "codebook": cb,
-                             "ms_per_expert": med * 1e3, "p10_ms": p10 * 1e3, "p90_ms": p90 * 1e3,
-                             "Gweights_per_s": gw, "GBps": gbps, "GBps_per_core": gbps / thr, "probe_GBps": bw,
-                             "ratio_to_probe": gbps / bw, "clock_GHz": ghz,
-                             "cycles_per_weight": ghz * 1e9 * thr / (gw * 1e9),
-                             "phase_ms_per_expert": dict(zip(
-                                 ("zero", "input", "gate_up", "swiglu_down_input", "down", "sum"),
-                                 (round(float(v) * 1e3, 4) for v in phases)))})
-                print(f"{case:<30}{isa:>8}{thr:>5}{m:>3}{prec:>7}{med * 1e3:9.3f}{p10 * 1e3:8.3f}{p90 * 1e3:8.3f}"
-                      f"{gw:8.2f}{gbps:8.2f}{gbps / thr:10.2f}{bw:8.2f}{gbps / bw:7.2f}{ghz * thr / gw:7.3f}", flush=True)
+                # the headline case (m=1 fast from DRAM, default split): several rounds, interleaved with the anchor
+                headline = (m, prec, cb, pool, sb, pf) == (1, "fast", "mul1", "dram", slabs[0], pfbs[0])
+                rounds = args.rounds if headline else 1
+                ours_med: list[float] = []
+                anchor_med: list[float] = []
+                for rnd in range(rounds):
+                    for who in (("ours", "anchor") if rnd % 2 == 0 else ("anchor", "ours")):
+                        if who == "anchor":
+                            if not (headline and args.anchor and isa != "scalar"):
+                                continue
+                            a = _run_anchor(args.anchor, isa, thr, n_exp, args.anchor_seconds, args.pin)
+                            anchor_med.append(a["ms_med"])
+                            row = {"case": f"anchor/exllamav3 {a.get('tier', '?')}", "isa": isa, "threads": thr,
+                                   "tokens": 1, "round": rnd, "load_average": _load(), "ms_per_expert": a["ms_med"],
+                                   "min_ms": a["ms_min"], "max_ms": a["ms_max"], "passes": a.get("passes"),
+                                   "anchor": a, "GBps": a.get("GBps"),
+                                   "ratio_anchor_over_ours": a["ms_med"] / ours_med[-1] if ours_med else None}
+                            rows.append(row)
+                            print(f"{row['case']:<30}{isa:>8}{thr:>5}{1:>3}{'int8':>7}{a['ms_med']:9.3f}"
+                                  f"{a['ms_min']:8.3f}{a['ms_max']:8.3f}{'':>8}{a.get('GBps', 0):8.2f}"
+                                  f"{a.get('GBps', 0) / thr:10.2f}  (min/max, not p10/p90; load {_load():.2f})",
+                                  flush=True)
+                            continue
+                        tier = ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa,  # type: ignore[arg-type]
+                                                        precision=prec, slab_blocks=sb,
+                                                        amx_min_tokens=args.amx_min_tokens, prefetch_blocks=pf))
+                        tier.add_layer(0, *experts)
+                        x = rng.standard_normal((m, hidden)).astype(np.float32)
+                        picks = Picks(np.repeat(np.arange(m, dtype=np.int32), ne),
+                                      np.tile(np.arange(ne, dtype=np.int32), m), np.full(m * ne, 0.5, np.float32))
+                        out = np.empty((m, hidden), np.float32)
+                        iters = max(1, args.iters if isa != "scalar" else 1)
+                        times = []
+                        phases = np.zeros(6)
+                        for it in range(iters + 1):
+                            t1 = time.perf_counter()
+                            job = tier.submit(0, x, picks, out)
+                            job.wait()
+                            job.result()
+                            dt = time.perf_counter() - t1
+                            if it:
+                                times.append(dt / ne)
+                                phases += np.asarray(job._native.phase_s()) / ne / iters
+                        tier.close()
+                        med, p10, p90 = _stats(times)
+                        ours_med.append(med * 1e3)
+                        gbps = e_bytes / med / 1e9
+                        gw = e_weights / med / 1e9
+                        rows.append({"case": case, "pool": pool, "slab_blocks": sb, "prefetch_blocks": pf,
+                                     "expert_bytes": e_bytes, "isa": isa, "threads": thr, "tokens": m,
+                                     "precision": prec, "codebook": cb, "round": rnd, "load_average": _load(),
+                                     "ms_per_expert": med * 1e3, "p10_ms": p10 * 1e3, "p90_ms": p90 * 1e3,
+                                     "job_ms_per_expert": [round(t * 1e3, 4) for t in times],
+                                     "Gweights_per_s": gw, "GBps": gbps, "GBps_per_core": gbps / thr,
+                                     "probe_GBps": bw, "ratio_to_probe": gbps / bw, "clock_GHz": ghz,
+                                     "cycles_per_weight": ghz * 1e9 * thr / (gw * 1e9),
+                                     "phase_ms_per_expert": dict(zip(
+                                         ("zero", "input", "gate_up", "swiglu_down_input", "down", "sum"),
+                                         (round(float(v) * 1e3, 4) for v in phases)))})
+                        print(f"{case:<30}{isa:>8}{thr:>5}{m:>3}{prec:>7}{med * 1e3:9.3f}{p10 * 1e3:8.3f}"
+                              f"{p90 * 1e3:8.3f}{gw:8.2f}{gbps:8.2f}{gbps / thr:10.2f}{bw:8.2f}{gbps / bw:7.2f}"
+                              f"{ghz * thr / gw:7.3f}", flush=True)
+                if rounds > 1 or anchor_med:
+                    o = np.asarray(ours_med)
+                    summary = {"case": "summary/" + case, "isa": isa, "threads": thr, "tokens": m, "rounds": rounds,
+                               "ours_ms_min_med_max": [float(o.min()), float(np.median(o)), float(o.max())]}
+                    text = f"ours {o.min():.3f}/{np.median(o):.3f}/{o.max():.3f}"
+                    if anchor_med:
+                        a = np.asarray(anchor_med)
+                        r = a / o[: len(a)]
+                        summary.update({"anchor_ms_min_med_max": [float(a.min()), float(np.median(a)), float(a.max())],
+                                        "speedup_over_anchor_per_round": [round(float(v), 3) for v in r],
+                                        "speedup_over_anchor_of_medians": float(np.median(a) / np.median(o))})
+                        text += (f" | anchor {a.min():.3f}/{np.median(a):.3f}/{a.max():.3f} | ours faster by "
+                                 f"{np.median(a) / np.median(o):.2f}x (rounds {r.min():.2f}..{r.max():.2f})")
+                    rows.append(summary)
+                    print(f"{'summary (ms/expert min/med/max)':<30}{isa:>8}{thr:>5}{m:>3}  {text}", flush=True)
     if args.json:
         env = {"cpu": _cpu_model(), "cores": len(usable_cpus()), "features": cpu_features(), "git": _git(),
                "python": sys.version.split()[0], "numpy": np.__version__, "experts_per_job": n_exp,

@@ -26,7 +26,9 @@ class CpuTierConfig:
     Attributes
     ----------
     threads : worker threads; 0 = one per core in ``cpus``, or per usable core when ``cpus`` is empty.
-    cpus : cores to pin the workers to (worker w -> ``cpus[w % len(cpus)]``); () = no pinning.
+    cpus : cores to pin the workers to (worker w -> ``cpus[w % len(cpus)]``); () = no pinning. Pin only to cores
+        that nothing else runs on: a pinned worker cannot leave a core another process is using, and every phase
+        of a job waits for its unit (on a shared machine pinned jobs ran at half speed and in long stalls; README).
     isa : kernel variant: "auto" (the best the host runs), "scalar", "avx2", "avx512" or "amx" (the avx512 kernels,
         plus the AMX-INT8 kernel for MUL1 "fast", K <= 4, on chunks of ``amx_min_tokens`` or more tokens per expert;
         Sapphire Rapids and newer, where Linux grants the tile state).

@@ -1,0 +1,9 @@
+// The avx2 variant's float path for the 3INST codebook (one translation unit per codebook: built in parallel).
+#include "kernels.h"
+#include "../x86/float_dispatch.h"
+
+namespace cpu_tier {
+namespace CPU_TIER_NS {
+CT_DEFINE_GEMV_FLOAT(gemv_float_3inst, CB_3INST)
+}  // namespace CPU_TIER_NS
+}  // namespace cpu_tier

@@ -1,0 +1,65 @@
+// AVX2 variant: the integer path's dispatch (MUL1 "fast") and the variant's kernel table.
+#include "kernels.h"
+
+namespace cpu_tier {
+namespace CPU_TIER_NS {
+
+// f(std::integral_constant<int, m>{}) for a runtime token count m in 1..MAXM (nothing otherwise).
+template <class F>
+CT_INLINE void with_tokens(int m, F&& f) {
+    static_for<MAXM>([&](auto I) CT_LAMBDA_INLINE {
+        if (m == decltype(I)::value + 1) f(std::integral_constant<int, decltype(I)::value + 1>{});
+    });
+}
+
+// K = 2, 3 (DeepSeek-V4.1's), 4 are compiled with compile-time window offsets; every other K runs the generic
+// (table-driven) kernels.
+template <int M>
+static void pair_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
+    switch (A.bits2) {
+        case 4: return band_pair<M, 4, true>(A, band, X, y);
+        case 6: return band_pair<M, 6, true>(A, band, X, y);
+        case 8: return band_pair<M, 8, true>(A, band, X, y);
+        default:
+            if (A.tb->uniform_shift) return band_pair<M, 0, true>(A, band, X, y);
+            return band_pair<M, 0, false>(A, band, X, y);
+    }
+}
+
+// The former forms (Acts::variant 1, the benchmark's A/B): one token row by row, several tokens in 32-bit lanes.
+template <int M>
+static void intm_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
+    if (A.bits2 == 6) return band_intm<M, 6, true>(A, band, X, y);
+    if (A.tb->uniform_shift) return band_intm<M, 0, true>(A, band, X, y);
+    band_intm<M, 0, false>(A, band, X, y);
+}
+
+static void former_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
+    if (X.m == 1) {
+        switch (A.bits2) {
+            case 4: return band_int1<4, true>(A, band, X, y);
+            case 6: return band_int1<6, true>(A, band, X, y);
+            case 8: return band_int1<8, true>(A, band, X, y);
+            default:
+                if (A.tb->uniform_shift) return band_int1<0, true>(A, band, X, y);
+                return band_int1<0, false>(A, band, X, y);
+        }
+    }
+    with_tokens(X.m, [&](auto MM) {
+        constexpr int M = decltype(MM)::value;
+        if constexpr (M >= 2) intm_dispatch<M>(A, band, X, y);
+    });
+}
+
+void gemv_int(const MatRef& A, int band, const Acts& X, float* y) {
+    if (X.variant == 1) return former_dispatch(A, band, X, y);
+    with_tokens(X.m, [&](auto MM) { pair_dispatch<decltype(MM)::value>(A, band, X, y); });
+}
+
+const KernelTable& kernel_table() {
+    static const KernelTable t{"avx2", false, false, gemv_int, {gemv_float_3inst, gemv_float_mcg, gemv_float_mul1}};
+    return t;
+}
+
+}  // namespace CPU_TIER_NS
+}  // namespace cpu_tier

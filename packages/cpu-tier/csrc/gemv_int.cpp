@@ -1,3 +1,0 @@
-// One share of the kernel instantiations of an ISA variant (see the dispatch section of kernels.h).
-#define CT_DEFINE_GEMV_INT
-#include "kernels.h"
