@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pack_tools.build as build_mod
+import pack_tools.reconstruct as reconstruct_mod
 import pytest
 from cpu_tier.exl3 import Exl3Tensor, linear
 from pack_tools import PackConfig, PackError, build_pack, verify_pack
@@ -180,7 +181,7 @@ def test_fp16_reconstruction_is_correctly_rounded():
 
 
 def test_interrupted_build_leaves_no_valid_pack_and_resumes(tiny_inputs, monkeypatch):
-    real = build_mod._decode_linear
+    real = reconstruct_mod._decode_linear
     calls: list[str] = []
 
     def flaky(reader, where, prefix):
@@ -189,7 +190,7 @@ def test_interrupted_build_leaves_no_valid_pack_and_resumes(tiny_inputs, monkeyp
             raise KeyboardInterrupt
         return real(reader, where, prefix)
 
-    monkeypatch.setattr(build_mod, "_decode_linear", flaky)
+    monkeypatch.setattr(reconstruct_mod, "_decode_linear", flaky)
     with pytest.raises(KeyboardInterrupt):
         tiny_inputs.build()
     assert not tiny_inputs.pack.exists()
@@ -202,7 +203,7 @@ def test_interrupted_build_leaves_no_valid_pack_and_resumes(tiny_inputs, monkeyp
 
     # rerun: resumes in the same partial directory, keeps the finished root, completes, renames
     calls.clear()
-    monkeypatch.setattr(build_mod, "_decode_linear", lambda r, w, p: (calls.append(p), real(r, w, p))[1])
+    monkeypatch.setattr(reconstruct_mod, "_decode_linear", lambda r, w, p: (calls.append(p), real(r, w, p))[1])
     tiny_inputs.build()
     assert not [c for c in calls if c.startswith("layers.0.")]  # layers.0's wo_a was not decoded again
     assert len(calls) == 14 - 2

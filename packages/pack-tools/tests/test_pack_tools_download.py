@@ -8,7 +8,7 @@ import json
 import pack_tools.download as dl
 import pytest
 from pack_tools import PackError, download_inputs
-from pack_tools.build import INPUT_RECEIPT
+from pack_tools.inputs import INPUT_RECEIPT
 from pack_tools.origin import ENGRAM, EXL3
 
 
