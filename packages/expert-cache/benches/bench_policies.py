@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from cpu_tier.geometry import V41_FLASH  # noqa: E402
 from expert_cache import (  # noqa: E402
     ExpertCacheConfig,
     SyntheticTraceConfig,
@@ -35,7 +36,7 @@ from expert_cache import (  # noqa: E402
     static_oracle_hit_rate,
 )
 
-EXPERT = 13_271_040
+EXPERT = V41_FLASH.expert_trellis_bytes  # bytes of one V4.1-Flash expert (13,271,040)
 
 #: (label, config overrides). The reference runs elastic (released before > 512-token steps, re-warmed after 4
 #: decode steps); every config here does too, so all see the same prefill steps.

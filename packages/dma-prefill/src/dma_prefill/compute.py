@@ -11,11 +11,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from cpu_tier.exl3 import CODEBOOK_MULT
 
 from .config import PROJECTIONS, PrefillConfig
 from .device import Device
 from .layout import ExpertLayout
-from .ops_torch import CODEBOOK_MULT, decode_torch, expert_torch, hadamard_pm1
+from .ops_torch import decode_torch, expert_torch, hadamard_pm1
 from .plan import PrefillPlan
 from .ring import Staged, StagingRing
 from .store import HostExpertStore

@@ -11,6 +11,7 @@ import math
 from typing import Literal
 
 import numpy as np
+from cpu_tier.geometry import V41_FLASH
 
 __all__ = [
     "DSV41_FLASH_EXL3_3BPW",
@@ -76,12 +77,12 @@ class ProjectionSpec:
         return math.prod(self.shape) * self.itemsize
 
 
-#: DeepSeek-V4.1-Flash routed experts in EXL3 3.0 bpw, as the reference system stores them (section 2 of
-#: ../shared/reference/reference-system.md): w13 (gate+up) int16 ``[2, 320, 144, 48]`` = 8,847,360 B and w2 (down)
-#: int16 ``[144, 320, 48]`` = 4,423,680 B, 13,271,040 B (12.66 MiB) per expert.
+#: DeepSeek-V4.1-Flash routed experts (``cpu_tier.geometry.V41_FLASH``) in EXL3 3.0 bpw, as the reference system
+#: stores them (section 2 of ../shared/reference/reference-system.md): w13 (gate+up) int16 ``[2, 320, 144, 48]``
+#: = 8,847,360 B and w2 (down) int16 ``[144, 320, 48]`` = 4,423,680 B, 13,271,040 B (12.66 MiB) per expert.
 DSV41_FLASH_EXL3_3BPW: tuple[ProjectionSpec, ...] = (
-    ProjectionSpec("w13", (2, 320, 144, 48), "int16"),
-    ProjectionSpec("w2", (144, 320, 48), "int16"),
+    ProjectionSpec("w13", (2, *V41_FLASH.trellis_shape("gate")), "int16"),
+    ProjectionSpec("w2", V41_FLASH.trellis_shape("down"), "int16"),
 )
 
 

@@ -32,6 +32,7 @@ import os
 from typing import Any
 
 import numpy as np
+from cpu_tier.geometry import V41_FLASH
 
 __all__ = ["SyntheticTraceConfig", "Trace", "TraceRecorder", "generate", "load_trace"]
 
@@ -222,9 +223,9 @@ class SyntheticTraceConfig:
     decode routing; unknown for real models).
     """
 
-    num_layers: int = 40
-    num_experts: int = 384
-    top_k: int = 6
+    num_layers: int = V41_FLASH.num_layers
+    num_experts: int = V41_FLASH.num_experts
+    top_k: int = V41_FLASH.top_k
     decode_steps: int = 4000
     streams: int = 1
     zipf_global: float = 0.3
