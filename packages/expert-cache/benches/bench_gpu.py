@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from cpu_tier.geometry import V41_FLASH  # noqa: E402
-from expert_cache import DSV41_FLASH_EXL3_3BPW, ExpertCache, ExpertCacheConfig, SyntheticTraceConfig, generate  # noqa: E402
+from expert_cache import DSV41_FLASH_EXL3_3BPW, ExpertCache, ExpertCacheConfig, SyntheticTraceConfig, generate, policy_config  # noqa: E402
 
 EXPERT = V41_FLASH.expert_trellis_bytes  # bytes of one V4.1-Flash expert (13,271,040)
 
@@ -121,7 +121,7 @@ def main() -> int:
 
     # ---- the cache -------------------------------------------------------------------------------------------
     def make(policy: str, **kw: object) -> ExpertCache:
-        cfg = ExpertCacheConfig(num_layers=V41_FLASH.num_layers, num_experts=E, projections=DSV41_FLASH_EXL3_3BPW, num_slots=a.slots, policy=policy, **kw)  # type: ignore[arg-type]
+        cfg = ExpertCacheConfig(num_layers=V41_FLASH.num_layers, num_experts=E, projections=DSV41_FLASH_EXL3_3BPW, num_slots=a.slots, policy=policy_config(policy), **kw)  # type: ignore[arg-type]
         return ExpertCache(cfg, [[w13, w2] for _ in range(40)], dev)
 
     tr = generate(SyntheticTraceConfig(decode_steps=a.steps, streams=1, drift=5.0, seed=11))

@@ -26,6 +26,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from cpu_tier.geometry import V41_FLASH  # noqa: E402
 from expert_cache import (  # noqa: E402
+    ArcConfig,
+    DecayedConfig,
+    HybridConfig,
+    LfuConfig,
+    LruConfig,
     ExpertCacheConfig,
     SyntheticTraceConfig,
     Trace,
@@ -41,14 +46,14 @@ EXPERT = V41_FLASH.expert_trellis_bytes  # bytes of one V4.1-Flash expert (13,27
 #: (label, config overrides). The reference runs elastic (released before > 512-token steps, re-warmed after 4
 #: decode steps); every config here does too, so all see the same prefill steps.
 CONFIGS: list[tuple[str, dict[str, object]]] = [
-    ("decayed (reference)", dict(policy="decayed")),
-    ("lru", dict(policy="lru")),
-    ("lfu", dict(policy="lfu")),
-    ("arc", dict(policy="arc")),
-    ("hybrid @16/48", dict(policy="hybrid", hysteresis=1.2)),
-    ("decayed @1/4", dict(policy="decayed", replan_every=1, admit_limit=4, decay=0.9 ** (1 / 16))),
-    ("hybrid @1/4", dict(policy="hybrid", replan_every=1, admit_limit=4, hysteresis=1.2)),
-    ("hybrid @1/4 +prefill", dict(policy="hybrid", replan_every=1, admit_limit=4, hysteresis=1.2, observe_prefill=True, rewarm_set="top")),
+    ("decayed (reference)", dict(policy=DecayedConfig())),
+    ("lru", dict(policy=LruConfig())),
+    ("lfu", dict(policy=LfuConfig())),
+    ("arc", dict(policy=ArcConfig())),
+    ("hybrid @16/48", dict(policy=HybridConfig(), hysteresis=1.2)),
+    ("decayed @1/4", dict(policy=DecayedConfig(decay=0.9 ** (1 / 16)), replan_every=1, admit_limit=4)),
+    ("hybrid @1/4", dict(policy=HybridConfig(), replan_every=1, admit_limit=4, hysteresis=1.2)),
+    ("hybrid @1/4 +prefill", dict(policy=HybridConfig(), replan_every=1, admit_limit=4, hysteresis=1.2, observe_prefill=True, rewarm_set="top")),
 ]
 
 

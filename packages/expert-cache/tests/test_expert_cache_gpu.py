@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from expert_cache import ExpertCache, ExpertCacheConfig, ProjectionSpec, SyntheticTraceConfig, generate, simulate
+from expert_cache import (
+    ExpertCache,
+    ExpertCacheConfig,
+    ProjectionSpec,
+    SyntheticTraceConfig,
+    generate,
+    policy_config,
+    simulate,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -58,7 +66,7 @@ PROJ = (ProjectionSpec("w13", (2, 64, 48), "int16"), ProjectionSpec("w2", (3000,
 @pytest.mark.parametrize("policy", ["decayed", "hybrid", "arc"])
 def test_kernel_reads_right_bytes_after_random_operations(make_home, policy: str, async_fill: bool) -> None:
     cfg = ExpertCacheConfig(
-        num_layers=3, num_experts=16, projections=PROJ, num_slots=9, replan_every=2, admit_limit=4, policy=policy,
+        num_layers=3, num_experts=16, projections=PROJ, num_slots=9, replan_every=2, admit_limit=4, policy=policy_config(policy),
         elastic=True, prefill_tokens=6, rewarm_after=2, async_fill=async_fill,
     )
     home = make_home(cfg, 1, pin=True)

@@ -24,7 +24,7 @@ def test_cli_json(trace_path, capsys) -> None:
     assert main(["--trace", str(trace_path), "--slots", "20", "--policy", "lru", "--json", "--belady"]) == 0
     out = json.loads(capsys.readouterr().out)
     st = out["stats"]
-    assert out["source"] == "synthetic" and out["config"]["policy"] == "lru"
+    assert out["source"] == "synthetic" and out["config"]["policy"] == {"name": "lru"}
     assert st["num_slots"] == 20 and 0 < st["hit_rate"] < 1 and st["accesses"] == st["hits"] + st["misses"]
     assert out["belady_hit_rate"] >= st["hit_rate"]
 

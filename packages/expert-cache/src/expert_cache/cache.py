@@ -501,5 +501,5 @@ class ExpertCache:
         """Save the hybrid policy's slow pick rates as a routing-frequency profile (hybrid policy only)."""
         pol = self._ctl.policy
         if not isinstance(pol, HybridPolicy):
-            raise ValueError(f"policy: save_profile needs the 'hybrid' policy, the cache uses {self.config.policy!r}")
+            raise ValueError(f"policy: save_profile needs the 'hybrid' policy, the cache uses {self.config.policy.name!r}")
         save_profile(path, pol.rates(), self.config.num_layers, self.config.num_experts)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 from cpu_tier.geometry import V41_FLASH
 
-from .config import POLICIES, ExpertCacheConfig
+from .config import POLICIES, ExpertCacheConfig, policy_config
 from .planner import CacheController, CacheStats
 from .policies import Policy
 from .trace import Trace, load_trace
@@ -255,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_experts=trace.num_experts,
             slot_bytes=a.slot_bytes,
             num_slots=a.slots,
-            policy=a.policy,
+            policy=policy_config(a.policy, profile_path=a.profile) if a.profile else policy_config(a.policy),
             replan_every=a.replan_every,
             admit_limit=a.admit_limit,
             hysteresis=a.hysteresis,
@@ -263,7 +263,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             prefill_tokens=a.prefill_tokens,
             observe_prefill=a.observe_prefill,
             rewarm_set=a.rewarm_set,
-            profile_path=a.profile,
         )
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -272,7 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out: dict[str, object] = {
         "trace": a.trace,
         "source": trace.meta.get("source", "?"),
-        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "projections"},
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "projections"}
+        | {"policy": {"name": cfg.policy.name, **dataclasses.asdict(cfg.policy)}},
         "stats": st.as_dict(),
     }
     if a.belady:
