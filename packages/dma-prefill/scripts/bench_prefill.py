@@ -177,7 +177,7 @@ def stage_profile(store: HostExpertStore, cfg: PrefillConfig, T: int, seed: int)
 def tune(store: HostExpertStore, cfg: PrefillConfig, T: int) -> dict:
     """Greedy choice of the decode block, the row-transform block and the GEMM tile by the measured compute
     time per layer (sum of batch compute intervals) at chunk ``T``, two layer steps per candidate."""
-    from dma_prefill.compute import TritonCompute as TC
+    from dma_prefill.triton_compute import TritonCompute as TC
 
     def measure() -> float:
         r = bench_chunk(store, cfg, T, 2, 11)
@@ -265,7 +265,7 @@ def main() -> None:
     )
     print(f"transfer ceiling: {layer_bytes / 1e9:.3f} GB / {h2d:.1f} GB/s = {ceiling_s * 1e3:.1f} ms per layer")
 
-    from dma_prefill.compute import TritonCompute
+    from dma_prefill.triton_compute import TritonCompute
 
     tuning = tune(store, cfg, args.tune_chunk) if args.tune_chunk else {}
     chosen = {

@@ -20,7 +20,7 @@ import torch
 import triton.testing
 
 from dma_prefill import V41_FLASH
-from dma_prefill.compute import decode_into, grouped_gemm, post_swiglu, row_hadamard, row_sumsq
+from dma_prefill.triton_ops import decode_into, grouped_gemm, post_swiglu, row_hadamard, row_sumsq
 from dma_prefill.layout import ExpertLayout
 from dma_prefill.ops_torch import hadamard_pm1
 

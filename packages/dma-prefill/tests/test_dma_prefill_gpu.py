@@ -22,7 +22,7 @@ def _report(name: str, value: object) -> None:
 
 @pytest.mark.parametrize(("codebook", "bits"), CASES)
 def test_triton_decode_bit_exact(codebook: str, bits: float) -> None:
-    from dma_prefill.compute import decode_triton
+    from dma_prefill.triton_ops import decode_triton
 
     t = exl3.random_tensor(256, 640, bits, codebook, seed=int(bits * 10) + len(codebook))
     got = decode_triton(torch.from_numpy(t.trellis).cuda(), codebook).cpu().numpy()
@@ -31,7 +31,7 @@ def test_triton_decode_bit_exact(codebook: str, bits: float) -> None:
 
 
 def test_registered_store_and_zero_copy_decode() -> None:
-    from dma_prefill.compute import decode_into
+    from dma_prefill.triton_ops import decode_into
 
     spec = LayerSpec(6, 256, 384, bits=(3, 2, 4), codebooks=("mul1", "mcg", "3inst"))
     with HostExpertStore({7: spec}, StoreConfig(progress=False)) as store:
@@ -68,7 +68,7 @@ def _pf(stack: SyntheticStack, exact: bool, **kw) -> DmaPrefill:
 def _exact_errors_with(stack: SyntheticStack, **compute_attrs: object) -> dict[str, np.ndarray]:
     """``per_expert_errors`` of the exact path (layer 0, the error-bound test's rows) with ``TritonCompute``'s
     class attributes temporarily set to ``compute_attrs``."""
-    from dma_prefill.compute import TritonCompute
+    from dma_prefill.triton_compute import TritonCompute
 
     saved = {k: getattr(TritonCompute, k) for k in compute_attrs}
     for k, v in compute_attrs.items():
@@ -99,7 +99,7 @@ def test_gemm_error_bounds_per_expert(gpu_stack: SyntheticStack) -> None:
 @pytest.mark.parametrize("bk", [16, 32, 64])
 def test_gemm_promotion_granularity(gpu_stack: SyntheticStack, bk: int) -> None:
     """Error of the exact path against how often the tensor-core partial sums are promoted (every BK)."""
-    from dma_prefill.compute import TritonCompute
+    from dma_prefill.triton_compute import TritonCompute
 
     configs = {bm: (c[0], bk, c[2], c[3]) for bm, c in TritonCompute.gemm_configs.items()}
     err = _exact_errors_with(gpu_stack, gemm_configs=configs)
@@ -109,7 +109,7 @@ def test_gemm_promotion_granularity(gpu_stack: SyntheticStack, bk: int) -> None:
 
 def test_fwht_per_expert_error(gpu_stack: SyntheticStack) -> None:
     """The exact path with the other Hadamard than the default (fp32 butterflies vs tensor cores)."""
-    from dma_prefill.compute import TritonCompute
+    from dma_prefill.triton_compute import TritonCompute
 
     err = _exact_errors_with(gpu_stack, fwht=not TritonCompute.fwht)
     _report(f"per-expert max rel err, exact path, fwht={not TritonCompute.fwht}", f"{err['ours'].max():.3e}")
@@ -191,7 +191,7 @@ def test_stage_errors_report(gpu_stack: SyntheticStack) -> None:
     """Where the exact path's error comes from: each stage of one linear (input transform, GEMM, output
     transform) against float64 on the stage's own input, beside a plain fp32 evaluation of the same stage,
     with the variants (fp32 butterflies for the Hadamard; the lo products accumulated apart in the GEMM)."""
-    from dma_prefill.compute import grouped_gemm, row_hadamard, row_sumsq
+    from dma_prefill.triton_ops import grouped_gemm, row_hadamard, row_sumsq
     from dma_prefill.ops_torch import hadamard_128_torch, hadamard_pm1
 
     store = gpu_stack.store

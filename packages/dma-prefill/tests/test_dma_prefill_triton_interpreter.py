@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     import numpy as np
     import torch
     from cpu_tier.exl3 import SUPPORTED_BITS, decode, random_tensor
-    from dma_prefill.compute import decode_into, decode_triton
+    from dma_prefill.triton_ops import decode_into, decode_triton
 
     rng = np.random.default_rng(int(os.environ["SEED"]))
     cases = [(cb, b) for cb in ("3inst", "mcg", "mul1") for b in SUPPORTED_BITS[cb] if b in (1, 2, 3, 4, 8, 1.5, 3.5)]
