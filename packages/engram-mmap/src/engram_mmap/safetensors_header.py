@@ -25,6 +25,7 @@ import os
 import struct
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = [
     "DTYPE_BYTES",
@@ -59,9 +60,8 @@ class SafetensorsFormatError(ValueError):
 EngramFormatError = SafetensorsFormatError
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    """Where one tensor lies in its file.
+class TensorInfo(NamedTuple):
+    """Where one tensor lies in its file (a named tuple: a header of 10^5 entries parses fast).
 
     Attributes
     ----------
@@ -180,46 +180,51 @@ def parse_header(path: str | os.PathLike[str], *, display: str | None = None) ->
         raise SafetensorsFormatError(f"{name}: __metadata__ is not an object")
     data_start = 8 + n
     tensors: dict[str, TensorInfo] = {}
+    ints = _INT_TYPES
     for key, entry in obj.items():
-        if not isinstance(entry, dict):
+        # type() checks, not isinstance: JSON gives exact types, and bool (a subclass of int) must not pass
+        if type(entry) is not dict:
             raise SafetensorsFormatError(f"{name}: {key}: header entry is not an object")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if not isinstance(dtype, str):
+        if type(dtype) is not str:
             raise SafetensorsFormatError(f"{name}: {key}: dtype must be a string, got {dtype!r}")
-        if not isinstance(shape, list) or not all(_is_int(d) for d in shape):
+        if type(shape) is not list or not set(map(type, shape)) <= ints:
             raise SafetensorsFormatError(f"{name}: {key}: shape must be a list of ints, got {shape!r}")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+        if type(offsets) is not list or len(offsets) != 2 or not set(map(type, offsets)) <= ints:
             raise SafetensorsFormatError(f"{name}: {key}: data_offsets must be [begin, end], got {offsets!r}")
         tensors[key] = TensorInfo(path, key, dtype, tuple(shape), offsets[0], offsets[1], data_start)
     return Header(path, name, n, tensors, {str(k): str(v) for k, v in meta.items()}, digest, size)
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+_INT_TYPES = frozenset({int})
 
 
 def _tensor_problems(h: Header, name: str, only: set[str] | None) -> Iterator[str]:
     avail = h.file_size - h.data_start
-    for key, t in h.tensors.items():
+    sizes, prod = DTYPE_BYTES, math.prod
+    for key, (_path, _name, dtype, shape, begin, end, _start) in h.tensors.items():
         if only is not None and key not in only:
             continue
-        if t.dtype not in DTYPE_BYTES:
-            yield f"{name}: {key}: unknown dtype {t.dtype!r}"
+        itemsize = sizes.get(dtype)
+        if itemsize is None:
+            yield f"{name}: {key}: unknown dtype {dtype!r}"
             continue
-        if any(d < 0 for d in t.shape):
-            yield f"{name}: {key}: negative dimension in shape {list(t.shape)}"
+        if shape and min(shape) < 0:
+            yield f"{name}: {key}: negative dimension in shape {list(shape)}"
             continue
-        want = t.numel * DTYPE_BYTES[t.dtype]
-        if t.begin < 0 or t.end < t.begin:
-            yield f"{name}: {key}: invalid data_offsets [{t.begin}, {t.end}]"
-        elif t.end - t.begin != want:
+        want = prod(shape) * itemsize
+        if end - begin == want and begin >= 0 and end <= avail:
+            continue
+        if begin < 0 or end < begin:
+            yield f"{name}: {key}: invalid data_offsets [{begin}, {end}]"
+        elif end - begin != want:
             yield (
-                f"{name}: {key}: data_offsets [{t.begin}, {t.end}] hold {t.end - t.begin} bytes, "
-                f"but {t.dtype} {list(t.shape)} needs {want}"
+                f"{name}: {key}: data_offsets [{begin}, {end}] hold {end - begin} bytes, "
+                f"but {dtype} {list(shape)} needs {want}"
             )
-        elif t.end > avail:
+        else:
             yield (
-                f"{name}: {key}: data ends at byte {h.data_start + t.end} but the file has {h.file_size} "
+                f"{name}: {key}: data ends at byte {h.data_start + end} but the file has {h.file_size} "
                 f"bytes (truncated shard)"
             )
 
