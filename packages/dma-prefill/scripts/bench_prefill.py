@@ -25,7 +25,6 @@ from dma_prefill import V41_FLASH, DmaPrefill, HostExpertStore, PrefillConfig, P
 from dma_prefill.config import PROJECTIONS
 
 
-
 def fill_layer(store: HostExpertStore, layer: int, seed: int) -> None:
     """Random trellis bits for every expert (generated on the GPU, copied into the registered host memory),
     then realistic suh/svh (random signs x magnitudes giving W entries of RMS ~1/sqrt(k))."""
@@ -207,7 +206,12 @@ def tune(store: HostExpertStore, cfg: PrefillConfig, T: int) -> dict:
     best = min(res, key=res.get)
     TC.gemm_configs = {**base, 128: next(c for c in gemm_cands if str(c) == best)}
     log["gemm_128"] = res
-    print("tune gemm BM=128 (BN, BK, warps, stages): " + ", ".join(f"{k} {v:.1f} ms" for k, v in res.items()) + f" -> {best}", flush=True)
+    print(
+        "tune gemm BM=128 (BN, BK, warps, stages): "
+        + ", ".join(f"{k} {v:.1f} ms" for k, v in res.items())
+        + f" -> {best}",
+        flush=True,
+    )
     return log
 
 

@@ -6,10 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from cpu_tier import exl3
 
+from cpu_tier import exl3
 from dma_prefill import DmaPrefill, HostExpertStore, LayerSpec, PrefillConfig, PrefillPlan, StoreConfig
-from dma_prefill.reference import SyntheticStack, fill_random, kl_divergence, per_expert_errors, reference_moe, run_stack
+from dma_prefill.reference import (
+    SyntheticStack,
+    fill_random,
+    kl_divergence,
+    per_expert_errors,
+    reference_moe,
+    run_stack,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -48,7 +55,9 @@ def test_registered_store_and_zero_copy_decode() -> None:
             ps = spec.proj(p)
             out = torch.empty((6, ps.k, ps.n), dtype=torch.float16, device="cuda")
             counts = torch.ones(6, dtype=torch.int64, device="cuda")
-            decode_into(src32, lay.stride // 4, lay.elem_offset(p, "trellis", 4), counts, out, ps.k, ps.n, ps.bits, ps.codebook)
+            decode_into(
+                src32, lay.stride // 4, lay.elem_offset(p, "trellis", 4), counts, out, ps.k, ps.n, ps.bits, ps.codebook
+            )
             for e in range(6):
                 ref = exl3.decode(store.numpy(7, e, p, "trellis"), ps.codebook)
                 np.testing.assert_array_equal(out[e].cpu().numpy().view(np.uint16), ref.view(np.uint16))
@@ -133,7 +142,7 @@ def test_ring_on_real_streams(gpu_stack: SyntheticStack, make_routing) -> None:
     T = 300
     g = torch.Generator().manual_seed(9)
     x = torch.randn(T, 512, generator=g).cuda()
-    routes, weights = zip(*(make_routing(T, 16, 4, seed=9 + i) for i in range(3)))
+    routes, weights = zip(*(make_routing(T, 16, 4, seed=9 + i) for i in range(3)), strict=True)
     torch.cuda.synchronize()
     pf.start_window()
     outs = []
@@ -150,7 +159,10 @@ def test_ring_on_real_streams(gpu_stack: SyntheticStack, make_routing) -> None:
     assert st.batches == 12 and st.layers == 3
     assert st.bytes_copied == 48 * gpu_stack.store.layout(0).stride
     assert 0 < st.copy_fraction <= 1 and 0 < st.compute_fraction <= 1
-    _report("small ring copy GB/s, copy fraction, compute fraction", f"{st.copy_gbps:.1f}, {st.copy_fraction:.2f}, {st.compute_fraction:.2f}")
+    _report(
+        "small ring copy GB/s, copy fraction, compute fraction",
+        f"{st.copy_gbps:.1f}, {st.copy_fraction:.2f}, {st.compute_fraction:.2f}",
+    )
 
 
 def test_swiglu_limit_on_gpu(gpu_stack: SyntheticStack, make_routing) -> None:
@@ -169,7 +181,6 @@ def test_cpu_tier_tail_on_cuda(gpu_stack: SyntheticStack, make_routing) -> None:
     """Hybrid step on real streams: the tail's rows go to pinned host memory on a side stream, the native CPU
     tier computes them from the registered store while the GPU computes the other batches."""
     from cpu_tier import CpuTierConfig, ExpertTier
-
     from dma_prefill import CpuTierTail
 
     cfg = PrefillConfig(num_slots=2, experts_per_batch=4, backend="triton", cpu_tail_batches=2)
@@ -191,8 +202,8 @@ def test_stage_errors_report(gpu_stack: SyntheticStack) -> None:
     """Where the exact path's error comes from: each stage of one linear (input transform, GEMM, output
     transform) against float64 on the stage's own input, beside a plain fp32 evaluation of the same stage,
     with the variants (fp32 butterflies for the Hadamard; the lo products accumulated apart in the GEMM)."""
-    from dma_prefill.triton_ops import grouped_gemm, row_hadamard, row_sumsq
     from dma_prefill.ops_torch import hadamard_128_torch, hadamard_pm1
+    from dma_prefill.triton_ops import grouped_gemm, row_hadamard, row_sumsq
 
     store = gpu_stack.store
     suh = store.tensor(0, 0, "gate", "suh").cuda()
@@ -224,7 +235,7 @@ def test_stage_errors_report(gpu_stack: SyntheticStack) -> None:
     hi, lo, inv = split[False]
     tiles = torch.tensor([(0, s, min(s + 64, R)) for s in range(0, R, 64)], dtype=torch.int32, device="cuda")
     ref_g = ((hi.double() + lo.double()) @ W.double()) * inv.double()[:, None]
-    a32 = ((hi.float() + lo.float()) * inv[:, None])
+    a32 = (hi.float() + lo.float()) * inv[:, None]
     errs["gemm fp32"] = rel(a32 @ W.float(), ref_g)
     t = None
     for promote, lo_acc in ((True, False), (True, True), (False, False)):

@@ -8,6 +8,8 @@ import struct
 
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
+
 from engram_mmap.safetensors_header import (
     DTYPE_BYTES,
     SafetensorsFormatError,
@@ -15,7 +17,6 @@ from engram_mmap.safetensors_header import (
     parse_header,
     read_header,
 )
-from safetensors.numpy import save_file
 
 
 def _raw(path, entries: dict, data: bytes) -> bytes:

@@ -29,7 +29,10 @@ def test_reference_geometry() -> None:
     assert c.num_keys == 15_360
     # The reference's allocation rule: (free - margin) // per-slot bytes.
     free = 900 * 2**20 + 392 * 13_271_040 + 5
-    assert ExpertCacheConfig(num_layers=40, num_experts=384, projections=DSV41_FLASH_EXL3_3BPW).resolve_num_slots(free) == 392
+    assert (
+        ExpertCacheConfig(num_layers=40, num_experts=384, projections=DSV41_FLASH_EXL3_3BPW).resolve_num_slots(free)
+        == 392
+    )
 
 
 def test_defaults_are_the_reference() -> None:
@@ -49,9 +52,17 @@ def test_frozen() -> None:
         (dict(num_layers=0), ValueError, "num_layers: must be >= 1, got 0"),
         (dict(num_experts=2.5), TypeError, "num_experts: must be an int"),
         (dict(slot_bytes=0), ValueError, "slot_bytes: one of projections or slot_bytes"),
-        (dict(projections=(ProjectionSpec("a", (4,)),)), ValueError, "slot_bytes: give either projections or slot_bytes"),
+        (
+            dict(projections=(ProjectionSpec("a", (4,)),)),
+            ValueError,
+            "slot_bytes: give either projections or slot_bytes",
+        ),
         (dict(slot_bytes=0, projections=[ProjectionSpec("a", (4,))]), TypeError, "projections: must be a tuple"),
-        (dict(slot_bytes=0, projections=(ProjectionSpec("a", (4,)), ProjectionSpec("a", (2,)))), ValueError, "projections: names must be unique"),
+        (
+            dict(slot_bytes=0, projections=(ProjectionSpec("a", (4,)), ProjectionSpec("a", (2,)))),
+            ValueError,
+            "projections: names must be unique",
+        ),
         (dict(num_slots=-1), ValueError, "num_slots: must be >= 0"),
         (dict(num_slots=9), ValueError, "num_slots: must be <= num_layers \\* num_experts = 8"),
         (dict(policy="decayed"), TypeError, "policy: must be one of DecayedConfig, .*policy_config"),
@@ -85,10 +96,10 @@ def test_errors_name_the_field(kw: dict[str, object], exc: type[Exception], msg:
         (lambda: HybridConfig(halflives=()), ValueError, "HybridConfig.halflives: must be a non-empty tuple"),
         (lambda: HybridConfig(halflives=(4.0, -1.0)), ValueError, "HybridConfig.halflives\\[1\\]: must be in"),
         (lambda: HybridConfig(profile_path=""), ValueError, "HybridConfig.profile_path: must be None or a non-empty"),
-        (lambda: policy_config("fifo"), ValueError, "policy: must be one of \\['decayed', 'lru', 'lfu', 'arc', 'hybrid'\\]"),
+        (lambda: policy_config("fifo"), ValueError, "policy: must be one of \\['decayed', 'lru', 'lfu', 'arc', 'hybrid'\\]"),  # noqa: E501
         (lambda: policy_config("lfu", profile_path="p.npz"), ValueError,
          "LfuConfig.profile_path: the 'lfu' policy has no such knob \\(it has \\['halve_every'\\]\\)"),
-        (lambda: policy_config("lru", decay=0.5), ValueError, "LruConfig.decay: the 'lru' policy has no such knob \\(it has none\\)"),
+        (lambda: policy_config("lru", decay=0.5), ValueError, "LruConfig.decay: the 'lru' policy has no such knob \\(it has none\\)"),  # noqa: E501
     ],
 )  # fmt: skip
 def test_policy_config_errors_name_the_field(make: object, exc: type[Exception], msg: str) -> None:

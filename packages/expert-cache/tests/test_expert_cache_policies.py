@@ -158,7 +158,9 @@ def test_hybrid_hand_trace() -> None:
 
 
 def test_hybrid_hysteresis_and_slow_term() -> None:
-    c = ctl_for(3, 1, policy=HybridConfig(halflives=(1.0,), slow_halflife=1e6, slow_weight=1.0), hysteresis=5.0, replan_every=1)
+    c = ctl_for(
+        3, 1, policy=HybridConfig(halflives=(1.0,), slow_halflife=1e6, slow_weight=1.0), hysteresis=5.0, replan_every=1
+    )
     step(c, {0: 2})
     step(c, {1: 4})
     assert res(c) == {0}  # 2 + tiny < 5 * (0.5 + tiny)
@@ -185,7 +187,7 @@ def test_hybrid_picks_the_time_scale_that_hits() -> None:
         step(c, {0: 1})
         step(fixed, {0: 1})
     assert c.policy.leader_halflife == 1000.0 and res(c) == {0}
-    for i in range(20):
+    for i in range(20):  # noqa: B007 (i is read after the loop)
         step(c, {1: 1})
         step(fixed, {1: 1})
         if res(c) == {1}:
@@ -201,18 +203,37 @@ def test_hybrid_profile_prior(tmp_path) -> None:
     rates = np.zeros((2, 3))
     rates[1, 2] = 7.0
     save_profile(path, rates, 2, 3)
-    cfg = ExpertCacheConfig(num_layers=2, num_experts=3, slot_bytes=8, num_slots=1, policy=HybridConfig(profile_path=str(path)), replan_every=1)
+    cfg = ExpertCacheConfig(
+        num_layers=2,
+        num_experts=3,
+        slot_bytes=8,
+        num_slots=1,
+        policy=HybridConfig(profile_path=str(path)),
+        replan_every=1,
+    )
     c = CacheController(cfg, 1)
     step(c, {0: 1})
     assert res(c) == {5}  # the profile's key (layer 1, expert 2) beats one observed pick
     bad = tmp_path / "bad.npz"
     np.savez(bad, rates=np.zeros((3, 3)))
     with pytest.raises(ValueError, match="rates has shape"):
-        CacheController(ExpertCacheConfig(num_layers=2, num_experts=3, slot_bytes=8, num_slots=1, policy=HybridConfig(profile_path=str(bad))), 1)
+        CacheController(
+            ExpertCacheConfig(
+                num_layers=2, num_experts=3, slot_bytes=8, num_slots=1, policy=HybridConfig(profile_path=str(bad))
+            ),
+            1,
+        )
 
 
 def test_prefill_observation() -> None:
-    c = ctl_for(4, 1, policy=HybridConfig(halflives=(1.0,), slow_weight=0.0), observe_prefill=True, prefill_weight=2.0, replan_every=1)
+    c = ctl_for(
+        4,
+        1,
+        policy=HybridConfig(halflives=(1.0,), slow_weight=0.0),
+        observe_prefill=True,
+        prefill_weight=2.0,
+        replan_every=1,
+    )
     step(c, {0: 1})  # fast [0.5, 0, 0, 0]
     pre = np.array([0.0, 0, 30, 0])
     c.observe([], np.zeros(4), pre, 10)  # rate 3 per token, weight 2 -> +6
@@ -236,7 +257,9 @@ def test_release_and_rewarm_sets() -> None:
     assert c.begin_step(1) == ("decode", "rewarm")
     sw = c.rewarm()
     assert [s.new_key for s in sw] == [0, 1, 2]  # "kept": the old residents, best first
-    c2 = ctl_for(6, 3, policy=DecayedConfig(), elastic=True, prefill_tokens=10, rewarm_after=0, admit_limit=8, rewarm_set="top")
+    c2 = ctl_for(
+        6, 3, policy=DecayedConfig(), elastic=True, prefill_tokens=10, rewarm_after=0, admit_limit=8, rewarm_set="top"
+    )
     step(c2, {0: 5, 1: 4, 2: 3})
     c2.begin_step(11)
     c2.release()

@@ -9,15 +9,16 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
+from safetensors import safe_open
+
 import pack_tools.build as build_mod
 import pack_tools.reconstruct as reconstruct_mod
-import pytest
 from cpu_tier.exl3 import Exl3Tensor, linear
 from pack_tools import PackConfig, PackError, build_pack, verify_pack
 from pack_tools.manifest import hash_file
 from pack_tools.presets.tiny_v41 import TinyV41
 from pack_tools.st import read_header
-from safetensors import safe_open
 
 
 def _index(pack: Path) -> dict[str, str]:

@@ -58,7 +58,9 @@ class MoeGeometry:
             raise ValueError(f"MoeGeometry.top_k: {self.top_k} exceeds num_experts {self.num_experts}")
         for f in ("hidden", "intermediate"):
             if getattr(self, f) % 128:
-                raise ValueError(f"MoeGeometry.{f}: must be a multiple of 128 (Hadamard-128 blocks), got {getattr(self, f)}")
+                raise ValueError(
+                    f"MoeGeometry.{f}: must be a multiple of 128 (Hadamard-128 blocks), got {getattr(self, f)}"
+                )
         if self.codebook not in SUPPORTED_BITS or self.bits not in SUPPORTED_BITS[self.codebook]:
             raise ValueError(f"MoeGeometry.bits: K={self.bits} is not supported for codebook {self.codebook!r}")
 

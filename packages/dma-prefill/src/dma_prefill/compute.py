@@ -52,7 +52,9 @@ class BatchCompute:
     ) -> None:
         raise NotImplementedError
 
-    def _staged(self, ring: StagingRing, st: Staged, prep: LayerPrep) -> tuple[tuple[int, ...], ExpertLayout, torch.Tensor]:
+    def _staged(
+        self, ring: StagingRing, st: Staged, prep: LayerPrep
+    ) -> tuple[tuple[int, ...], ExpertLayout, torch.Tensor]:
         """The batch's routed experts, the layer's record layout and the staging slot holding them."""
         return tuple(int(e) for e in prep.plan.routed(st.batch)), self.store.layout(st.layer), ring.slot(st)
 

@@ -81,7 +81,7 @@ class LayerSpec:
                 raise ValueError(f"LayerSpec.{name} must be a positive multiple of 128, got {v}")
         if len(self.bits) != 3 or len(self.codebooks) != 3:
             raise ValueError("LayerSpec.bits and LayerSpec.codebooks need one entry per projection (gate, up, down)")
-        for p, b, cb in zip(PROJECTIONS, self.bits, self.codebooks):
+        for p, b, cb in zip(PROJECTIONS, self.bits, self.codebooks, strict=True):
             if cb not in CODEBOOKS:
                 raise ValueError(f"LayerSpec.codebooks[{p}]: unknown codebook {cb!r}; expected one of {CODEBOOKS}")
             if b not in SUPPORTED_BITS[cb]:

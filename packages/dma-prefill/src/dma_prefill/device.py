@@ -197,7 +197,14 @@ class FakeDevice:
             dst.copy_(src)
 
         stream.queue.append(
-            FakeOp("copy", stream.name, duration=nbytes / (self.copy_gbps * 1e9), fn=fn, writes=tuple(writes), nbytes=nbytes)
+            FakeOp(
+                "copy",
+                stream.name,
+                duration=nbytes / (self.copy_gbps * 1e9),
+                fn=fn,
+                writes=tuple(writes),
+                nbytes=nbytes,
+            )
         )
 
     def launch(

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 import torch
+
 from cpu_tier.exl3 import (
     CODEBOOK_MULT,
     CODEBOOKS,

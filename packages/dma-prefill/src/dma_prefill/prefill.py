@@ -19,6 +19,7 @@ from .triton_compute import TritonCompute
 
 __all__ = ["DmaPrefill", "PipelineStats"]
 
+
 @dataclasses.dataclass(frozen=True)
 class PipelineStats:
     """Timing of a window of layers (from ``DmaPrefill.start_window`` to ``stats``).

@@ -62,7 +62,9 @@ class TritonCompute(BatchCompute):
     out_config: tuple[int, int, int] = (64, 2, 4)
     decode_block_tn: int = 8
 
-    def __init__(self, store: HostExpertStore, config: PrefillConfig, device: Device, torch_device: torch.device) -> None:
+    def __init__(
+        self, store: HostExpertStore, config: PrefillConfig, device: Device, torch_device: torch.device
+    ) -> None:
         super().__init__(store, config, device)
         self.torch_device = torch_device
         #: when a list, every batch appends ``(stage, cuda event)`` marks (``stage_times`` sums them); profiling only
@@ -70,7 +72,10 @@ class TritonCompute(BatchCompute):
         self.hpm = hadamard_pm1(torch.float16, torch_device)
         spec = store.spec(store.layer_ids[0])
         B = config.experts_per_batch
-        self.w = {p: torch.empty((B, spec.proj(p).k, spec.proj(p).n), dtype=torch.float16, device=torch_device) for p in PROJECTIONS}
+        self.w = {
+            p: torch.empty((B, spec.proj(p).k, spec.proj(p).n), dtype=torch.float16, device=torch_device)
+            for p in PROJECTIONS
+        }
 
     def prepare(self, plan: PrefillPlan, x: torch.Tensor) -> LayerPrep:
         busy = plan.counts[plan.counts > 0]

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from cpu_tier.exl3 import LOP3_AND, LOP3_XOR, MUL1_BIAS, MUL1_SCALE
 from triton.language.extra import libdevice
+
+from cpu_tier.exl3 import LOP3_AND, LOP3_XOR, MUL1_BIAS, MUL1_SCALE
 
 __all__ = ["decode_kernel", "grouped_gemm_kernel", "post_swiglu_kernel", "row_hadamard_kernel", "row_sumsq_kernel"]
 

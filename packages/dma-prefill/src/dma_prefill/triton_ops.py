@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from cpu_tier.exl3 import CODEBOOK_MULT
 
 __all__ = ["decode_into", "decode_triton", "grouped_gemm", "post_swiglu", "row_hadamard", "row_sumsq"]

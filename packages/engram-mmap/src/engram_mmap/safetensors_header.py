@@ -154,7 +154,9 @@ def parse_header(path: str | os.PathLike[str], *, display: str | None = None) ->
         size = os.fstat(f.fileno()).st_size
         head = f.read(8)
         if len(head) < 8:
-            raise SafetensorsFormatError(f"{name}: file is {size} bytes, too short for a safetensors header (truncated?)")
+            raise SafetensorsFormatError(
+                f"{name}: file is {size} bytes, too short for a safetensors header (truncated?)"
+            )
         (n,) = struct.unpack("<Q", head)
         if n == 0:
             raise SafetensorsFormatError(f"{name}: header length field is 0, not a valid safetensors header")
@@ -229,7 +231,9 @@ def _tensor_problems(h: Header, name: str, only: set[str] | None) -> Iterator[st
             )
 
 
-def header_problems(h: Header, name: str | None = None, only: Iterable[str] | None = None, limit: int = 20) -> list[str]:
+def header_problems(
+    h: Header, name: str | None = None, only: Iterable[str] | None = None, limit: int = 20
+) -> list[str]:
     """Consistency problems of a parsed header against itself and the file size, one line each.
 
     Checks, per tensor: known dtype, no negative dimension, ``end - begin == numel * itemsize``, non-negative

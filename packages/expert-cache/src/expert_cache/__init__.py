@@ -13,7 +13,6 @@ See README.md. Public API:
 
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
-
 from typing import TYPE_CHECKING, Any
 
 from .config import (

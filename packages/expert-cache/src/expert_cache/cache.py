@@ -145,7 +145,10 @@ class ExpertCache:
         out = []
         for layer, row in enumerate(home):
             if len(row) != len(self._specs):
-                raise ValueError(f"home[{layer}]: expected {len(self._specs)} projections {[s.name for s in self._specs]}, got {len(row)}")
+                raise ValueError(
+                    f"home[{layer}]: expected {len(self._specs)} projections {[s.name for s in self._specs]}, "
+                    f"got {len(row)}"
+                )
             lay = []
             for p, (t, spec) in enumerate(zip(row, self._specs, strict=True)):
                 name = f"home[{layer}][{p}] ({spec.name})"
@@ -501,5 +504,7 @@ class ExpertCache:
         """Save the hybrid policy's slow pick rates as a routing-frequency profile (hybrid policy only)."""
         pol = self._ctl.policy
         if not isinstance(pol, HybridPolicy):
-            raise ValueError(f"policy: save_profile needs the 'hybrid' policy, the cache uses {self.config.policy.name!r}")
+            raise ValueError(
+                f"policy: save_profile needs the 'hybrid' policy, the cache uses {self.config.policy.name!r}"
+            )
         save_profile(path, pol.rates(), self.config.num_layers, self.config.num_experts)

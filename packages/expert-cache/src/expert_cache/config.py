@@ -15,6 +15,7 @@ import math
 from typing import Any, ClassVar, Literal, TypeAlias
 
 import numpy as np
+
 from cpu_tier.geometry import V41_FLASH
 
 __all__ = [
@@ -73,7 +74,9 @@ class ProjectionSpec:
             raise ValueError(f"projections[{self.name}].shape: must be a non-empty tuple of ints, got {self.shape!r}")
         for d in self.shape:
             if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 1:
-                raise ValueError(f"projections[{self.name}].shape: every dimension must be an int >= 1, got {self.shape!r}")
+                raise ValueError(
+                    f"projections[{self.name}].shape: every dimension must be an int >= 1, got {self.shape!r}"
+                )
         if self.dtype not in _DTYPES:
             raise ValueError(f"projections[{self.name}].dtype: must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 
@@ -182,17 +185,22 @@ class HybridConfig:
         _check_float("HybridConfig.slow_halflife", self.slow_halflife, 0.0, 1e9, lo_open=True)
         if self.slow_halflife < max(self.halflives):
             raise ValueError(
-                f"HybridConfig.slow_halflife: must be >= max(halflives) = {max(self.halflives)}, got {self.slow_halflife}"
+                f"HybridConfig.slow_halflife: must be >= max(halflives) = {max(self.halflives)}, "
+                f"got {self.slow_halflife}"
             )
         _check_float("HybridConfig.slow_weight", self.slow_weight, 0.0, 1e6)
         _check_float("HybridConfig.recency_bonus", self.recency_bonus, 0.0, 1e6)
         if self.profile_path is not None and (not isinstance(self.profile_path, str) or not self.profile_path):
-            raise ValueError(f"HybridConfig.profile_path: must be None or a non-empty path string, got {self.profile_path!r}")
+            raise ValueError(
+                f"HybridConfig.profile_path: must be None or a non-empty path string, got {self.profile_path!r}"
+            )
         _check_float("HybridConfig.profile_weight", self.profile_weight, 0.0, 1e9)
 
 
 PolicyConfig: TypeAlias = DecayedConfig | LruConfig | LfuConfig | ArcConfig | HybridConfig
-_POLICY_CONFIGS: dict[str, type[Any]] = {c.name: c for c in (DecayedConfig, LruConfig, LfuConfig, ArcConfig, HybridConfig)}
+_POLICY_CONFIGS: dict[str, type[Any]] = {
+    c.name: c for c in (DecayedConfig, LruConfig, LfuConfig, ArcConfig, HybridConfig)
+}
 
 
 def policy_config(name: PolicyName, **knobs: Any) -> PolicyConfig:
@@ -289,7 +297,8 @@ class ExpertCacheConfig:
         _check_int("max_slots", self.max_slots, 0)
         if self.num_slots > self.num_layers * self.num_experts:
             raise ValueError(
-                f"num_slots: must be <= num_layers * num_experts = {self.num_layers * self.num_experts}, got {self.num_slots}"
+                f"num_slots: must be <= num_layers * num_experts = {self.num_layers * self.num_experts}, "
+                f"got {self.num_slots}"
             )
         if not isinstance(self.policy, tuple(_POLICY_CONFIGS.values())):
             raise TypeError(
@@ -301,7 +310,8 @@ class ExpertCacheConfig:
         _check_float("hysteresis", self.hysteresis, 1.0, 1e6)
         if self.policy.name in ("lru", "arc") and self.hysteresis != 1.0:
             raise ValueError(
-                f"hysteresis: policy {self.policy.name!r} ranks by recency, where a ratio means nothing; must be 1.0, got {self.hysteresis}"
+                f"hysteresis: policy {self.policy.name!r} ranks by recency, where a ratio means nothing; "
+                f"must be 1.0, got {self.hysteresis}"
             )
         if not isinstance(self.elastic, bool):
             raise TypeError(f"elastic: must be a bool, got {type(self.elastic).__name__}")

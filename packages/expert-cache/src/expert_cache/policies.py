@@ -408,4 +408,3 @@ def make_policy(config: ExpertCacheConfig, num_slots: int) -> Policy:
             p.score_halflife,
         )
     raise TypeError(f"policy: unknown policy config {p!r}")  # pragma: no cover - config validates
-

@@ -28,6 +28,7 @@ import sys
 from collections.abc import Sequence
 
 import numpy as np
+
 from cpu_tier.geometry import V41_FLASH
 
 from .config import POLICIES, ExpertCacheConfig, policy_config
@@ -243,8 +244,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--observe-prefill", action="store_true")
     ap.add_argument("--rewarm-set", choices=("kept", "top"), default="kept")
     ap.add_argument("--profile", default=None, help="routing-frequency profile .npz (hybrid policy)")
-    ap.add_argument("--slot-bytes", type=int, default=V41_FLASH.expert_trellis_bytes,
-                    help="bytes per expert (for bytes_copied; default: a V4.1-Flash expert)")
+    ap.add_argument(
+        "--slot-bytes",
+        type=int,
+        default=V41_FLASH.expert_trellis_bytes,
+        help="bytes per expert (for bytes_copied; default: a V4.1-Flash expert)",
+    )
     ap.add_argument("--belady", action="store_true", help="also compute Belady's MIN hit rate (bypass)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args(argv)

@@ -204,7 +204,9 @@ def input_info(inp: ScannedDir) -> dict[str, Any]:
     }
 
 
-def known_input_sha256(inputs: BuildInputs, link_names: dict[str, Path], engram_links: dict[str, str]) -> dict[str, str]:
+def known_input_sha256(
+    inputs: BuildInputs, link_names: dict[str, Path], engram_links: dict[str, str]
+) -> dict[str, str]:
     """Pack link name -> sha256 of its target, for every input file whose download receipt lists one."""
     known: dict[str, str] = {}
     for tag, inp in (("exl3", inputs.ex), ("engram", inputs.en)):

@@ -40,9 +40,7 @@ def write_index(partial: Path, inputs: BuildInputs, plan: DecodePlan, engram_lin
         weight_map[f"{prefix}.weight"] = NATIVE_DENSE
     for name, file in inputs.engram_keys.items():
         if name in weight_map:
-            raise PackError(
-                f"{ex.root.name}/{where[name]}: {name}: the EXL3 checkpoint also has this Engram tensor"
-            )
+            raise PackError(f"{ex.root.name}/{where[name]}: {name}: the EXL3 checkpoint also has this Engram tensor")
         weight_map[name] = engram_links[file]
     total = 0
     for name, rel in weight_map.items():

@@ -111,9 +111,7 @@ def quant_config(
         )
     scalar = [v for v in per_layer.values() if not isinstance(v, dict)]
     main_bits = Counter(scalar).most_common(1)[0][0] if scalar else None
-    layer_bits = {
-        k: v for k, v in sorted(per_layer.items(), key=lambda kv: v41.natural_key(kv[0])) if v != main_bits
-    }
+    layer_bits = {k: v for k, v in sorted(per_layer.items(), key=lambda kv: v41.natural_key(kv[0])) if v != main_bits}
     dense_cb = dense_codebooks.most_common(1)[0][0] if dense_codebooks else None
     layers = {}
     for name in sorted(dense, key=v41.natural_key):

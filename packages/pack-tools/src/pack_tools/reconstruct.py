@@ -27,8 +27,8 @@ from safetensors import safe_open
 from pack_tools import v41
 from pack_tools.decode import reconstruct_fp16
 from pack_tools.errors import PackError
-from pack_tools.staging import BuildState
 from pack_tools.st import write_safetensors
+from pack_tools.staging import BuildState
 
 __all__ = ["NATIVE_DENSE", "DecodePlan", "plan_decoding", "run_decoding"]
 

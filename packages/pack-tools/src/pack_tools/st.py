@@ -17,9 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from engram_mmap.safetensors_header import DTYPE_BYTES, Header, SafetensorsFormatError, TensorInfo, header_problems, parse_header
 from safetensors import TensorSpec, serialize_file
 
+from engram_mmap.safetensors_header import (
+    DTYPE_BYTES,
+    Header,
+    SafetensorsFormatError,
+    TensorInfo,
+    header_problems,
+    parse_header,
+)
 from pack_tools.errors import PackError
 
 __all__ = [

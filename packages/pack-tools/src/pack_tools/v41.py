@@ -15,7 +15,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from engram_mmap.config import next_prime
-
 from pack_tools.errors import PackError
 
 __all__ = [

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from cpu_tier.geometry import V41_FLASH
 
+from cpu_tier.geometry import V41_FLASH
 from pack_tools.manifest import INDEX_NAME
 from pack_tools.presets import _common as c
 from pack_tools.st import RawTensor, atomic_write_json, write_safetensors

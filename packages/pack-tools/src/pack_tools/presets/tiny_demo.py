@@ -169,9 +169,7 @@ def _train_tokenizer(rng: np.random.Generator) -> Any:
     if size < VOCAB_SIZE:  # pad with reserved tokens so every logit row decodes to a token
         from tokenizers import AddedToken
 
-        tok.add_special_tokens(
-            [AddedToken(f"<|reserved_{i}|>", special=True) for i in range(VOCAB_SIZE - size)]
-        )
+        tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True) for i in range(VOCAB_SIZE - size)])
     if tok.get_vocab_size() != VOCAB_SIZE:
         raise RuntimeError(f"tiny-demo tokenizer has {tok.get_vocab_size()} tokens, expected {VOCAB_SIZE}")
     return tok
