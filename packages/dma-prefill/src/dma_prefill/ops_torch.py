@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -26,6 +27,8 @@ from cpu_tier.exl3 import (
     stream_windows,
     tensor_core_perm,
 )
+
+from .config import Projection
 
 __all__ = ["decode_torch", "expert_torch", "hadamard_128_torch", "hadamard_pm1", "linear_torch", "swiglu"]
 
@@ -131,7 +134,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.T
 
 def expert_torch(
     x: torch.Tensor,
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    weights: Mapping[Projection, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     *,
     limit: float | None = None,
     dtype: torch.dtype = torch.float32,
@@ -139,7 +142,8 @@ def expert_torch(
     sequential: bool = False,
 ) -> torch.Tensor:
     """One routed SwiGLU expert: ``down(swiglu(gate(x), up(x)))``; ``weights[p] = (W_inner, suh, svh)``."""
-    kw = {"dtype": dtype, "fp16_activations": fp16_activations, "sequential": sequential}
-    g = linear_torch(x, *weights["gate"], **kw)
-    u = linear_torch(x, *weights["up"], **kw)
-    return linear_torch(swiglu(g, u, limit), *weights["down"], **kw)
+
+    def lin(a: torch.Tensor, p: Projection) -> torch.Tensor:
+        return linear_torch(a, *weights[p], dtype=dtype, fp16_activations=fp16_activations, sequential=sequential)
+
+    return lin(swiglu(lin(x, "gate"), lin(x, "up"), limit), "down")

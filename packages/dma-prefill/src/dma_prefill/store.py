@@ -274,8 +274,8 @@ class HostExpertStore:
                     raise FileNotFoundError(f"safetensors shard not found: {p}")
                 try:
                     handles.append((str(p), stack.enter_context(safe_open(str(p), framework="numpy"))))
-                except Exception as e:
-                    raise ValueError(f"{p}: not a readable safetensors file ({e})") from None
+                except Exception as err:
+                    raise ValueError(f"{p}: not a readable safetensors file ({err})") from None
             by_prefix: dict[str, dict[str, Any]] = {}
             for _, h in handles:
                 for key in h.keys():

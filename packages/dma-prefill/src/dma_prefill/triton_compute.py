@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .compute import BatchCompute, LayerPrep
-from .config import PROJECTIONS, PrefillConfig
+from .config import PROJECTIONS, PrefillConfig, Projection
 from .device import Device
 from .layout import ExpertLayout
 from .ops_torch import hadamard_pm1
@@ -157,13 +157,13 @@ class TritonCompute(BatchCompute):
         dev = self.torch_device
         split = cfg.exact
 
-        def kcfg(c: tuple[int, int, int]) -> dict[str, int]:
+        def kcfg(c: tuple[int, int, int]) -> dict[str, Any]:
             return {"block_r": c[0], "cpb": c[1], "num_warps": c[2]}
 
-        tcfg = {**kcfg(self.transform_config), "fwht": self.fwht}
+        tcfg: dict[str, Any] = {**kcfg(self.transform_config), "fwht": self.fwht}
 
         def gemm(
-            hi: torch.Tensor, lo: torch.Tensor | None, inv: torch.Tensor, p: str, n: int, ss: torch.Tensor
+            hi: torch.Tensor, lo: torch.Tensor | None, inv: torch.Tensor, p: Projection, n: int, ss: torch.Tensor
         ) -> torch.Tensor:
             t = torch.empty((R, n), dtype=torch.float32, device=dev)
             bn, bk, nw, ns = self.gemm_configs[prep.bm]
@@ -173,7 +173,9 @@ class TritonCompute(BatchCompute):
             )  # fmt: skip
             return t
 
-        def transform_in(inp: torch.Tensor, n: int, p: str, src: torch.Tensor | None, ss: torch.Tensor):
+        def transform_in(
+            inp: torch.Tensor, n: int, p: Projection, src: torch.Tensor | None, ss: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
             hi = torch.empty((R, n), dtype=torch.float16, device=dev)
             lo = torch.empty((R, n), dtype=torch.float16, device=dev) if split else None
             inv = torch.empty(R, dtype=torch.float32, device=dev)
@@ -183,7 +185,7 @@ class TritonCompute(BatchCompute):
             )  # fmt: skip
             return hi, lo, inv
 
-        def sumsq(inp: torch.Tensor, n: int, pres: tuple[str, ...], src: torch.Tensor | None) -> torch.Tensor:
+        def sumsq(inp: torch.Tensor, n: int, pres: tuple[Projection, ...], src: torch.Tensor | None) -> torch.Tensor:
             ss = torch.empty((max(1, len(pres)), R), dtype=torch.float32, device=dev)
             offs = tuple(layout.elem_offset(p, "suh", 2) for p in pres)
             row_sumsq(inp, n, R, grp, st.e0, ss, src=src, vec=slot16, vec_stride=s2, pre_offs=offs)
@@ -193,7 +195,8 @@ class TritonCompute(BatchCompute):
         self._mark("row norms")
         ss_gu = torch.zeros((2, R), dtype=torch.float32, device=dev)  # filled by the GEMM epilogues
         tgu = []
-        for i, p in enumerate(("gate", "up")):
+        gate_up: tuple[Projection, Projection] = ("gate", "up")
+        for i, p in enumerate(gate_up):
             a = transform_in(x, H, p, tok, ss_in[i])
             self._mark("transform in")
             tgu.append(gemm(*a, p, I, ss_gu[i]))

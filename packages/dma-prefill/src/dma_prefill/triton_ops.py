@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cpu_tier.exl3 import CODEBOOK_MULT
+from cpu_tier.exl3 import CODEBOOK_MULT, Codebook
 
 __all__ = ["decode_into", "decode_triton", "grouped_gemm", "post_swiglu", "row_hadamard", "row_sumsq"]
 
@@ -30,7 +30,7 @@ def decode_into(
     k: int,
     n: int,
     bits: float,
-    codebook: str,
+    codebook: Codebook,
     *,
     block_tn: int = 16,
 ) -> None:
@@ -53,7 +53,7 @@ def decode_into(
     )  # fmt: skip
 
 
-def decode_triton(trellis: torch.Tensor, codebook: str) -> torch.Tensor:
+def decode_triton(trellis: torch.Tensor, codebook: Codebook) -> torch.Tensor:
     """Standalone GPU decode of one trellis (int16 ``[k/16, n/16, 16*K]`` on CUDA) to fp16 ``(k, n)``."""
     if trellis.dtype != torch.int16 or trellis.dim() != 3:
         raise ValueError(f"trellis must be int16 [k/16, n/16, 16*K], got {trellis.dtype} {tuple(trellis.shape)}")

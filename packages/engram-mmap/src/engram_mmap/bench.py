@@ -264,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     if cold_res:
         log(f"# cold steps: at most {max(cold_res):.4%} of a weight tensor was resident before a step (mincore)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=1)
     return 0
 
 

@@ -103,6 +103,9 @@ class ExpertCache:
                 home_ptr[layer, :, p] = self._home[layer][p].data_ptr() + np.arange(E, dtype=np.int64) * spec.nbytes
         self._home_ptr = home_ptr.reshape(L * E, P)
         dev = self.device
+        # torch.cuda.Stream on a CUDA device, None on a CPU one (every use is on the CUDA path)
+        self._compute: Any
+        self._side: Any
         if self._cuda:
             self._compute = compute_stream if compute_stream is not None else torch.cuda.current_stream(dev)
             self._side = torch.cuda.Stream(dev)

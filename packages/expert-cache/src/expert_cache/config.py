@@ -212,7 +212,7 @@ def policy_config(name: PolicyName, **knobs: Any) -> PolicyConfig:
     for k in knobs:
         if k not in fields:
             raise ValueError(f"{cls.__name__}.{k}: the {name!r} policy has no such knob (it has {fields or 'none'})")
-    return cls(**knobs)  # type: ignore[no-any-return]
+    return cls(**knobs)
 
 
 # ------------------------------------------------------------------------------------------ the cache

@@ -123,12 +123,14 @@ def run_decoding(
                 bar.update(1)
     else:
         import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
+        from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
             try:
-                futs = {pool.submit(_make_woa, *woa_args[r]): ("woa", r) for r in woa_todo}
+                futs: dict[Future[Any], tuple[str, str]] = {
+                    pool.submit(_make_woa, *woa_args[r]): ("woa", r) for r in woa_todo
+                }
                 futs.update({pool.submit(_decode_one, exl3, _subset(where, [p]), p): ("dense", p) for p in dense_todo})
                 for fut in as_completed(futs):
                     kind, key = futs[fut]

@@ -46,7 +46,7 @@ class FlashLayer:
                 raise ValueError(f"FlashLayer.{f}: must be a positive multiple of 128, got {v}")
         if self.experts <= 0:
             raise ValueError(f"FlashLayer.experts: must be positive, got {self.experts}")
-        if self.codebook not in SUPPORTED_BITS or self.bits not in SUPPORTED_BITS[self.codebook]:  # type: ignore[index]
+        if self.codebook not in SUPPORTED_BITS or self.bits not in SUPPORTED_BITS[self.codebook]:
             raise ValueError(f"FlashLayer.bits: {self.bits} not supported for codebook {self.codebook!r}")
         if self.shard_bytes <= 0:
             raise ValueError("FlashLayer.shard_bytes: must be positive")
