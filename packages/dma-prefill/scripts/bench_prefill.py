@@ -25,7 +25,6 @@ from dma_prefill import V41_FLASH, DmaPrefill, HostExpertStore, PrefillConfig, P
 from dma_prefill.config import PROJECTIONS
 
 
-
 def fill_layer(store: HostExpertStore, layer: int, seed: int) -> None:
     """Random trellis bits for every expert (generated on the GPU, copied into the registered host memory),
     then realistic suh/svh (random signs x magnitudes giving W entries of RMS ~1/sqrt(k))."""
@@ -177,7 +176,7 @@ def stage_profile(store: HostExpertStore, cfg: PrefillConfig, T: int, seed: int)
 def tune(store: HostExpertStore, cfg: PrefillConfig, T: int) -> dict:
     """Greedy choice of the decode block, the row-transform block and the GEMM tile by the measured compute
     time per layer (sum of batch compute intervals) at chunk ``T``, two layer steps per candidate."""
-    from dma_prefill.compute import TritonCompute as TC
+    from dma_prefill.triton_compute import TritonCompute as TC
 
     def measure() -> float:
         r = bench_chunk(store, cfg, T, 2, 11)
@@ -207,7 +206,12 @@ def tune(store: HostExpertStore, cfg: PrefillConfig, T: int) -> dict:
     best = min(res, key=res.get)
     TC.gemm_configs = {**base, 128: next(c for c in gemm_cands if str(c) == best)}
     log["gemm_128"] = res
-    print("tune gemm BM=128 (BN, BK, warps, stages): " + ", ".join(f"{k} {v:.1f} ms" for k, v in res.items()) + f" -> {best}", flush=True)
+    print(
+        "tune gemm BM=128 (BN, BK, warps, stages): "
+        + ", ".join(f"{k} {v:.1f} ms" for k, v in res.items())
+        + f" -> {best}",
+        flush=True,
+    )
     return log
 
 
@@ -265,7 +269,7 @@ def main() -> None:
     )
     print(f"transfer ceiling: {layer_bytes / 1e9:.3f} GB / {h2d:.1f} GB/s = {ceiling_s * 1e3:.1f} ms per layer")
 
-    from dma_prefill.compute import TritonCompute
+    from dma_prefill.triton_compute import TritonCompute
 
     tuning = tune(store, cfg, args.tune_chunk) if args.tune_chunk else {}
     chosen = {

@@ -20,10 +20,9 @@ import torch
 import triton.testing
 
 from dma_prefill import V41_FLASH
-from dma_prefill.compute import decode_into, grouped_gemm, post_swiglu, row_hadamard, row_sumsq
 from dma_prefill.layout import ExpertLayout
 from dma_prefill.ops_torch import hadamard_pm1
-
+from dma_prefill.triton_ops import decode_into, grouped_gemm, post_swiglu, row_hadamard, row_sumsq
 
 
 def main() -> int:
@@ -43,7 +42,9 @@ def main() -> int:
     for p in ("gate", "up", "down"):
         ps = V41_FLASH.proj(p)
         for name, n in (("suh", ps.k), ("svh", ps.n)):
-            v = (torch.randint(0, 2, (B, n), device=dev, generator=g) * 2 - 1) * (torch.rand(B, n, device=dev, generator=g) + 0.5)
+            v = (torch.randint(0, 2, (B, n), device=dev, generator=g) * 2 - 1) * (
+                torch.rand(B, n, device=dev, generator=g) + 0.5
+            )
             v = v / math.sqrt(ps.k) if name == "suh" else v
             off = lay.offsets[(p, name)]
             recs[:, off : off + 2 * n].view(torch.float16).copy_(v.half())
@@ -55,7 +56,10 @@ def main() -> int:
     wts = torch.rand(R, device=dev, generator=g)
     x = torch.randn(T, H, device=dev, generator=g).to(torch.bfloat16)
     hpm = hadamard_pm1(torch.float16, dev)
-    w = {p: torch.empty((B, V41_FLASH.proj(p).k, V41_FLASH.proj(p).n), dtype=torch.float16, device=dev) for p in ("gate", "up", "down")}
+    w = {
+        p: torch.empty((B, V41_FLASH.proj(p).k, V41_FLASH.proj(p).n), dtype=torch.float16, device=dev)
+        for p in ("gate", "up", "down")
+    }
     tiles_l = []
     bm = 128
     for e in range(B):
@@ -93,8 +97,8 @@ def main() -> int:
     ps = V41_FLASH.proj("gate")
     dec_bytes = B * (ps.trellis_bytes + ps.k * ps.n * 2)
     for btn in (4, 8, 16):
-        run("decode gate", btn, lambda btn=btn: decode_into(slot32, s4, lay.elem_offset("gate", "trellis", 4), counts, w["gate"],
-                                                            ps.k, ps.n, ps.bits, ps.codebook, block_tn=btn), dec_bytes)  # fmt: skip
+        run("decode gate", btn, lambda btn=btn: decode_into(slot32, s4, lay.elem_offset("gate", "trellis", 4), counts, w["gate"],  # noqa: E501
+                                                            ps.k, ps.n, ps.bits, ps.codebook, block_tn=btn), dec_bytes)  # fmt: skip  # noqa: E501
     for p in ("up", "down"):
         q = V41_FLASH.proj(p)
         decode_into(slot32, s4, lay.elem_offset(p, "trellis", 4), counts, w[p], q.k, q.n, q.bits, q.codebook)
@@ -117,8 +121,14 @@ def main() -> int:
     tgo = torch.empty(R, I, device=dev)
     ssg = torch.zeros(R, device=dev)
     for c in [(128, 64, 8, 3), (128, 32, 8, 4), (128, 16, 8, 5), (64, 64, 4, 4)]:
-        run("gemm gate (split)", c, lambda c=c: grouped_gemm(hi, lo, inv, w["gate"], tiles, tgo, bm=bm, bn=c[0], bk=c[1],
-            num_warps=c[2], num_stages=c[3], ss=ssg), flops=2 * 2 * R * H * I)  # fmt: skip  (hi + lo)
+        run(
+            "gemm gate (split)",
+            c,
+            lambda c=c: grouped_gemm(
+                hi, lo, inv, w["gate"], tiles, tgo, bm=bm, bn=c[0], bk=c[1], num_warps=c[2], num_stages=c[3], ss=ssg
+            ),
+            flops=2 * 2 * R * H * I,
+        )  # fmt: skip  (hi + lo)
     best = {k: min(v, key=v.get) for k, v in results.items()}
     print("best:", best)
     if args.json:

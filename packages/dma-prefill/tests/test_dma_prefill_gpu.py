@@ -6,10 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from cpu_tier import exl3
 
+from cpu_tier import exl3
 from dma_prefill import DmaPrefill, HostExpertStore, LayerSpec, PrefillConfig, PrefillPlan, StoreConfig
-from dma_prefill.reference import SyntheticStack, fill_random, kl_divergence, per_expert_errors, reference_moe, run_stack
+from dma_prefill.reference import (
+    SyntheticStack,
+    fill_random,
+    kl_divergence,
+    per_expert_errors,
+    reference_moe,
+    run_stack,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -22,7 +29,7 @@ def _report(name: str, value: object) -> None:
 
 @pytest.mark.parametrize(("codebook", "bits"), CASES)
 def test_triton_decode_bit_exact(codebook: str, bits: float) -> None:
-    from dma_prefill.compute import decode_triton
+    from dma_prefill.triton_ops import decode_triton
 
     t = exl3.random_tensor(256, 640, bits, codebook, seed=int(bits * 10) + len(codebook))
     got = decode_triton(torch.from_numpy(t.trellis).cuda(), codebook).cpu().numpy()
@@ -31,7 +38,7 @@ def test_triton_decode_bit_exact(codebook: str, bits: float) -> None:
 
 
 def test_registered_store_and_zero_copy_decode() -> None:
-    from dma_prefill.compute import decode_into
+    from dma_prefill.triton_ops import decode_into
 
     spec = LayerSpec(6, 256, 384, bits=(3, 2, 4), codebooks=("mul1", "mcg", "3inst"))
     with HostExpertStore({7: spec}, StoreConfig(progress=False)) as store:
@@ -48,7 +55,9 @@ def test_registered_store_and_zero_copy_decode() -> None:
             ps = spec.proj(p)
             out = torch.empty((6, ps.k, ps.n), dtype=torch.float16, device="cuda")
             counts = torch.ones(6, dtype=torch.int64, device="cuda")
-            decode_into(src32, lay.stride // 4, lay.elem_offset(p, "trellis", 4), counts, out, ps.k, ps.n, ps.bits, ps.codebook)
+            decode_into(
+                src32, lay.stride // 4, lay.elem_offset(p, "trellis", 4), counts, out, ps.k, ps.n, ps.bits, ps.codebook
+            )
             for e in range(6):
                 ref = exl3.decode(store.numpy(7, e, p, "trellis"), ps.codebook)
                 np.testing.assert_array_equal(out[e].cpu().numpy().view(np.uint16), ref.view(np.uint16))
@@ -68,7 +77,7 @@ def _pf(stack: SyntheticStack, exact: bool, **kw) -> DmaPrefill:
 def _exact_errors_with(stack: SyntheticStack, **compute_attrs: object) -> dict[str, np.ndarray]:
     """``per_expert_errors`` of the exact path (layer 0, the error-bound test's rows) with ``TritonCompute``'s
     class attributes temporarily set to ``compute_attrs``."""
-    from dma_prefill.compute import TritonCompute
+    from dma_prefill.triton_compute import TritonCompute
 
     saved = {k: getattr(TritonCompute, k) for k in compute_attrs}
     for k, v in compute_attrs.items():
@@ -99,7 +108,7 @@ def test_gemm_error_bounds_per_expert(gpu_stack: SyntheticStack) -> None:
 @pytest.mark.parametrize("bk", [16, 32, 64])
 def test_gemm_promotion_granularity(gpu_stack: SyntheticStack, bk: int) -> None:
     """Error of the exact path against how often the tensor-core partial sums are promoted (every BK)."""
-    from dma_prefill.compute import TritonCompute
+    from dma_prefill.triton_compute import TritonCompute
 
     configs = {bm: (c[0], bk, c[2], c[3]) for bm, c in TritonCompute.gemm_configs.items()}
     err = _exact_errors_with(gpu_stack, gemm_configs=configs)
@@ -109,7 +118,7 @@ def test_gemm_promotion_granularity(gpu_stack: SyntheticStack, bk: int) -> None:
 
 def test_fwht_per_expert_error(gpu_stack: SyntheticStack) -> None:
     """The exact path with the other Hadamard than the default (fp32 butterflies vs tensor cores)."""
-    from dma_prefill.compute import TritonCompute
+    from dma_prefill.triton_compute import TritonCompute
 
     err = _exact_errors_with(gpu_stack, fwht=not TritonCompute.fwht)
     _report(f"per-expert max rel err, exact path, fwht={not TritonCompute.fwht}", f"{err['ours'].max():.3e}")
@@ -133,7 +142,7 @@ def test_ring_on_real_streams(gpu_stack: SyntheticStack, make_routing) -> None:
     T = 300
     g = torch.Generator().manual_seed(9)
     x = torch.randn(T, 512, generator=g).cuda()
-    routes, weights = zip(*(make_routing(T, 16, 4, seed=9 + i) for i in range(3)))
+    routes, weights = zip(*(make_routing(T, 16, 4, seed=9 + i) for i in range(3)), strict=True)
     torch.cuda.synchronize()
     pf.start_window()
     outs = []
@@ -150,7 +159,10 @@ def test_ring_on_real_streams(gpu_stack: SyntheticStack, make_routing) -> None:
     assert st.batches == 12 and st.layers == 3
     assert st.bytes_copied == 48 * gpu_stack.store.layout(0).stride
     assert 0 < st.copy_fraction <= 1 and 0 < st.compute_fraction <= 1
-    _report("small ring copy GB/s, copy fraction, compute fraction", f"{st.copy_gbps:.1f}, {st.copy_fraction:.2f}, {st.compute_fraction:.2f}")
+    _report(
+        "small ring copy GB/s, copy fraction, compute fraction",
+        f"{st.copy_gbps:.1f}, {st.copy_fraction:.2f}, {st.compute_fraction:.2f}",
+    )
 
 
 def test_swiglu_limit_on_gpu(gpu_stack: SyntheticStack, make_routing) -> None:
@@ -169,7 +181,6 @@ def test_cpu_tier_tail_on_cuda(gpu_stack: SyntheticStack, make_routing) -> None:
     """Hybrid step on real streams: the tail's rows go to pinned host memory on a side stream, the native CPU
     tier computes them from the registered store while the GPU computes the other batches."""
     from cpu_tier import CpuTierConfig, ExpertTier
-
     from dma_prefill import CpuTierTail
 
     cfg = PrefillConfig(num_slots=2, experts_per_batch=4, backend="triton", cpu_tail_batches=2)
@@ -191,8 +202,8 @@ def test_stage_errors_report(gpu_stack: SyntheticStack) -> None:
     """Where the exact path's error comes from: each stage of one linear (input transform, GEMM, output
     transform) against float64 on the stage's own input, beside a plain fp32 evaluation of the same stage,
     with the variants (fp32 butterflies for the Hadamard; the lo products accumulated apart in the GEMM)."""
-    from dma_prefill.compute import grouped_gemm, row_hadamard, row_sumsq
     from dma_prefill.ops_torch import hadamard_128_torch, hadamard_pm1
+    from dma_prefill.triton_ops import grouped_gemm, row_hadamard, row_sumsq
 
     store = gpu_stack.store
     suh = store.tensor(0, 0, "gate", "suh").cuda()
@@ -224,7 +235,7 @@ def test_stage_errors_report(gpu_stack: SyntheticStack) -> None:
     hi, lo, inv = split[False]
     tiles = torch.tensor([(0, s, min(s + 64, R)) for s in range(0, R, 64)], dtype=torch.int32, device="cuda")
     ref_g = ((hi.double() + lo.double()) @ W.double()) * inv.double()[:, None]
-    a32 = ((hi.float() + lo.float()) * inv[:, None])
+    a32 = (hi.float() + lo.float()) * inv[:, None]
     errs["gemm fp32"] = rel(a32 @ W.float(), ref_g)
     t = None
     for promote, lo_acc in ((True, False), (True, True), (False, False)):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from cpu_tier import exl3
 
+from cpu_tier import exl3
 from dma_prefill.ops_torch import codebook_torch, decode_torch, hadamard_128_torch, linear_torch, swiglu
 
 CASES = [(cb, k) for cb in exl3.CODEBOOKS for k in exl3.SUPPORTED_BITS[cb]]
@@ -61,7 +61,9 @@ def test_matmul_sequential_is_k_ordered() -> None:
 
     g = torch.Generator().manual_seed(5)
     a, b = torch.randn(7, 300, generator=g), torch.randn(300, 9, generator=g)
-    np.testing.assert_allclose(matmul_sequential(a.double(), b.double()).numpy(), (a.double() @ b.double()).numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(
+        matmul_sequential(a.double(), b.double()).numpy(), (a.double() @ b.double()).numpy(), rtol=1e-12, atol=1e-12
+    )
     # float32: exactly the k-ordered loop of roundings, which differs from the blocked BLAS sum
     seq = matmul_sequential(a, b)
     ref = torch.zeros(7, 9)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dma_prefill import PrefillConfig, PrefillPlan, choose_path
-from dma_prefill.compute import make_tiles
+from dma_prefill.triton_compute import make_tiles
 
 
 def test_plan_sorts_routes_by_expert(make_routing) -> None:

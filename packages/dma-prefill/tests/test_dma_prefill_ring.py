@@ -36,11 +36,11 @@ def test_every_routed_expert_once_and_correct(small_store, make_routing) -> None
     layers = [0, 1, 0]
     outs = _run_layers(pf, layers, x, plans)
     assert dev.violations == []
-    for lid, plan, out, (ids, w) in zip(layers, plans, outs, routes):
+    for lid, out, (ids, w) in zip(layers, outs, routes, strict=True):
         assert _rel(out, reference_moe(small_store, lid, x, ids, w)) < 2e-6
     done = pf.compute.computed
     assert len(done) == len(set(done)) + 16  # layer 0 ran twice: 16 repeats, nothing else twice
-    expected = sorted((lid, int(e)) for lid, p in zip(layers, plans) for e in p.gpu_experts)
+    expected = sorted((lid, int(e)) for lid, p in zip(layers, plans, strict=True) for e in p.gpu_experts)
     assert sorted(done) == expected
     slots = [st.slot for st in pf.ring.history]
     assert slots == [s % 2 for s in range(len(slots))] and len(slots) == 12
@@ -68,7 +68,7 @@ def test_event_order_per_slot(small_store, make_routing) -> None:
         lab = f"L{st.layer}b{st.batch}"
         cps = copies[(st.layer, st.batch)]
         assert max(c.end for c in cps) <= launches[lab].start  # compute after its copy
-    for a, b in zip(hist, hist[cfg.num_slots :]):
+    for a, b in zip(hist, hist[cfg.num_slots :], strict=False):
         assert a.slot == b.slot
         reader = launches[f"L{a.layer}b{a.batch}"]
         assert reader.end <= min(c.start for c in copies[(b.layer, b.batch)])  # slot reused only after its reader
@@ -247,7 +247,6 @@ def test_run_layer_validates(small_store, make_routing) -> None:
 
 def test_cpu_tier_tail_computes_the_tail_on_the_host(small_store, make_routing) -> None:
     from cpu_tier import CpuTierConfig, ExpertTier
-
     from dma_prefill import CpuTierTail
 
     cfg = PrefillConfig(num_slots=2, experts_per_batch=4, cpu_tail_batches=2, prefetch_batches=0, backend="torch")

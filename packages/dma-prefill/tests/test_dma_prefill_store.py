@@ -5,9 +5,9 @@ import mmap
 import numpy as np
 import pytest
 import torch
-from cpu_tier import exl3
 from safetensors.numpy import save_file
 
+from cpu_tier import exl3
 from dma_prefill import PROJECTIONS, ExpertLayout, HostExpertStore, LayerSpec, StoreConfig
 
 
@@ -21,7 +21,7 @@ def test_flash_layout_numbers() -> None:
         assert off % 256 == 0
         assert off + lay.sizes[(p, t)] <= lay.stride
     spans = sorted((off, off + lay.sizes[k]) for k, off in lay.offsets.items())
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # no overlap
 
 
 def test_exact_size_allocation_and_tail_pad(small_store: HostExpertStore) -> None:
@@ -78,7 +78,7 @@ def test_no_cuda_means_plain_memory(small_store: HostExpertStore) -> None:
 
 def _write_shards(tmp_path, spec: LayerSpec, layers: list[int], seed: int = 0):
     rng = np.random.default_rng(seed)
-    names = dict(zip(PROJECTIONS, ("w1", "w3", "w2")))
+    names = dict(zip(PROJECTIONS, ("w1", "w3", "w2"), strict=True))
     src: dict[tuple[int, int, str], exl3.Exl3Tensor] = {}
     shards: list[dict[str, np.ndarray]] = [{}, {}]
     for lid in layers:
@@ -125,7 +125,9 @@ def test_from_safetensors_errors_name_the_tensor(tmp_path) -> None:
     with pytest.raises(ValueError, match="not numbered 0..E-1"):
         HostExpertStore.from_safetensors(paths[1:], cfg, use_cuda=False)
     with pytest.raises(ValueError, match="no routed-expert trellis"):
-        HostExpertStore.from_safetensors(paths, StoreConfig(progress=False, key_template="x.{layer}.{expert}.{proj}.{tensor}"), use_cuda=False)
+        HostExpertStore.from_safetensors(
+            paths, StoreConfig(progress=False, key_template="x.{layer}.{expert}.{proj}.{tensor}"), use_cuda=False
+        )
     with pytest.raises(FileNotFoundError, match="nope.safetensors"):
         HostExpertStore.from_safetensors([tmp_path / "nope.safetensors"], cfg, use_cuda=False)
     bad = tmp_path / "bad.safetensors"

@@ -10,7 +10,6 @@ import pytest
 
 from engram_mmap import EngramConfig, EngramHasher, build_token_map
 
-
 # ------------------------------------------------------------------------------ slow reference
 
 

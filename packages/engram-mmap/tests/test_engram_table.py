@@ -64,7 +64,11 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"t{c.num_threads}-d{int(c.dedup)}-r{c.readahead_max_rows}-s{int(c.resident_scales)}")
+@pytest.mark.parametrize(
+    "config",
+    CONFIGS,
+    ids=lambda c: f"t{c.num_threads}-d{int(c.dedup)}-r{c.readahead_max_rows}-s{int(c.resident_scales)}",
+)
 def test_gather_matches_arrays(single, config) -> None:
     path, w, s = single
     rng = np.random.default_rng(3)
@@ -261,7 +265,7 @@ def test_truncated_file(single) -> None:
     size = os.path.getsize(path)
     with open(path, "r+b") as f:
         f.truncate(size - 1)
-    with pytest.raises(EngramFormatError, match=r"model.safetensors: tensor 'layers.1.engram.embed.scale'.*truncated"):
+    with pytest.raises(EngramFormatError, match=r"model.safetensors: layers.1.engram.embed.scale: .*truncated"):
         _open_single(path)
     with open(path, "r+b") as f:
         f.truncate(5)
@@ -282,10 +286,10 @@ def test_file_shrinking_after_open_raises_instead_of_sigbus(single) -> None:
 @pytest.mark.parametrize(
     ("wdtype", "wshape", "sdtype", "sshape", "message"),
     [
-        ("BF16", (100, 128), "F8_E8M0", (100, 8), r"'layers.1.engram.embed.weight' has dtype BF16, expected F8_E4M3 or U8"),
+        ("BF16", (100, 128), "F8_E8M0", (100, 8), r"'layers.1.engram.embed.weight' has dtype BF16, expected F8_E4M3 or U8"),  # noqa: E501
         ("F8_E5M2", (100, 256), "F8_E8M0", (100, 8), "has dtype F8_E5M2"),
-        ("F8_E4M3", (100, 256), "F16", (100, 4), r"'layers.1.engram.embed.scale' has dtype F16, expected F8_E8M0 or U8"),
-        ("F8_E4M3", (100, 256), "F8_E8M0", (100, 4), r"'layers.1.engram.embed.scale' has shape \(100, 4\), expected \(100, 8\)"),
+        ("F8_E4M3", (100, 256), "F16", (100, 4), r"'layers.1.engram.embed.scale' has dtype F16, expected F8_E8M0 or U8"),  # noqa: E501
+        ("F8_E4M3", (100, 256), "F8_E8M0", (100, 4), r"'layers.1.engram.embed.scale' has shape \(100, 4\), expected \(100, 8\)"),  # noqa: E501
         ("F8_E4M3", (100, 256), "F8_E8M0", (99, 8), r"has shape \(99, 8\), expected \(100, 8\)"),
         ("F8_E4M3", (25600,), "F8_E8M0", (100, 8), "expected 2-D"),
         ("F8_E4M3", (100, 100), "F8_E8M0", (100, 8), "not a positive multiple of 32"),
@@ -322,15 +326,21 @@ def _raw_file(path, header: bytes, data: bytes = b"", length: int | None = None)
 @pytest.mark.parametrize(
     ("header", "length", "message"),
     [
-        (b"{not json", None, "not valid UTF-8 JSON"),
+        (b"{not json", None, "header is not valid JSON"),
         (b"[1, 2]", None, "not a JSON object"),
         (b"{}", 10**12, "exceeds"),
-        (b"{}", 4000, "runs past the end"),
-        (b'{"a": {"dtype": "Q8", "shape": [1], "data_offsets": [0, 1]}}', None, "tensor 'a': unknown dtype 'Q8'"),
-        (b'{"a": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 1]}}', None, "tensor 'a': shape must be"),
-        (b'{"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 3]}}', None, r"tensor 'a': data_offsets \[0, 3\] do not hold 4"),
+        (b"{}", 4000, "truncated inside the header .* runs past the end"),
+        (b"{}", 0, "header length field is 0"),
+        (b'{"a": 3}', None, "a: header entry is not an object"),
+        (b'{"a": {"dtype": 5, "shape": [1], "data_offsets": [0, 1]}}', None, "a: dtype must be a string"),
+        (b'{"a": {"dtype": "Q8", "shape": [1], "data_offsets": [0, 1]}}', None, "a: unknown dtype 'Q8'"),
+        (b'{"a": {"dtype": "U8", "shape": [-1], "data_offsets": [0, 1]}}', None, r"a: negative dimension in shape \[-1\]"),  # noqa: E501
+        (b'{"a": {"dtype": "U8", "shape": ["4"], "data_offsets": [0, 4]}}', None, "a: shape must be a list of ints"),
+        (b'{"a": {"dtype": "U8", "shape": [4], "data_offsets": [0, 3]}}', None, r"a: data_offsets \[0, 3\] hold 3 bytes, but U8 \[4\] needs 4"),  # noqa: E501
         (b'{"a": {"dtype": "U8", "shape": [4], "data_offsets": [0]}}', None, "data_offsets must be"),
-        (b'{"a": {"dtype": "U8", "shape": [64], "data_offsets": [0, 64]}}', None, "tensor 'a': data ends at byte"),
+        (b'{"a": {"dtype": "U8", "shape": [4], "data_offsets": [3, 2]}}', None, r"a: invalid data_offsets \[3, 2\]"),
+        (b'{"a": {"dtype": "U8", "shape": [64], "data_offsets": [0, 64]}}', None, r"bad.safetensors: a: data ends at byte \d+ but the file has \d+ bytes"),  # noqa: E501
+        (b'{"__metadata__": [1]}', None, "__metadata__ is not an object"),
     ],
 )  # fmt: skip
 def test_malformed_headers(tmp_path, header, length, message) -> None:

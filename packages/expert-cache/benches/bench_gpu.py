@@ -23,14 +23,24 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from expert_cache import DSV41_FLASH_EXL3_3BPW, ExpertCache, ExpertCacheConfig, SyntheticTraceConfig, generate  # noqa: E402
+from cpu_tier.geometry import V41_FLASH  # noqa: E402
+from expert_cache import (  # noqa: E402
+    DSV41_FLASH_EXL3_3BPW,
+    ExpertCache,
+    ExpertCacheConfig,
+    SyntheticTraceConfig,
+    generate,
+    policy_config,
+)
 
-EXPERT = 13_271_040
+EXPERT = V41_FLASH.expert_trellis_bytes  # bytes of one V4.1-Flash expert (13,271,040)
 
 
 def git_rev() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except Exception:  # noqa: BLE001 - the device copy may have no .git
         return "?"
 
@@ -39,7 +49,9 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
-def time_copies(dst: torch.Tensor, src: torch.Tensor, chunk: int, n: int, stream: torch.cuda.Stream, reps: int) -> list[float]:
+def time_copies(
+    dst: torch.Tensor, src: torch.Tensor, chunk: int, n: int, stream: torch.cuda.Stream, reps: int
+) -> list[float]:
     """GB/s of ``n`` copies of ``chunk`` bytes (src row i -> dst row i) on ``stream``, per repetition."""
     rates = []
     for _ in range(reps + 1):
@@ -58,7 +70,9 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vram-gb", type=float, default=24.0, help="cap usable VRAM like a 24 GB card")
     ap.add_argument("--slots", type=int, default=392)
-    ap.add_argument("--steps", type=int, default=1500, help="decode steps of the synthetic trace driven through the cache")
+    ap.add_argument(
+        "--steps", type=int, default=1500, help="decode steps of the synthetic trace driven through the cache"
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -75,7 +89,10 @@ def main() -> int:
         "cpu": platform.processor() or platform.machine(),
         "vram_cap_gb": a.vram_gb,
     }
-    print(f"# expert-cache bench_gpu | git {env['git']} | {env['gpu']} sm_{env['sm']} | CUDA {env['cuda']} | torch {env['torch']} | VRAM cap {a.vram_gb} GB | reps={a.reps}")
+    print(
+        f"# expert-cache bench_gpu | git {env['git']} | {env['gpu']} sm_{env['sm']} | CUDA {env['cuda']} | "
+        f"torch {env['torch']} | VRAM cap {a.vram_gb} GB | reps={a.reps}"
+    )
     rows: list[dict[str, object]] = []
 
     def row(case: str, unit: str, xs: list[float], extra: str = "") -> None:
@@ -120,7 +137,14 @@ def main() -> int:
 
     # ---- the cache -------------------------------------------------------------------------------------------
     def make(policy: str, **kw: object) -> ExpertCache:
-        cfg = ExpertCacheConfig(num_layers=40, num_experts=E, projections=DSV41_FLASH_EXL3_3BPW, num_slots=a.slots, policy=policy, **kw)  # type: ignore[arg-type]
+        cfg = ExpertCacheConfig(
+            num_layers=V41_FLASH.num_layers,
+            num_experts=E,
+            projections=DSV41_FLASH_EXL3_3BPW,
+            num_slots=a.slots,
+            policy=policy_config(policy),
+            **kw,
+        )  # type: ignore[arg-type]
         return ExpertCache(cfg, [[w13, w2] for _ in range(40)], dev)
 
     tr = generate(SyntheticTraceConfig(decode_steps=a.steps, streams=1, drift=5.0, seed=11))
@@ -156,7 +180,12 @@ def main() -> int:
         row(f"{policy}: 40 x observe per step (host)", "us", obs_us[10:])
         if step_us:
             row(f"{policy}: before+after_step, no replan (host)", "us", step_us[10:])
-        row(f"{policy}: after_step with replan (host)", "ms", replan_ms[2:], f"hit_rate {st.hit_rate:.4f} admits/step {st.admits / max(1, st.decode_steps):.2f}")
+        row(
+            f"{policy}: after_step with replan (host)",
+            "ms",
+            replan_ms[2:],
+            f"hit_rate {st.hit_rate:.4f} admits/step {st.admits / max(1, st.decode_steps):.2f}",
+        )
 
         # slot fills: full re-warm of the pool
         rates = []
@@ -173,7 +202,9 @@ def main() -> int:
             n = len(cache.resident())
             rates.append(n * EXPERT / (e0.elapsed_time(e1) * 1e-3) / 1e9)
             cache.synchronize()
-        row(f"{policy}: rewarm fill {n} experts (side stream)", "GB/s", rates[1:], f"host enqueue {t_host * 1e3:.1f} ms")
+        row(
+            f"{policy}: rewarm fill {n} experts (side stream)", "GB/s", rates[1:], f"host enqueue {t_host * 1e3:.1f} ms"
+        )
         del cache
         torch.cuda.empty_cache()
 

@@ -24,8 +24,14 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from cpu_tier.geometry import V41_FLASH  # noqa: E402
 from expert_cache import (  # noqa: E402
+    ArcConfig,
+    DecayedConfig,
     ExpertCacheConfig,
+    HybridConfig,
+    LfuConfig,
+    LruConfig,
     SyntheticTraceConfig,
     Trace,
     belady_hit_rate,
@@ -35,25 +41,32 @@ from expert_cache import (  # noqa: E402
     static_oracle_hit_rate,
 )
 
-EXPERT = 13_271_040
+EXPERT = V41_FLASH.expert_trellis_bytes  # bytes of one V4.1-Flash expert (13,271,040)
 
 #: (label, config overrides). The reference runs elastic (released before > 512-token steps, re-warmed after 4
 #: decode steps); every config here does too, so all see the same prefill steps.
 CONFIGS: list[tuple[str, dict[str, object]]] = [
-    ("decayed (reference)", dict(policy="decayed")),
-    ("lru", dict(policy="lru")),
-    ("lfu", dict(policy="lfu")),
-    ("arc", dict(policy="arc")),
-    ("hybrid @16/48", dict(policy="hybrid", hysteresis=1.2)),
-    ("decayed @1/4", dict(policy="decayed", replan_every=1, admit_limit=4, decay=0.9 ** (1 / 16))),
-    ("hybrid @1/4", dict(policy="hybrid", replan_every=1, admit_limit=4, hysteresis=1.2)),
-    ("hybrid @1/4 +prefill", dict(policy="hybrid", replan_every=1, admit_limit=4, hysteresis=1.2, observe_prefill=True, rewarm_set="top")),
+    ("decayed (reference)", dict(policy=DecayedConfig())),
+    ("lru", dict(policy=LruConfig())),
+    ("lfu", dict(policy=LfuConfig())),
+    ("arc", dict(policy=ArcConfig())),
+    ("hybrid @16/48", dict(policy=HybridConfig(), hysteresis=1.2)),
+    ("decayed @1/4", dict(policy=DecayedConfig(decay=0.9 ** (1 / 16)), replan_every=1, admit_limit=4)),
+    ("hybrid @1/4", dict(policy=HybridConfig(), replan_every=1, admit_limit=4, hysteresis=1.2)),
+    (
+        "hybrid @1/4 +prefill",
+        dict(
+            policy=HybridConfig(), replan_every=1, admit_limit=4, hysteresis=1.2, observe_prefill=True, rewarm_set="top"
+        ),
+    ),
 ]
 
 
 def git_rev() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except Exception:  # noqa: BLE001
         return "?"
 
@@ -83,8 +96,14 @@ def main() -> int:
                 scenarios.append((f"C1 drift{d:g}", generate(dataclasses.replace(base, drift=d, seed=9)), [392]))
     gen_s = time.perf_counter() - t0
 
-    print(f"# expert-cache bench_policies | git {git_rev()} | {platform.processor() or platform.machine()} | numpy {np.__version__} | traces generated in {gen_s:.0f} s")
-    print(f"{'scenario':12s} {'slots':>5s} {'config':24s} {'hit_rate':>8s} {'/belady':>7s} {'adm/step':>8s} {'GB/step':>7s} {'sec':>5s}")
+    print(
+        f"# expert-cache bench_policies | git {git_rev()} | {platform.processor() or platform.machine()} | "
+        f"numpy {np.__version__} | traces generated in {gen_s:.0f} s"
+    )
+    print(
+        f"{'scenario':12s} {'slots':>5s} {'config':24s} {'hit_rate':>8s} {'/belady':>7s} {'adm/step':>8s} "
+        f"{'GB/step':>7s} {'sec':>5s}"
+    )
     rows: list[dict[str, object]] = []
     for name, tr, ns in scenarios:
         for n in ns:
@@ -98,14 +117,31 @@ def main() -> int:
             rows.append({"scenario": name, "slots": n, "config": "static_oracle", "hit_rate": static})
             for label, kw in CONFIGS:
                 cfg = ExpertCacheConfig(
-                    num_layers=tr.num_layers, num_experts=tr.num_experts, slot_bytes=EXPERT, num_slots=n, elastic=True, **kw  # type: ignore[arg-type]
+                    num_layers=tr.num_layers,
+                    num_experts=tr.num_experts,
+                    slot_bytes=EXPERT,
+                    num_slots=n,
+                    elastic=True,
+                    **kw,  # type: ignore[arg-type]
                 )
                 t = time.perf_counter()
                 st = simulate(tr, cfg)
                 dt = time.perf_counter() - t
                 adm = st.admits / max(1, st.decode_steps)
-                print(f"{name:12s} {n:5d} {label:24s} {st.hit_rate:8.4f} {st.hit_rate / bel:7.3f} {adm:8.2f} {adm * EXPERT / 1e9:7.3f} {dt:5.0f}", flush=True)
-                rows.append({"scenario": name, "slots": n, "config": label, "ratio_to_belady": st.hit_rate / bel, **st.as_dict()})
+                print(
+                    f"{name:12s} {n:5d} {label:24s} {st.hit_rate:8.4f} {st.hit_rate / bel:7.3f} {adm:8.2f} "
+                    f"{adm * EXPERT / 1e9:7.3f} {dt:5.0f}",
+                    flush=True,
+                )
+                rows.append(
+                    {
+                        "scenario": name,
+                        "slots": n,
+                        "config": label,
+                        "ratio_to_belady": st.hit_rate / bel,
+                        **st.as_dict(),
+                    }
+                )
     if a.json:
         meta = {name: tr.meta for name, tr, _ in scenarios}
         Path(a.json).write_text(json.dumps({"git": git_rev(), "traces": meta, "rows": rows}, indent=1, default=str))

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repository root (device tool): the gpu-marked tests, then the GPU benchmark.
-# The package is pure Python: it runs from its source tree (PYTHONPATH), nothing is installed.
+# The package is pure Python: it runs from its source tree (PYTHONPATH), nothing is installed. It imports
+# cpu_tier.geometry (pure Python; cpu-tier's native kernels are not needed, so not built): cpu-tier's source tree
+# goes on the path too, with a minimal dist-info because cpu_tier looks up its installed version.
 set -uo pipefail
 OUT="${OUT:-/tmp/expert-cache-out}"
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD/packages/expert-cache/src${PYTHONPATH:+:$PYTHONPATH}"
+SITE="$(mktemp -d)"
+mkdir -p "$SITE/cpu_tier-0.1.0.dist-info"
+printf 'Metadata-Version: 2.1\nName: cpu-tier\nVersion: 0.1.0\n' > "$SITE/cpu_tier-0.1.0.dist-info/METADATA"
+export PYTHONPATH="$PWD/packages/expert-cache/src:$PWD/packages/cpu-tier/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 python3 -m pytest packages/expert-cache/tests -m gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"

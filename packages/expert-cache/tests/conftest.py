@@ -11,6 +11,7 @@ import torch
 
 from expert_cache import ExpertCache, ExpertCacheConfig
 
+
 @pytest.fixture
 def make_home() -> Callable[..., list[list[torch.Tensor]]]:
     """``make_home(cfg, seed=0, pin=False)``: random host tensors, every expert's bytes distinct."""

@@ -14,7 +14,7 @@ from expert_cache.sim import access_stream
 def brute_force(seq: tuple[int, ...], cap: int, bypass: bool) -> int:
     """Most hits over every admit/evict decision sequence (exhaustive with memo on the cache state)."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def best(i: int, cache: frozenset[int]) -> int:
         if i == len(seq):
             return 0
@@ -66,7 +66,11 @@ def test_bypass_never_worse_and_bounds() -> None:
 
 
 def test_access_stream_is_distinct_keys_of_decode_steps() -> None:
-    tr = generate(SyntheticTraceConfig(num_layers=2, num_experts=8, top_k=2, decode_steps=20, streams=3, mean_prompt_tokens=600, seed=0))
+    tr = generate(
+        SyntheticTraceConfig(
+            num_layers=2, num_experts=8, top_k=2, decode_steps=20, streams=3, mean_prompt_tokens=600, seed=0
+        )
+    )
     keys = access_stream(tr, prefill_tokens=512)
     n_decode_rows = int(tr.rows_per_step[tr.tokens_per_step <= 512].sum())
     assert keys.size <= n_decode_rows * 2 * 2 and keys.size > 0

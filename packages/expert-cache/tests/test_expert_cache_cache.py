@@ -8,14 +8,33 @@ import numpy as np
 import pytest
 import torch
 
-from expert_cache import ExpertCache, ExpertCacheConfig, ProjectionSpec, SyntheticTraceConfig, generate, simulate
+from expert_cache import (
+    ArcConfig,
+    DecayedConfig,
+    ExpertCache,
+    ExpertCacheConfig,
+    HybridConfig,
+    LfuConfig,
+    LruConfig,
+    ProjectionSpec,
+    SyntheticTraceConfig,
+    generate,
+    policy_config,
+    simulate,
+)
 from expert_cache.trace import Trace
 
-PROJ = (ProjectionSpec("w13", (2, 3, 5), "int16"), ProjectionSpec("w2", (7,), "float32"), ProjectionSpec("s", (3,), "uint8"))
+PROJ = (
+    ProjectionSpec("w13", (2, 3, 5), "int16"),
+    ProjectionSpec("w2", (7,), "float32"),
+    ProjectionSpec("s", (3,), "uint8"),
+)
 
 
 def small_cfg(**kw: object) -> ExpertCacheConfig:
-    base: dict[str, object] = dict(num_layers=3, num_experts=8, projections=PROJ, num_slots=5, replan_every=2, admit_limit=3)
+    base: dict[str, object] = dict(
+        num_layers=3, num_experts=8, projections=PROJ, num_slots=5, replan_every=2, admit_limit=3
+    )
     base.update(kw)
     return ExpertCacheConfig(**base)  # type: ignore[arg-type]
 
@@ -60,7 +79,14 @@ def test_tables_right_after_random_operations(make_home, check_tables, policy: s
     """Random steps, observations, manual replans, releases and re-warms: after each, every pointer reads the
     right bytes and slot_of / pointers / planner agree."""
     rng = np.random.default_rng(seed)
-    cfg = small_cfg(policy=policy, elastic=True, prefill_tokens=6, rewarm_after=2, replan_every=3, observe_prefill=bool(seed))
+    cfg = small_cfg(
+        policy=policy_config(policy),
+        elastic=True,
+        prefill_tokens=6,
+        rewarm_after=2,
+        replan_every=3,
+        observe_prefill=bool(seed),
+    )
     home = make_home(cfg, seed)
     cache = ExpertCache(cfg, home)
     seen_res = set()
@@ -153,22 +179,44 @@ def _drive(cache: ExpertCache, trace: Trace) -> None:
 @pytest.mark.parametrize(
     "kw",
     [
-        dict(policy="decayed"),
-        dict(policy="decayed", elastic=True, rewarm_after=3),
-        dict(policy="lru", replan_every=1, admit_limit=2),
-        dict(policy="lfu", lfu_halve_every=8),
-        dict(policy="arc", replan_every=2),
-        dict(policy="hybrid", replan_every=1, admit_limit=2, hysteresis=1.2, elastic=True, observe_prefill=True, rewarm_set="top"),
-        dict(policy="hybrid", replan_every=1, admit_limit=2, elastic=True, observe_prefill=True, async_observe=True),
-        dict(policy="decayed", async_observe=True, elastic=True, rewarm_after=1),
+        dict(policy=DecayedConfig()),
+        dict(policy=DecayedConfig(), elastic=True, rewarm_after=3),
+        dict(policy=LruConfig(), replan_every=1, admit_limit=2),
+        dict(policy=LfuConfig(halve_every=8)),
+        dict(policy=ArcConfig(), replan_every=2),
+        dict(
+            policy=HybridConfig(),
+            replan_every=1,
+            admit_limit=2,
+            hysteresis=1.2,
+            elastic=True,
+            observe_prefill=True,
+            rewarm_set="top",
+        ),
+        dict(
+            policy=HybridConfig(), replan_every=1, admit_limit=2, elastic=True, observe_prefill=True, async_observe=True
+        ),
+        dict(policy=DecayedConfig(), async_observe=True, elastic=True, rewarm_after=1),
     ],
 )
 def test_simulator_matches_the_cache(make_home, kw: dict[str, object]) -> None:
     """simulate() and ExpertCache run the same controller: identical counters on the same trace."""
     tr = generate(
-        SyntheticTraceConfig(num_layers=3, num_experts=16, top_k=2, decode_steps=150, streams=2, mean_decode_tokens=40, mean_prompt_tokens=30, prefill_rows=5, seed=3)
+        SyntheticTraceConfig(
+            num_layers=3,
+            num_experts=16,
+            top_k=2,
+            decode_steps=150,
+            streams=2,
+            mean_decode_tokens=40,
+            mean_prompt_tokens=30,
+            prefill_rows=5,
+            seed=3,
+        )
     )
-    base: dict[str, object] = dict(num_layers=3, num_experts=16, slot_bytes=40, num_slots=10, prefill_tokens=8, replan_every=4, admit_limit=4)
+    base: dict[str, object] = dict(
+        num_layers=3, num_experts=16, slot_bytes=40, num_slots=10, prefill_tokens=8, replan_every=4, admit_limit=4
+    )
     base.update(kw)
     cfg = ExpertCacheConfig(**base)  # type: ignore[arg-type]
     cache = ExpertCache(cfg, make_home(cfg))
@@ -276,7 +324,18 @@ def test_observe_is_one_device_op(make_home) -> None:
     """The hot path: observe() issues exactly one non-view op (index_add_) for int32/int64 ids."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    views = {"slice", "view", "reshape", "_reshape_alias", "alias", "select", "as_strided", "unsqueeze", "expand", "detach"}
+    views = {
+        "slice",
+        "view",
+        "reshape",
+        "_reshape_alias",
+        "alias",
+        "select",
+        "as_strided",
+        "unsqueeze",
+        "expand",
+        "detach",
+    }
 
     class Record(TorchDispatchMode):
         def __init__(self) -> None:

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from expert_cache import DSV41_FLASH_EXL3_3BPW, ExpertCacheConfig, ProjectionSpec
+from expert_cache import (
+    DSV41_FLASH_EXL3_3BPW,
+    DecayedConfig,
+    ExpertCacheConfig,
+    HybridConfig,
+    LfuConfig,
+    LruConfig,
+    ProjectionSpec,
+    policy_config,
+)
 
 
 def cfg(**kw: object) -> ExpertCacheConfig:
@@ -20,12 +29,15 @@ def test_reference_geometry() -> None:
     assert c.num_keys == 15_360
     # The reference's allocation rule: (free - margin) // per-slot bytes.
     free = 900 * 2**20 + 392 * 13_271_040 + 5
-    assert ExpertCacheConfig(num_layers=40, num_experts=384, projections=DSV41_FLASH_EXL3_3BPW).resolve_num_slots(free) == 392
+    assert (
+        ExpertCacheConfig(num_layers=40, num_experts=384, projections=DSV41_FLASH_EXL3_3BPW).resolve_num_slots(free)
+        == 392
+    )
 
 
 def test_defaults_are_the_reference() -> None:
     c = cfg()
-    assert (c.policy, c.replan_every, c.admit_limit, c.decay, c.hysteresis) == ("decayed", 16, 48, 0.9, 1.0)
+    assert (c.policy, c.replan_every, c.admit_limit, c.hysteresis) == (DecayedConfig(decay=0.9), 16, 48, 1.0)
     assert (c.prefill_tokens, c.rewarm_after, c.margin_bytes) == (512, 4, 900 * 2**20)
 
 
@@ -40,24 +52,24 @@ def test_frozen() -> None:
         (dict(num_layers=0), ValueError, "num_layers: must be >= 1, got 0"),
         (dict(num_experts=2.5), TypeError, "num_experts: must be an int"),
         (dict(slot_bytes=0), ValueError, "slot_bytes: one of projections or slot_bytes"),
-        (dict(projections=(ProjectionSpec("a", (4,)),)), ValueError, "slot_bytes: give either projections or slot_bytes"),
+        (
+            dict(projections=(ProjectionSpec("a", (4,)),)),
+            ValueError,
+            "slot_bytes: give either projections or slot_bytes",
+        ),
         (dict(slot_bytes=0, projections=[ProjectionSpec("a", (4,))]), TypeError, "projections: must be a tuple"),
-        (dict(slot_bytes=0, projections=(ProjectionSpec("a", (4,)), ProjectionSpec("a", (2,)))), ValueError, "projections: names must be unique"),
+        (
+            dict(slot_bytes=0, projections=(ProjectionSpec("a", (4,)), ProjectionSpec("a", (2,)))),
+            ValueError,
+            "projections: names must be unique",
+        ),
         (dict(num_slots=-1), ValueError, "num_slots: must be >= 0"),
         (dict(num_slots=9), ValueError, "num_slots: must be <= num_layers \\* num_experts = 8"),
-        (dict(policy="fifo"), ValueError, "policy: must be one of"),
+        (dict(policy="decayed"), TypeError, "policy: must be one of DecayedConfig, .*policy_config"),
         (dict(replan_every=0), ValueError, "replan_every: must be in \\[1, 1024\\]"),
         (dict(admit_limit=0), ValueError, "admit_limit: must be >= 1"),
         (dict(hysteresis=0.5), ValueError, "hysteresis: must be in"),
-        (dict(hysteresis=2.0, policy="lru"), ValueError, "hysteresis: policy 'lru' ranks by recency"),
-        (dict(decay=0.0), ValueError, "decay: must be in \\(0.0, 1.0\\]"),
-        (dict(decay=float("nan")), ValueError, "decay: must be in"),
-        (dict(lfu_halve_every=0), ValueError, "lfu_halve_every"),
-        (dict(hybrid_halflives=(4.0, 100.0), hybrid_slow_halflife=10.0), ValueError, "hybrid_slow_halflife: must be >= max\\(hybrid_halflives\\)"),
-        (dict(hybrid_halflives=()), ValueError, "hybrid_halflives: must be a non-empty tuple"),
-        (dict(hybrid_halflives=(4.0, -1.0)), ValueError, "hybrid_halflives\\[1\\]: must be in"),
-        (dict(profile_path="p.npz"), ValueError, "profile_path: only the 'hybrid' policy"),
-        (dict(profile_path="", policy="hybrid"), ValueError, "profile_path: must be None or a non-empty"),
+        (dict(hysteresis=2.0, policy=LruConfig()), ValueError, "hysteresis: policy 'lru' ranks by recency"),
         (dict(elastic=1), TypeError, "elastic: must be a bool"),
         (dict(prefill_tokens=0), ValueError, "prefill_tokens: must be >= 1"),
         (dict(rewarm_after=-1), ValueError, "rewarm_after: must be >= 0"),
@@ -71,6 +83,33 @@ def test_frozen() -> None:
 def test_errors_name_the_field(kw: dict[str, object], exc: type[Exception], msg: str) -> None:
     with pytest.raises(exc, match=msg):
         cfg(**kw)
+
+
+@pytest.mark.parametrize(
+    ("make", "exc", "msg"),
+    [
+        (lambda: DecayedConfig(decay=0.0), ValueError, "DecayedConfig.decay: must be in \\(0.0, 1.0\\]"),
+        (lambda: DecayedConfig(decay=float("nan")), ValueError, "DecayedConfig.decay: must be in"),
+        (lambda: LfuConfig(halve_every=0), ValueError, "LfuConfig.halve_every: must be >= 1"),
+        (lambda: HybridConfig(halflives=(4.0, 100.0), slow_halflife=10.0), ValueError,
+         "HybridConfig.slow_halflife: must be >= max\\(halflives\\)"),
+        (lambda: HybridConfig(halflives=()), ValueError, "HybridConfig.halflives: must be a non-empty tuple"),
+        (lambda: HybridConfig(halflives=(4.0, -1.0)), ValueError, "HybridConfig.halflives\\[1\\]: must be in"),
+        (lambda: HybridConfig(profile_path=""), ValueError, "HybridConfig.profile_path: must be None or a non-empty"),
+        (lambda: policy_config("fifo"), ValueError, "policy: must be one of \\['decayed', 'lru', 'lfu', 'arc', 'hybrid'\\]"),  # noqa: E501
+        (lambda: policy_config("lfu", profile_path="p.npz"), ValueError,
+         "LfuConfig.profile_path: the 'lfu' policy has no such knob \\(it has \\['halve_every'\\]\\)"),
+        (lambda: policy_config("lru", decay=0.5), ValueError, "LruConfig.decay: the 'lru' policy has no such knob \\(it has none\\)"),  # noqa: E501
+    ],
+)  # fmt: skip
+def test_policy_config_errors_name_the_field(make: object, exc: type[Exception], msg: str) -> None:
+    with pytest.raises(exc, match=msg):
+        make()  # type: ignore[operator]
+
+
+def test_policy_config_by_name() -> None:
+    assert policy_config("hybrid", slow_weight=0.5) == HybridConfig(slow_weight=0.5)
+    assert policy_config("lfu").name == "lfu" and cfg(policy=policy_config("arc")).policy.name == "arc"
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from expert_cache import ExpertCache, ExpertCacheConfig, ProjectionSpec, SyntheticTraceConfig, generate, simulate
+from expert_cache import (
+    ExpertCache,
+    ExpertCacheConfig,
+    ProjectionSpec,
+    SyntheticTraceConfig,
+    generate,
+    policy_config,
+    simulate,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -39,7 +47,9 @@ def read_all(cache: ExpertCache, stream: torch.cuda.Stream) -> list[torch.Tensor
         for p, spec in enumerate(cfg.projection_specs):
             out = torch.full((cfg.num_keys, spec.nbytes), 0xAB, dtype=torch.uint8, device=cache.device)
             tab = cache.pointer_table.view(-1)[p:]
-            _read_through[(cfg.num_keys,)](tab, out, cfg.num_keys, len(cfg.projection_specs), spec.nbytes, spec.nbytes, BLOCK=1024)
+            _read_through[(cfg.num_keys,)](
+                tab, out, cfg.num_keys, len(cfg.projection_specs), spec.nbytes, spec.nbytes, BLOCK=1024
+            )
             outs.append(out)
     return outs
 
@@ -58,8 +68,17 @@ PROJ = (ProjectionSpec("w13", (2, 64, 48), "int16"), ProjectionSpec("w2", (3000,
 @pytest.mark.parametrize("policy", ["decayed", "hybrid", "arc"])
 def test_kernel_reads_right_bytes_after_random_operations(make_home, policy: str, async_fill: bool) -> None:
     cfg = ExpertCacheConfig(
-        num_layers=3, num_experts=16, projections=PROJ, num_slots=9, replan_every=2, admit_limit=4, policy=policy,
-        elastic=True, prefill_tokens=6, rewarm_after=2, async_fill=async_fill,
+        num_layers=3,
+        num_experts=16,
+        projections=PROJ,
+        num_slots=9,
+        replan_every=2,
+        admit_limit=4,
+        policy=policy_config(policy),
+        elastic=True,
+        prefill_tokens=6,
+        rewarm_after=2,
+        async_fill=async_fill,
     )
     home = make_home(cfg, 1, pin=True)
     cache = ExpertCache(cfg, home, "cuda")
@@ -73,7 +92,9 @@ def test_kernel_reads_right_bytes_after_random_operations(make_home, policy: str
             tokens = int(rng.choice([1, 2, 9])) if rng.random() < 0.9 else 20
             cache.before_step(tokens)
             for layer in range(3):
-                ids = np.stack([rng.choice(5 if rng.random() < 0.7 else 16, 2, replace=False) for _ in range(min(tokens, 4))])
+                ids = np.stack(
+                    [rng.choice(5 if rng.random() < 0.7 else 16, 2, replace=False) for _ in range(min(tokens, 4))]
+                )
                 cache.observe(layer, torch.from_numpy(ids).cuda())
             cache.after_step()
         elif op == 7:
@@ -98,8 +119,14 @@ def _race_setup(make_home, async_fill: bool):
     """One slot holding expert 0; ``async_observe`` so that a replan never waits for the compute stream (with a
     synchronous drain the wait itself would order everything and hide a missing event)."""
     cfg = ExpertCacheConfig(
-        num_layers=1, num_experts=4, projections=(ProjectionSpec("w", (4 << 20,), "uint8"),), num_slots=1,
-        replan_every=1024, admit_limit=1, async_fill=async_fill, async_observe=True,
+        num_layers=1,
+        num_experts=4,
+        projections=(ProjectionSpec("w", (4 << 20,), "uint8"),),
+        num_slots=1,
+        replan_every=1024,
+        admit_limit=1,
+        async_fill=async_fill,
+        async_observe=True,
     )
     home = make_home(cfg, 2, pin=True)
     cache = ExpertCache(cfg, home, "cuda")
@@ -173,7 +200,7 @@ def test_observe_and_decode_steps_never_sync(make_home) -> None:
     cache = ExpertCache(cfg, make_home(cfg, pin=True), "cuda")
     ids = torch.stack([torch.randperm(32, device="cuda")[:6] for _ in range(4)])
     torch.cuda.synchronize()
-    for step in range(7):  # steps 1..7: no replan due
+    for _ in range(7):  # steps 1..7: no replan due
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "prototype feature" notice
             torch.cuda.set_sync_debug_mode("error")
@@ -236,8 +263,31 @@ def test_observe_in_a_cuda_graph(make_home) -> None:
 
 
 def test_gpu_cache_matches_the_simulator(make_home) -> None:
-    tr = generate(SyntheticTraceConfig(num_layers=3, num_experts=16, top_k=2, decode_steps=120, streams=2, mean_decode_tokens=40, mean_prompt_tokens=30, prefill_rows=5, seed=4))
-    cfg = ExpertCacheConfig(num_layers=3, num_experts=16, slot_bytes=256, num_slots=10, prefill_tokens=8, replan_every=3, admit_limit=4, elastic=True, rewarm_after=2, async_fill=False)
+    tr = generate(
+        SyntheticTraceConfig(
+            num_layers=3,
+            num_experts=16,
+            top_k=2,
+            decode_steps=120,
+            streams=2,
+            mean_decode_tokens=40,
+            mean_prompt_tokens=30,
+            prefill_rows=5,
+            seed=4,
+        )
+    )
+    cfg = ExpertCacheConfig(
+        num_layers=3,
+        num_experts=16,
+        slot_bytes=256,
+        num_slots=10,
+        prefill_tokens=8,
+        replan_every=3,
+        admit_limit=4,
+        elastic=True,
+        rewarm_after=2,
+        async_fill=False,
+    )
     cache = ExpertCache(cfg, make_home(cfg, pin=True), "cuda")
     off = 0
     for s in range(tr.num_steps):

@@ -5,7 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from expert_cache import CacheController, ExpertCacheConfig, Swap, save_profile
+from expert_cache import (
+    ArcConfig,
+    CacheController,
+    DecayedConfig,
+    ExpertCacheConfig,
+    HybridConfig,
+    LfuConfig,
+    LruConfig,
+    Swap,
+    save_profile,
+)
 from expert_cache.policies import ARCPolicy, HybridPolicy
 
 
@@ -29,7 +39,7 @@ def res(ctl: CacheController) -> set[int]:
 
 def test_decayed_reference_rule() -> None:
     """score = score * decay + picks per replan; admit best non-residents of the top-N; evict with hysteresis."""
-    c = ctl_for(4, 2, policy="decayed", decay=0.5, replan_every=1, admit_limit=1)
+    c = ctl_for(4, 2, policy=DecayedConfig(decay=0.5), replan_every=1, admit_limit=1)
     assert step(c, {0: 3, 1: 1}) == [Swap(0, -1, 0)]  # score [3, 1, 0, 0]; admit limit 1
     np.testing.assert_allclose(c.policy.priorities(), [3, 1, 0, 0])
     assert step(c, {1: 2, 2: 4}) == [Swap(1, -1, 2)]  # score [1.5, 2.5, 4, 0]: want {2, 1}, 2 first
@@ -40,7 +50,7 @@ def test_decayed_reference_rule() -> None:
 
 
 def test_decayed_hysteresis_blocks_a_close_swap() -> None:
-    c = ctl_for(4, 2, policy="decayed", decay=0.5, replan_every=1, admit_limit=1, hysteresis=5.0)
+    c = ctl_for(4, 2, policy=DecayedConfig(decay=0.5), replan_every=1, admit_limit=1, hysteresis=5.0)
     step(c, {0: 3, 1: 1})
     step(c, {1: 2, 2: 4})
     assert step(c, {1: 2}) == []  # 3.25 > 5 * 0.75 is false: the replan stops
@@ -48,7 +58,7 @@ def test_decayed_hysteresis_blocks_a_close_swap() -> None:
 
 
 def test_decayed_counts_accumulate_between_replans_and_decay_once() -> None:
-    c = ctl_for(3, 1, policy="decayed", decay=0.5, replan_every=2)
+    c = ctl_for(3, 1, policy=DecayedConfig(decay=0.5), replan_every=2)
     p = np.array([1.0, 0, 0])
     c.observe([np.array([0])], p)
     c.observe([np.array([0])], p)  # two steps of one interval, one decay
@@ -57,7 +67,7 @@ def test_decayed_counts_accumulate_between_replans_and_decay_once() -> None:
 
 
 def test_admission_limit_takes_the_best_first_and_ties_by_key() -> None:
-    c = ctl_for(8, 6, policy="decayed", admit_limit=2)
+    c = ctl_for(8, 6, policy=DecayedConfig(), admit_limit=2)
     sw = step(c, {5: 3, 1: 2, 6: 2, 2: 9, 7: 1})
     assert [s.new_key for s in sw] == [2, 5]
     sw = step(c, {})  # decayed scores keep their order: next best 1 and 6 tie (1.8), lower key first
@@ -65,13 +75,13 @@ def test_admission_limit_takes_the_best_first_and_ties_by_key() -> None:
 
 
 def test_keys_outside_the_top_n_or_without_score_are_not_admitted() -> None:
-    c = ctl_for(6, 4, policy="decayed", admit_limit=10)
+    c = ctl_for(6, 4, policy=DecayedConfig(), admit_limit=10)
     step(c, {0: 1, 1: 1})
     assert res(c) == {0, 1}  # two free slots stay free: no other key has a positive score
 
 
 def test_lru_hand_trace() -> None:
-    c = ctl_for(4, 2, policy="lru", replan_every=1, admit_limit=2)
+    c = ctl_for(4, 2, policy=LruConfig(), replan_every=1, admit_limit=2)
     step(c, {0: 1})
     step(c, {1: 1})
     assert res(c) == {0, 1}
@@ -82,14 +92,14 @@ def test_lru_hand_trace() -> None:
 
 
 def test_lru_batched_replan_sees_the_order_inside_the_interval() -> None:
-    c = ctl_for(4, 2, policy="lru", replan_every=3, admit_limit=4)
+    c = ctl_for(4, 2, policy=LruConfig(), replan_every=3, admit_limit=4)
     c.observe([np.array([0, 1]), np.array([2]), np.array([1])], np.array([1.0, 2, 1, 0]))
     c.plan()
     assert res(c) == {1, 2}  # last use 0:1 1:3 2:2
 
 
 def test_lfu_with_aging_hand_trace() -> None:
-    c = ctl_for(2, 1, policy="lfu", lfu_halve_every=2, replan_every=1)
+    c = ctl_for(2, 1, policy=LfuConfig(halve_every=2), replan_every=1)
     step(c, {0: 5})  # counts steps, not picks: [1, 0]
     assert res(c) == {0}
     step(c, {0: 1})  # [2, 0] -> halved at step 2 -> [1, 0]
@@ -118,7 +128,7 @@ def test_arc_hand_trace() -> None:
 
 
 def test_arc_drives_the_residents() -> None:
-    c = ctl_for(8, 2, policy="arc", replan_every=1, admit_limit=2)
+    c = ctl_for(8, 2, policy=ArcConfig(), replan_every=1, admit_limit=2)
     want = [{1}, {1, 2}, {1, 2}, {1, 3}, {2, 3}, {1, 2}]
     for x, w in zip([1, 2, 1, 3, 2, 1], want, strict=True):
         step(c, {x: 1})
@@ -138,7 +148,7 @@ def test_arc_full_cache_invariants() -> None:
 
 
 def test_hybrid_hand_trace() -> None:
-    c = ctl_for(3, 1, policy="hybrid", hybrid_halflives=(1.0,), hybrid_slow_halflife=1.0, hybrid_slow_weight=0.0, replan_every=1)
+    c = ctl_for(3, 1, policy=HybridConfig(halflives=(1.0,), slow_halflife=1.0, slow_weight=0.0), replan_every=1)
     step(c, {0: 2})  # fast = 0.5 * 0 + 0.5 * 2 = [1, 0, 0]
     np.testing.assert_allclose(c.policy.priorities(), [1, 0, 0])
     assert res(c) == {0}
@@ -148,7 +158,9 @@ def test_hybrid_hand_trace() -> None:
 
 
 def test_hybrid_hysteresis_and_slow_term() -> None:
-    c = ctl_for(3, 1, policy="hybrid", hybrid_halflives=(1.0,), hybrid_slow_halflife=1e6, hybrid_slow_weight=1.0, hysteresis=5.0, replan_every=1)
+    c = ctl_for(
+        3, 1, policy=HybridConfig(halflives=(1.0,), slow_halflife=1e6, slow_weight=1.0), hysteresis=5.0, replan_every=1
+    )
     step(c, {0: 2})
     step(c, {1: 4})
     assert res(c) == {0}  # 2 + tiny < 5 * (0.5 + tiny)
@@ -158,7 +170,7 @@ def test_hybrid_hysteresis_and_slow_term() -> None:
 
 
 def test_hybrid_recency_bonus() -> None:
-    c = ctl_for(3, 1, policy="hybrid", hybrid_halflives=(1.0,), hybrid_recency_bonus=10.0, replan_every=1)
+    c = ctl_for(3, 1, policy=HybridConfig(halflives=(1.0,), recency_bonus=10.0), replan_every=1)
     step(c, {0: 4})
     step(c, {1: 1})  # fast [1, 0.5, 0] but 1 was routed last: +10
     assert res(c) == {1}
@@ -168,14 +180,14 @@ def test_hybrid_picks_the_time_scale_that_hits() -> None:
     """Two candidate half-lives (1 and 1000 steps), one slot. While key 0 is routed both shadow caches hit and the
     long one (the middle candidate) leads; when routing moves to key 1 the short one hits and takes over, so the
     cache follows within a few steps; a fixed long half-life would hold key 0 for ~1000 steps."""
-    kw = dict(policy="hybrid", hybrid_slow_weight=0.0, replan_every=1, hybrid_score_halflife=64.0)
-    c = ctl_for(2, 1, hybrid_halflives=(1.0, 1000.0), **kw)
-    fixed = ctl_for(2, 1, hybrid_halflives=(1000.0,), **kw)
+    hybrid = dict(slow_weight=0.0, score_halflife=64.0)
+    c = ctl_for(2, 1, policy=HybridConfig(halflives=(1.0, 1000.0), **hybrid), replan_every=1)  # type: ignore[arg-type]
+    fixed = ctl_for(2, 1, policy=HybridConfig(halflives=(1000.0,), **hybrid), replan_every=1)  # type: ignore[arg-type]
     for _ in range(50):
         step(c, {0: 1})
         step(fixed, {0: 1})
     assert c.policy.leader_halflife == 1000.0 and res(c) == {0}
-    for i in range(20):
+    for i in range(20):  # noqa: B007 (i is read after the loop)
         step(c, {1: 1})
         step(fixed, {1: 1})
         if res(c) == {1}:
@@ -191,31 +203,50 @@ def test_hybrid_profile_prior(tmp_path) -> None:
     rates = np.zeros((2, 3))
     rates[1, 2] = 7.0
     save_profile(path, rates, 2, 3)
-    cfg = ExpertCacheConfig(num_layers=2, num_experts=3, slot_bytes=8, num_slots=1, policy="hybrid", profile_path=str(path), replan_every=1)
+    cfg = ExpertCacheConfig(
+        num_layers=2,
+        num_experts=3,
+        slot_bytes=8,
+        num_slots=1,
+        policy=HybridConfig(profile_path=str(path)),
+        replan_every=1,
+    )
     c = CacheController(cfg, 1)
     step(c, {0: 1})
     assert res(c) == {5}  # the profile's key (layer 1, expert 2) beats one observed pick
     bad = tmp_path / "bad.npz"
     np.savez(bad, rates=np.zeros((3, 3)))
     with pytest.raises(ValueError, match="rates has shape"):
-        CacheController(ExpertCacheConfig(num_layers=2, num_experts=3, slot_bytes=8, num_slots=1, policy="hybrid", profile_path=str(bad)), 1)
+        CacheController(
+            ExpertCacheConfig(
+                num_layers=2, num_experts=3, slot_bytes=8, num_slots=1, policy=HybridConfig(profile_path=str(bad))
+            ),
+            1,
+        )
 
 
 def test_prefill_observation() -> None:
-    c = ctl_for(4, 1, policy="hybrid", hybrid_halflives=(1.0,), hybrid_slow_weight=0.0, observe_prefill=True, prefill_weight=2.0, replan_every=1)
+    c = ctl_for(
+        4,
+        1,
+        policy=HybridConfig(halflives=(1.0,), slow_weight=0.0),
+        observe_prefill=True,
+        prefill_weight=2.0,
+        replan_every=1,
+    )
     step(c, {0: 1})  # fast [0.5, 0, 0, 0]
     pre = np.array([0.0, 0, 30, 0])
     c.observe([], np.zeros(4), pre, 10)  # rate 3 per token, weight 2 -> +6
     np.testing.assert_allclose(c.policy.priorities(), [0.5, 0, 6, 0])
     c.plan()
     assert res(c) == {2}
-    off = ctl_for(4, 1, policy="hybrid", observe_prefill=False)
+    off = ctl_for(4, 1, policy=HybridConfig(), observe_prefill=False)
     off.observe([], np.zeros(4), pre, 10)
     assert not off.policy.priorities().any()
 
 
 def test_release_and_rewarm_sets() -> None:
-    c = ctl_for(6, 3, policy="decayed", elastic=True, prefill_tokens=10, rewarm_after=1, admit_limit=8)
+    c = ctl_for(6, 3, policy=DecayedConfig(), elastic=True, prefill_tokens=10, rewarm_after=1, admit_limit=8)
     step(c, {0: 5, 1: 4, 2: 3})
     assert c.begin_step(11) == ("prefill", "release")
     evicted = c.release()
@@ -226,7 +257,9 @@ def test_release_and_rewarm_sets() -> None:
     assert c.begin_step(1) == ("decode", "rewarm")
     sw = c.rewarm()
     assert [s.new_key for s in sw] == [0, 1, 2]  # "kept": the old residents, best first
-    c2 = ctl_for(6, 3, policy="decayed", elastic=True, prefill_tokens=10, rewarm_after=0, admit_limit=8, rewarm_set="top")
+    c2 = ctl_for(
+        6, 3, policy=DecayedConfig(), elastic=True, prefill_tokens=10, rewarm_after=0, admit_limit=8, rewarm_set="top"
+    )
     step(c2, {0: 5, 1: 4, 2: 3})
     c2.begin_step(11)
     c2.release()
@@ -241,7 +274,7 @@ def test_hybrid_policy_rejects_a_wrong_profile_size() -> None:
 
 
 def test_async_observe_feeds_the_previous_snapshot() -> None:
-    c = ctl_for(4, 1, policy="decayed", decay=0.5, replan_every=1, async_observe=True)
+    c = ctl_for(4, 1, policy=DecayedConfig(decay=0.5), replan_every=1, async_observe=True)
     calls = []
 
     def obs(k: int):
@@ -260,6 +293,6 @@ def test_async_observe_feeds_the_previous_snapshot() -> None:
     assert [s.new_key for s in c.plan()] == [0]  # planned with step 0's data
     c.submit(obs(2), complete=True)  # a release/re-warm flush feeds everything
     assert calls == [0, 1, 2]
-    c2 = ctl_for(4, 1, policy="decayed", replan_every=1)
+    c2 = ctl_for(4, 1, policy=DecayedConfig(), replan_every=1)
     c2.submit(obs(3))
     assert calls[-1] == 3 and [s.new_key for s in c2.plan()] == [3]

@@ -14,7 +14,9 @@ from expert_cache.sim import main
 
 @pytest.fixture(scope="module")
 def trace_path(tmp_path_factory):
-    tr = generate(SyntheticTraceConfig(num_layers=4, num_experts=32, top_k=3, decode_steps=300, mean_decode_tokens=100, seed=5))
+    tr = generate(
+        SyntheticTraceConfig(num_layers=4, num_experts=32, top_k=3, decode_steps=300, mean_decode_tokens=100, seed=5)
+    )
     p = tmp_path_factory.mktemp("tr") / "t.npz"
     tr.save(p)
     return p
@@ -24,14 +26,25 @@ def test_cli_json(trace_path, capsys) -> None:
     assert main(["--trace", str(trace_path), "--slots", "20", "--policy", "lru", "--json", "--belady"]) == 0
     out = json.loads(capsys.readouterr().out)
     st = out["stats"]
-    assert out["source"] == "synthetic" and out["config"]["policy"] == "lru"
+    assert out["source"] == "synthetic" and out["config"]["policy"] == {"name": "lru"}
     assert st["num_slots"] == 20 and 0 < st["hit_rate"] < 1 and st["accesses"] == st["hits"] + st["misses"]
     assert out["belady_hit_rate"] >= st["hit_rate"]
 
 
 def test_cli_as_module(trace_path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "expert_cache.sim", "--trace", str(trace_path), "--slots", "16", "--policy", "decayed", "--json"],
+        [
+            sys.executable,
+            "-m",
+            "expert_cache.sim",
+            "--trace",
+            str(trace_path),
+            "--slots",
+            "16",
+            "--policy",
+            "decayed",
+            "--json",
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -43,7 +56,23 @@ def test_cli_as_module(trace_path) -> None:
 def test_trace_cli(tmp_path) -> None:
     out = tmp_path / "g.npz"
     r = subprocess.run(
-        [sys.executable, "-m", "expert_cache.trace", "--out", str(out), "--num-layers", "2", "--num-experts", "16", "--top-k", "2", "--decode-steps", "30", "--streams", "2"],
+        [
+            sys.executable,
+            "-m",
+            "expert_cache.trace",
+            "--out",
+            str(out),
+            "--num-layers",
+            "2",
+            "--num-experts",
+            "16",
+            "--top-k",
+            "2",
+            "--decode-steps",
+            "30",
+            "--streams",
+            "2",
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -53,7 +82,11 @@ def test_trace_cli(tmp_path) -> None:
 
     tr = load_trace(out)
     assert tr.meta["generator"]["streams"] == 2 and int((tr.rows_per_step == 2).sum()) >= 30
-    bad = subprocess.run([sys.executable, "-m", "expert_cache.trace", "--out", str(out), "--streams", "0"], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "expert_cache.trace", "--out", str(out), "--streams", "0"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "streams: must be an int >= 1" in bad.stderr
 
 
@@ -78,7 +111,13 @@ def test_more_slots_never_hurt_the_decayed_policy_much(trace_path) -> None:
     from expert_cache import load_trace
 
     tr = load_trace(trace_path)
-    rates = [simulate(tr, ExpertCacheConfig(num_layers=4, num_experts=32, slot_bytes=1, num_slots=n)).hit_rate for n in (8, 32, 128)]
+    rates = [
+        simulate(tr, ExpertCacheConfig(num_layers=4, num_experts=32, slot_bytes=1, num_slots=n)).hit_rate
+        for n in (8, 32, 128)
+    ]
     assert rates[0] < rates[1] < rates[2]
-    full = simulate(tr, ExpertCacheConfig(num_layers=4, num_experts=32, slot_bytes=1, num_slots=128, admit_limit=128, replan_every=1))
+    full = simulate(
+        tr,
+        ExpertCacheConfig(num_layers=4, num_experts=32, slot_bytes=1, num_slots=128, admit_limit=128, replan_every=1),
+    )
     assert full.evicts == 0 and full.hit_rate > 0.9  # every key fits: only first touches miss

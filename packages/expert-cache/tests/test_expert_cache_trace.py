@@ -10,7 +10,15 @@ from expert_cache.sim import access_stream
 
 
 def tiny(**kw: object) -> SyntheticTraceConfig:
-    base: dict[str, object] = dict(num_layers=3, num_experts=32, top_k=4, decode_steps=200, mean_decode_tokens=50, mean_prompt_tokens=700, prefill_rows=8)
+    base: dict[str, object] = dict(
+        num_layers=3,
+        num_experts=32,
+        top_k=4,
+        decode_steps=200,
+        mean_decode_tokens=50,
+        mean_prompt_tokens=700,
+        prefill_rows=8,
+    )
     base.update(kw)
     return SyntheticTraceConfig(**base)  # type: ignore[arg-type]
 

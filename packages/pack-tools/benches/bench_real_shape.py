@@ -12,7 +12,7 @@ Shapes the reference does not state (dense bits, compressor width) are derived f
 tiny_v41.FLASH. The sparse header writer below is for this benchmark only (the pack tools write through
 safetensors' serializer).
 
-Usage: uv run --no-sync python packages/pack-tools/benches/bench_real_shape.py --root /tmp/pt-real [--jobs 2]
+Usage: uv run --package pack-tools python packages/pack-tools/benches/bench_real_shape.py --root /tmp/pt-real [--jobs 2]
 """
 
 from __future__ import annotations

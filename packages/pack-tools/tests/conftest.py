@@ -8,8 +8,9 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import pack_tools.download as dl
 import pytest
+
+import pack_tools.download as dl
 from pack_tools import build_pack
 from pack_tools.origin import ENGRAM, EXL3
 from pack_tools.presets.tiny_v41 import synth_tiny_v41

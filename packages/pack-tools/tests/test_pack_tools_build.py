@@ -9,14 +9,16 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import pack_tools.build as build_mod
 import pytest
+from safetensors import safe_open
+
+import pack_tools.build as build_mod
+import pack_tools.reconstruct as reconstruct_mod
 from cpu_tier.exl3 import Exl3Tensor, linear
 from pack_tools import PackConfig, PackError, build_pack, verify_pack
 from pack_tools.manifest import hash_file
 from pack_tools.presets.tiny_v41 import TinyV41
 from pack_tools.st import read_header
-from safetensors import safe_open
 
 
 def _index(pack: Path) -> dict[str, str]:
@@ -181,7 +183,7 @@ def test_fp16_reconstruction_is_correctly_rounded():
 
 def test_interrupted_build_leaves_no_valid_pack_and_resumes(tiny_inputs, monkeypatch):
     d = TinyV41()
-    real = build_mod._decode_linear
+    real = reconstruct_mod._decode_linear
     calls: list[str] = []
 
     def flaky(reader, where, prefix):
@@ -190,7 +192,7 @@ def test_interrupted_build_leaves_no_valid_pack_and_resumes(tiny_inputs, monkeyp
             raise KeyboardInterrupt
         return real(reader, where, prefix)
 
-    monkeypatch.setattr(build_mod, "_decode_linear", flaky)
+    monkeypatch.setattr(reconstruct_mod, "_decode_linear", flaky)
     with pytest.raises(KeyboardInterrupt):
         tiny_inputs.build()
     assert not tiny_inputs.pack.exists()
@@ -203,7 +205,7 @@ def test_interrupted_build_leaves_no_valid_pack_and_resumes(tiny_inputs, monkeyp
 
     # rerun: resumes in the same partial directory, keeps the finished root, completes, renames
     calls.clear()
-    monkeypatch.setattr(build_mod, "_decode_linear", lambda r, w, p: (calls.append(p), real(r, w, p))[1])
+    monkeypatch.setattr(reconstruct_mod, "_decode_linear", lambda r, w, p: (calls.append(p), real(r, w, p))[1])
     tiny_inputs.build()
     assert not [c for c in calls if c.startswith("layers.0.")]  # layers.0's wo_a was not decoded again
     predecoded = 2 * len(d.kv_source_layers) + len(d.index_source_layers)  # compressor wkv/wgate, indexer wk

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from pack_tools.cli import main
 from pack_tools.origin import ENGRAM, EXL3
 from pack_tools.presets.tiny_v41 import TinyV41

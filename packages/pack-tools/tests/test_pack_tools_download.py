@@ -5,10 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 
-import pack_tools.download as dl
 import pytest
+
+import pack_tools.download as dl
 from pack_tools import PackError, download_inputs
-from pack_tools.build import INPUT_RECEIPT
+from pack_tools.inputs import INPUT_RECEIPT
 from pack_tools.origin import ENGRAM, EXL3
 
 
@@ -97,7 +98,7 @@ def test_hf_adapter_passes_pinned_arguments(monkeypatch, tmp_path):
     assert files == [dl.RemoteFile("model-00047-of-00048.safetensors", 5, "ab"), dl.RemoteFile("config.json", 2, None)]
     assert seen["info"] == (ENGRAM.repo_id, {"revision": ENGRAM.revision, "files_metadata": True, "token": None})
     hub.snapshot_download(ENGRAM.repo_id, ENGRAM.revision, list(ENGRAM.allow_patterns), tmp_path, 8, None)
-    assert seen["snapshot"] == (ENGRAM.repo_id, {"revision": ENGRAM.revision, "allow_patterns": list(ENGRAM.allow_patterns),
+    assert seen["snapshot"] == (ENGRAM.repo_id, {"revision": ENGRAM.revision, "allow_patterns": list(ENGRAM.allow_patterns),  # noqa: E501
                                                  "local_dir": tmp_path, "max_workers": 8, "token": None})  # fmt: skip
 
 

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+
 from pack_tools import PackError, inspect_pack
 from pack_tools.inspection import format_inspect
 from pack_tools.presets.tiny_v41 import TinyV41, expected_engram_rows

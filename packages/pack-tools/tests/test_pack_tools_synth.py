@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from safetensors import safe_open
+
 from cpu_tier.exl3 import Exl3Tensor
 from pack_tools import PackError, inspect_pack, synth, verify_pack
 from pack_tools.manifest import hash_file
@@ -20,7 +22,6 @@ from pack_tools.presets.flash_layer import FlashLayer, flash_layer_plan
 from pack_tools.presets.tiny_v41 import TinyV41, expected_engram_rows
 from pack_tools.st import read_header
 from pack_tools.v41 import engram_primes
-from safetensors import safe_open
 
 
 def _all_tensors(d: Path) -> dict[str, tuple[str, tuple[int, ...], str]]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from pack_tools import verify_pack
 from pack_tools.manifest import write_manifest
 from pack_tools.st import read_header, write_safetensors

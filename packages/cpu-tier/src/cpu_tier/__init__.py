@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from importlib.metadata import version as _version
 
-from . import exl3
+from . import exl3, geometry
 from .config import CpuTierConfig
 from .exl3 import Exl3Tensor, random_tensor
 from .tier import ExpertTier, Job, Picks, exl3_matmul, selected_isa
@@ -43,6 +43,7 @@ __all__ = [
     "cpu_features",
     "exl3",
     "exl3_matmul",
+    "geometry",
     "random_tensor",
     "runnable_isas",
     "selected_isa",

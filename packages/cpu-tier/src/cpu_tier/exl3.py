@@ -30,7 +30,12 @@ import numpy as np
 
 __all__ = [
     "CODEBOOKS",
+    "CODEBOOK_MULT",
+    "LOP3_AND",
+    "LOP3_XOR",
     "MARKERS",
+    "MUL1_BIAS",
+    "MUL1_SCALE",
     "SUPPORTED_BITS",
     "Codebook",
     "Exl3Tensor",
@@ -39,20 +44,35 @@ __all__ = [
     "decode",
     "decode_states",
     "hadamard_128",
+    "hadamard_matrix",
     "linear",
     "random_tensor",
     "reconstruct",
+    "stream_windows",
     "tensor_core_perm",
+    "trellis_shape",
     "trellis_states",
+    "window_ends",
 ]
 
 Codebook = Literal["3inst", "mcg", "mul1"]
 CODEBOOKS: tuple[Codebook, ...] = ("3inst", "mcg", "mul1")
 
-#: Marker tensor values (0-dim int32). Only their presence selects the codebook; the values are checked too.
+#: ``(multiplier, addend)`` of each codebook's hash: ``x = (state * multiplier + addend) mod 2**32``.
+CODEBOOK_MULT: dict[Codebook, tuple[int, int]] = {
+    "3inst": (89226354, 64248484),
+    "mcg": (0xCBAC1FED, 0),
+    "mul1": (0x83DCD12D, 0),
+}
+#: 3INST and MCG map the hash through LOP3: ``(x & LOP3_AND) ^ LOP3_XOR``, then add its two fp16 halves.
+LOP3_AND = 0x8FFF8FFF
+LOP3_XOR = 0x3B603B60
+
+#: Marker tensor values (0-dim int32): the codebook's multiplier as int32. Only their presence selects the
+#: codebook; the values are checked too.
 MARKERS: dict[str, int] = {
-    "mcg": np.array(0xCBAC1FED, dtype=np.uint32).view(np.int32).item(),  # -877912083
-    "mul1": np.array(0x83DCD12D, dtype=np.uint32).view(np.int32).item(),  # -2082680531
+    "mcg": np.array(CODEBOOK_MULT["mcg"][0], dtype=np.uint32).view(np.int32).item(),  # -877912083
+    "mul1": np.array(CODEBOOK_MULT["mul1"][0], dtype=np.uint32).view(np.int32).item(),  # -2082680531
 }
 
 INTEGER_BITS: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
@@ -79,7 +99,7 @@ def _halves_sum(x: np.ndarray) -> np.ndarray:
 
 
 def _lop3(x: np.ndarray) -> np.ndarray:
-    return (x & np.uint32(0x8FFF8FFF)) ^ np.uint32(0x3B603B60)
+    return (x & np.uint32(LOP3_AND)) ^ np.uint32(LOP3_XOR)
 
 
 def _mul32(s: np.ndarray, mult: int, add: int = 0) -> np.ndarray:
@@ -88,9 +108,10 @@ def _mul32(s: np.ndarray, mult: int, add: int = 0) -> np.ndarray:
     return ((s64 * np.uint64(mult) + np.uint64(add)) & _M32).astype(np.uint32)
 
 
-# MUL1's GPU decode is one fp16 FMA: (1024 + bytesum) * half(0x1EEE) + half(0xC931), rounded once.
-_MUL1_K_INV = float(np.array(0x1EEE, dtype=np.uint16).view(np.float16))  # 0.00676727294921875
-_MUL1_K_BIAS = float(np.array(0xC931, dtype=np.uint16).view(np.float16))  # -10.3828125
+#: MUL1's GPU decode is one fp16 FMA: ``(1024 + bytesum) * MUL1_SCALE + MUL1_BIAS``, rounded once;
+#: the two constants are the fp16 values half(0x1EEE) and half(0xC931).
+MUL1_SCALE = float(np.array(0x1EEE, dtype=np.uint16).view(np.float16))  # 0.00676727294921875
+MUL1_BIAS = float(np.array(0xC931, dtype=np.uint16).view(np.float16))  # -10.3828125
 
 
 def codebook_values(states: np.ndarray, codebook: Codebook) -> np.ndarray:
@@ -109,12 +130,10 @@ def codebook_values(states: np.ndarray, codebook: Codebook) -> np.ndarray:
     if s.dtype.kind not in "iu":
         raise ValueError(f"states must be an integer array, got dtype {s.dtype}")
     s = s.astype(np.uint32) & np.uint32(0xFFFF)
-    if codebook == "3inst":
-        return _halves_sum(_lop3(_mul32(s, 89226354, 64248484)))
-    if codebook == "mcg":
-        return _halves_sum(_lop3(_mul32(s, 0xCBAC1FED)))
+    if codebook in ("3inst", "mcg"):
+        return _halves_sum(_lop3(_mul32(s, *CODEBOOK_MULT[codebook])))
     if codebook == "mul1":
-        p = _mul32(s, 0x83DCD12D)
+        p = _mul32(s, *CODEBOOK_MULT["mul1"])
         bytesum = (
             (p & np.uint32(0xFF))
             + ((p >> np.uint32(8)) & np.uint32(0xFF))
@@ -123,7 +142,7 @@ def codebook_values(states: np.ndarray, codebook: Codebook) -> np.ndarray:
         )
         # The product of two 11-bit significands plus the bias is exact in float64; numpy's
         # float64 -> float16 conversion rounds once, to nearest even, like the hfma.
-        exact = (1024.0 + bytesum.astype(np.float64)) * _MUL1_K_INV + _MUL1_K_BIAS
+        exact = (1024.0 + bytesum.astype(np.float64)) * MUL1_SCALE + MUL1_BIAS
         return exact.astype(np.float16)
     raise ValueError(f"unknown codebook {codebook!r}; expected one of {CODEBOOKS}")
 
@@ -140,7 +159,7 @@ def _check_bits(bits: float, codebook: Codebook | None = None) -> None:
         raise ValueError(f"unsupported bits per weight K={bits}{what}; supported: {allowed}")
 
 
-def _window_ends(bits: float) -> np.ndarray:
+def window_ends(bits: float) -> np.ndarray:
     """``S(t)``: the stream position just past element t's code, for t = 0..255 (int64 [256])."""
     t = np.arange(256, dtype=np.int64)
     if float(bits).is_integer():
@@ -155,7 +174,7 @@ def _window_ends(bits: float) -> np.ndarray:
 def code_lengths(bits: float) -> np.ndarray:
     """Bits consumed by each of a tile's 256 elements (int64 [256])."""
     _check_bits(bits)
-    ends = _window_ends(bits)
+    ends = window_ends(bits)
     return np.diff(np.concatenate([[0], ends]))
 
 
@@ -163,6 +182,29 @@ def _stream_words(trellis: np.ndarray) -> np.ndarray:
     """The tile bitstreams as uint32 words, ``u32[w] = u16[2w] | u16[2w+1] << 16`` (uint64 [..., 8K])."""
     u16 = trellis.astype(np.int16, copy=False).view(np.uint16).astype(np.uint64)
     return u16[..., 0::2] | (u16[..., 1::2] << np.uint64(16))
+
+
+def stream_windows(bits: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where each element's 16-bit state lies in its tile's stream of ``8K`` uint32 words.
+
+    Returns ``(i0, i1, shift)``, int64 ``[256]`` each: ``state[t] = ((u32[i0] << 32 | u32[i1]) >> shift) & 0xFFFF``
+    (the window ``[S(t) - 16, S(t))`` modulo the tile's ``256*K`` bits, MSB first; see :func:`window_ends`).
+    """
+    nbits = int(256 * bits)
+    nwords = nbits // 32
+    start = (window_ends(bits) - 16) % nbits
+    i0 = start // 32
+    i1 = (i0 + 1) % nwords
+    shift = 48 - start % 32  # 64 - 16 - (start % 32)
+    return i0, i1, shift
+
+
+def trellis_shape(k: int, n: int, bits: float) -> tuple[int, int, int]:
+    """Shape of the int16 trellis of a ``(k, n)`` linear at ``bits`` per weight: ``(k/16, n/16, 16*K)``."""
+    if k % 16 or n % 16 or k <= 0 or n <= 0:
+        raise ValueError(f"EXL3 linear dims must be positive multiples of 16, got ({k}, {n})")
+    _check_bits(bits)
+    return (k // 16, n // 16, int(16 * bits))
 
 
 def bits_from_trellis(trellis: np.ndarray) -> float:
@@ -190,13 +232,9 @@ def trellis_states(trellis: np.ndarray) -> np.ndarray:
     MSB first, where ``S(t)`` is the end of element t's code.
     """
     bits = bits_from_trellis(trellis)
-    nbits = int(256 * bits)
     words = _stream_words(trellis)
-    nwords = words.shape[-1]
-    start = (_window_ends(bits) - 16) % nbits
-    i0 = start // 32
-    i1 = (i0 + 1) % nwords
-    shift = (48 - start % 32).astype(np.uint64)  # 64 - 16 - (start % 32)
+    i0, i1, shift64 = stream_windows(bits)
+    shift = shift64.astype(np.uint64)
     pair = (words[..., i0] << np.uint64(32)) | words[..., i1]
     return ((pair >> shift) & np.uint64(0xFFFF)).astype(np.uint16)
 
@@ -255,14 +293,15 @@ def decode(trellis: np.ndarray, codebook: Codebook) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------- Hadamard
 
 
-def _hadamard_matrix(size: int = 128) -> np.ndarray:
+def hadamard_matrix(size: int = 128) -> np.ndarray:
+    """The Sylvester Hadamard matrix of ``size`` (a power of two), entries +-1 (not normalised), float64."""
     h = np.ones((1, 1))
     while h.shape[0] < size:
         h = np.block([[h, h], [h, -h]])
     return h
 
 
-_H128 = _hadamard_matrix(128) * _HAD_SCALE
+_H128 = hadamard_matrix(128) * _HAD_SCALE
 
 
 def hadamard_128(x: np.ndarray, axis: int = -1) -> np.ndarray:

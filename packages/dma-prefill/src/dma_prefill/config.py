@@ -8,7 +8,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from cpu_tier.exl3 import CODEBOOKS, SUPPORTED_BITS, Codebook
+from cpu_tier.exl3 import CODEBOOKS, SUPPORTED_BITS, Codebook, trellis_shape
+from cpu_tier.geometry import V41_FLASH as V41_FLASH_GEOMETRY
+from cpu_tier.geometry import MoeGeometry
 
 __all__ = [
     "PROJECTIONS",
@@ -43,11 +45,12 @@ class ProjSpec:
 
     @property
     def trellis_shape(self) -> tuple[int, int, int]:
-        return (self.k // 16, self.n // 16, int(16 * self.bits))
+        return trellis_shape(self.k, self.n, self.bits)
 
     @property
     def trellis_bytes(self) -> int:
-        return (self.k // 16) * (self.n // 16) * int(16 * self.bits) * 2
+        a, b, c = self.trellis_shape
+        return a * b * c * 2
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,7 +81,7 @@ class LayerSpec:
                 raise ValueError(f"LayerSpec.{name} must be a positive multiple of 128, got {v}")
         if len(self.bits) != 3 or len(self.codebooks) != 3:
             raise ValueError("LayerSpec.bits and LayerSpec.codebooks need one entry per projection (gate, up, down)")
-        for p, b, cb in zip(PROJECTIONS, self.bits, self.codebooks):
+        for p, b, cb in zip(PROJECTIONS, self.bits, self.codebooks, strict=True):
             if cb not in CODEBOOKS:
                 raise ValueError(f"LayerSpec.codebooks[{p}]: unknown codebook {cb!r}; expected one of {CODEBOOKS}")
             if b not in SUPPORTED_BITS[cb]:
@@ -90,9 +93,14 @@ class LayerSpec:
             return ProjSpec(self.intermediate, self.hidden, self.bits[i], self.codebooks[i])
         return ProjSpec(self.hidden, self.intermediate, self.bits[i], self.codebooks[i])
 
+    @classmethod
+    def from_geometry(cls, g: MoeGeometry) -> LayerSpec:
+        """One MoE layer of ``g`` (``cpu_tier.geometry``): its experts, widths, K and codebook."""
+        return cls(g.num_experts, g.hidden, g.intermediate, (g.bits,) * 3, (g.codebook,) * 3)
 
-#: One DeepSeek-V4.1-Flash MoE layer: 384 routed experts, H = 5120, I = 2304, MUL1 K = 3 (3.0 bpw).
-V41_FLASH = LayerSpec(num_experts=384, hidden=5120, intermediate=2304, bits=(3, 3, 3), codebooks=("mul1",) * 3)
+
+#: One DeepSeek-V4.1-Flash MoE layer (``cpu_tier.geometry.V41_FLASH``: 384 experts, H 5120, I 2304, MUL1 K = 3).
+V41_FLASH = LayerSpec.from_geometry(V41_FLASH_GEOMETRY)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

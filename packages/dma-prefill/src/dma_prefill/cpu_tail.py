@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+
 from cpu_tier import ExpertTier, Picks
 
 from .config import PROJECTIONS

@@ -197,7 +197,14 @@ class FakeDevice:
             dst.copy_(src)
 
         stream.queue.append(
-            FakeOp("copy", stream.name, duration=nbytes / (self.copy_gbps * 1e9), fn=fn, writes=tuple(writes), nbytes=nbytes)
+            FakeOp(
+                "copy",
+                stream.name,
+                duration=nbytes / (self.copy_gbps * 1e9),
+                fn=fn,
+                writes=tuple(writes),
+                nbytes=nbytes,
+            )
         )
 
     def launch(
@@ -289,7 +296,11 @@ class FakeDevice:
 
     def busy(self, kind: str, since: float = 0.0) -> float:
         """Seconds the ops of ``kind`` ("copy" or "launch") ran after ``since`` (one engine each: no overlap)."""
-        return sum(op.end - max(op.start, since) for op in self.trace if op.kind == kind and op.end > since)  # type: ignore[operator]
+        return sum(
+            op.end - max(op.start, since)
+            for op in self.trace
+            if op.kind == kind and op.start is not None and op.end is not None and op.end > since
+        )
 
     @property
     def now(self) -> float:

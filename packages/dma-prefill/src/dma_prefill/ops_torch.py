@@ -9,37 +9,31 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 
 import numpy as np
 import torch
-from cpu_tier.exl3 import CODEBOOKS, Codebook, bits_from_trellis, tensor_core_perm
+
+from cpu_tier.exl3 import (
+    CODEBOOK_MULT,
+    CODEBOOKS,
+    LOP3_AND,
+    LOP3_XOR,
+    MUL1_BIAS,
+    MUL1_SCALE,
+    Codebook,
+    bits_from_trellis,
+    hadamard_matrix,
+    stream_windows,
+    tensor_core_perm,
+)
+
+from .config import Projection
 
 __all__ = ["decode_torch", "expert_torch", "hadamard_128_torch", "hadamard_pm1", "linear_torch", "swiglu"]
 
-_MUL1_K_INV = 0.00676727294921875  # half(0x1EEE)
-_MUL1_K_BIAS = -10.3828125  # half(0xC931)
-#: (multiplier, addend) of the LOP3 codebooks; MUL1's multiplier.
-CODEBOOK_MULT = {"3inst": (89226354, 64248484), "mcg": (0xCBAC1FED, 0), "mul1": (0x83DCD12D, 0)}
-
-
-def _window_ends(bits: float) -> np.ndarray:
-    """``S(t)``, end of element t's code in the tile stream (same rule as the numpy reference)."""
-    t = np.arange(256, dtype=np.int64)
-    ka = int(bits) if float(bits).is_integer() else int(bits - 0.5)
-    half = 0 if float(bits).is_integer() else 1
-    i = t & 15
-    return (t >> 4) * (16 * ka + 8 * half) + (i + 1) * ka + half * ((i + 1) // 2)
-
-
-@functools.cache
-def _stream_index(bits: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    nbits = int(256 * bits)
-    nwords = nbits // 32
-    start = (_window_ends(bits) - 16) % nbits
-    i0 = start // 32
-    i1 = (i0 + 1) % nwords
-    shift = 48 - start % 32
-    return i0, i1, shift
+# The format's constants and bit-stream rules are cpu_tier.exl3's; this module only redoes the arithmetic in torch.
+_stream_index = functools.cache(stream_windows)
 
 
 def codebook_torch(states: torch.Tensor, codebook: Codebook) -> torch.Tensor:
@@ -51,8 +45,8 @@ def codebook_torch(states: torch.Tensor, codebook: Codebook) -> torch.Tensor:
     if codebook == "mul1":
         bs = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
         # exact in float64 (and in float32); one rounding to fp16, to nearest even
-        return ((bs + 1024).to(torch.float64) * _MUL1_K_INV + _MUL1_K_BIAS).to(torch.float32).to(torch.float16)
-    x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+        return ((bs + 1024).to(torch.float64) * MUL1_SCALE + MUL1_BIAS).to(torch.float32).to(torch.float16)
+    x = (x & LOP3_AND) ^ LOP3_XOR
     lo = (x & 0xFFFF).to(torch.int32).to(torch.int16).view(torch.float16).to(torch.float32)
     hi = (x >> 16).to(torch.int32).to(torch.int16).view(torch.float16).to(torch.float32)
     return (lo + hi).to(torch.float16)  # exact fp32 sum, one rounding (as __hadd)
@@ -85,12 +79,7 @@ def decode_torch(trellis: torch.Tensor, codebook: Codebook, *, chunk_tiles: int 
     return out.view(tk, tn, 16, 16).permute(0, 2, 1, 3).reshape(16 * tk, 16 * tn)
 
 
-@functools.cache
-def _hadamard_np() -> np.ndarray:
-    h = np.ones((1, 1))
-    while h.shape[0] < 128:
-        h = np.block([[h, h], [h, -h]])
-    return h
+_hadamard_np = functools.cache(functools.partial(hadamard_matrix, 128))
 
 
 def hadamard_pm1(dtype: torch.dtype = torch.float16, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -145,7 +134,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.T
 
 def expert_torch(
     x: torch.Tensor,
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    weights: Mapping[Projection, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     *,
     limit: float | None = None,
     dtype: torch.dtype = torch.float32,
@@ -153,7 +142,8 @@ def expert_torch(
     sequential: bool = False,
 ) -> torch.Tensor:
     """One routed SwiGLU expert: ``down(swiglu(gate(x), up(x)))``; ``weights[p] = (W_inner, suh, svh)``."""
-    kw = {"dtype": dtype, "fp16_activations": fp16_activations, "sequential": sequential}
-    g = linear_torch(x, *weights["gate"], **kw)
-    u = linear_torch(x, *weights["up"], **kw)
-    return linear_torch(swiglu(g, u, limit), *weights["down"], **kw)
+
+    def lin(a: torch.Tensor, p: Projection) -> torch.Tensor:
+        return linear_torch(a, *weights[p], dtype=dtype, fp16_activations=fp16_activations, sequential=sequential)
+
+    return lin(swiglu(lin(x, "gate"), lin(x, "up"), limit), "down")

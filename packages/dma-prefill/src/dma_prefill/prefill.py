@@ -8,15 +8,17 @@ from typing import Any
 
 import torch
 
-from .compute import BatchCompute, TorchCompute, TritonCompute
+from .compute import BatchCompute, TorchCompute
 from .config import PrefillConfig
 from .cpu_tail import CpuTail
 from .device import CudaDevice, Device
 from .plan import PrefillPlan
 from .ring import StagingRing
 from .store import HostExpertStore
+from .triton_compute import TritonCompute
 
 __all__ = ["DmaPrefill", "PipelineStats"]
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineStats:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+
 from cpu_tier import exl3
 
 from .config import PROJECTIONS, LayerSpec, StoreConfig
@@ -113,7 +114,9 @@ class SyntheticStack:
         store = HostExpertStore({i: spec for i in range(num_layers)}, StoreConfig(progress=False), use_cuda=use_cuda)
         fill_random(store, seed)
         g = torch.Generator().manual_seed(seed)
-        routers = {i: torch.randn(spec.hidden, spec.num_experts, generator=g, dtype=torch.float64) for i in range(num_layers)}
+        routers = {
+            i: torch.randn(spec.hidden, spec.num_experts, generator=g, dtype=torch.float64) for i in range(num_layers)
+        }
         unembed = torch.randn(spec.hidden, vocab, generator=g, dtype=torch.float64) * 4.0 / spec.hidden**0.5
         return cls(store, routers, unembed, top_k)
 
@@ -139,7 +142,9 @@ class SyntheticStack:
         return self.forward(h0.cpu(), lambda layer, x, i, w: reference_moe(self.store, layer, x, i, w))
 
 
-def run_stack(stack: SyntheticStack, prefill: object, h0: torch.Tensor, device: torch.device | str = "cpu") -> torch.Tensor:
+def run_stack(
+    stack: SyntheticStack, prefill: object, h0: torch.Tensor, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Logits of ``stack`` with every MoE layer run by ``prefill`` (a ``DmaPrefill``), in float32 on ``device``.
 
     Each layer's plan is built from the float32 routing; the next layer's first batches are prefetched.

@@ -112,7 +112,8 @@ class StagingRing:
         if not self._released[slot]:
             prev = self._occupant[slot]
             raise RuntimeError(
-                f"ring overrun: batch seq {self.seq} needs slot {slot}, still held by layer {prev.layer if prev else '?'} "
+                f"ring overrun: batch seq {self.seq} needs slot {slot}, "
+                f"still held by layer {prev.layer if prev else '?'} "
                 f"batch {prev.batch if prev else '?'} (release it first)"
             )
         spec = self.store.spec(layer)

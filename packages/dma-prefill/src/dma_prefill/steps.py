@@ -108,7 +108,9 @@ class StepCostModel:
     def _stream_s(self, experts: float, rows: float) -> float:
         """Stream ``experts`` through the staging ring and compute ``rows`` on them: the copy and the GPU compute
         overlap; the slower bounds it."""
-        return max(experts * self.expert_bytes / (self.h2d_gbps * 1e9), experts * self.gpu_expert_s + rows * self.gpu_row_s)
+        return max(
+            experts * self.expert_bytes / (self.h2d_gbps * 1e9), experts * self.gpu_expert_s + rows * self.gpu_row_s
+        )
 
     def dma_s(self, tokens: int) -> float:
         """Every touched expert streamed."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from cpu_tier.exl3 import Exl3Tensor
 
 from . import _cudart
@@ -273,8 +274,8 @@ class HostExpertStore:
                     raise FileNotFoundError(f"safetensors shard not found: {p}")
                 try:
                     handles.append((str(p), stack.enter_context(safe_open(str(p), framework="numpy"))))
-                except Exception as e:
-                    raise ValueError(f"{p}: not a readable safetensors file ({e})") from None
+                except Exception as err:
+                    raise ValueError(f"{p}: not a readable safetensors file ({err})") from None
             by_prefix: dict[str, dict[str, Any]] = {}
             for _, h in handles:
                 for key in h.keys():
@@ -316,7 +317,9 @@ class HostExpertStore:
                     continue
                 experts = sorted(found.get(lid, {}))
                 if not experts:
-                    raise ValueError(f"layer {lid}: no routed experts matching {config.key_template!r} in {shard_names}")
+                    raise ValueError(
+                        f"layer {lid}: no routed experts matching {config.key_template!r} in {shard_names}"
+                    )
                 if experts != list(range(len(experts))):
                     missing = sorted(set(range(experts[-1] + 1)) - set(experts))
                     raise ValueError(f"layer {lid}: experts are not numbered 0..E-1 (missing {missing[:8]})")
@@ -363,4 +366,3 @@ def _template_regex(config: StoreConfig) -> re.Pattern[str]:
     ):
         pat = pat.replace(re.escape("{" + field + "}"), rx)
     return re.compile(pat)
-

@@ -16,7 +16,18 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from cpu_tier.exl3 import LOP3_AND, LOP3_XOR, MUL1_BIAS, MUL1_SCALE
+
 __all__ = ["decode_kernel", "grouped_gemm_kernel", "post_swiglu_kernel", "row_hadamard_kernel", "row_sumsq_kernel"]
+
+# The format's constants (cpu_tier.exl3) as compile-time constants of the kernels.
+_MUL1_SCALE = tl.constexpr(MUL1_SCALE)  # half(0x1EEE)
+_MUL1_BIAS = tl.constexpr(MUL1_BIAS)  # half(0xC931)
+# With f = float bits 0x4B000000 + bs = 2^23 + bs, one fma f * MUL1_SCALE + (MUL1_BIAS + (1024 - 2^23) * MUL1_SCALE)
+# gives (1024 + bs) * MUL1_SCALE + MUL1_BIAS exactly (the folded addend, -56771.453125, is exact in fp32).
+_MUL1_BIAS_2P23 = tl.constexpr(MUL1_BIAS + (1024 - 2**23) * MUL1_SCALE)
+_LOP3_AND_I32 = tl.constexpr(LOP3_AND - (1 << 32))  # as the signed int32 the kernel's product is
+_LOP3_XOR = tl.constexpr(LOP3_XOR)
 
 
 @triton.jit
@@ -99,16 +110,15 @@ def decode_kernel(
         p = state.to(tl.int32, bitcast=True) * MULT + ADD  # wraps modulo 2^32
         if MUL1:
             bs = _bytesum(p.to(tl.uint32, bitcast=True), ASM)
-            # (1024 + bs) * half(0x1EEE) + half(0xC931), exact in fp32, then one rounding to fp16 (the hfma).
-            # bits(2^23 + bs) is 0x4B000000 + bs (no int-to-float conversion); one fma with the folded addend
-            # d' = half(0xC931) + (1024 - 2^23) * half(0x1EEE) (exact in fp32) gives the exact value.
+            # (1024 + bs) * MUL1_SCALE + MUL1_BIAS, exact in fp32, then one rounding to fp16 (the hfma).
+            # bits(2^23 + bs) is 0x4B000000 + bs (no int-to-float conversion); one fma with the folded addend.
             if ASM:
                 f = (bs + 0x4B000000).to(tl.float32, bitcast=True)
-                v = tl.fma(f, 0.00676727294921875, -56771.453125).to(tl.float16)
+                v = tl.fma(f, _MUL1_SCALE, _MUL1_BIAS_2P23).to(tl.float16)
             else:  # the interpreter's fma rounds twice; this form is exact without one
-                v = ((bs + 1024).to(tl.float32) * 0.00676727294921875 + -10.3828125).to(tl.float16)
+                v = ((bs + 1024).to(tl.float32) * _MUL1_SCALE + _MUL1_BIAS).to(tl.float16)
         else:
-            x = (p & -1879076865) ^ 0x3B603B60  # LOP3: (x & 0x8FFF8FFF) ^ 0x3B603B60
+            x = (p & _LOP3_AND_I32) ^ _LOP3_XOR  # LOP3
             lo = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             hi = ((x >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             v = (lo + hi).to(tl.float16)  # both halves in [0.125, 2): exact fp32 sum, one rounding

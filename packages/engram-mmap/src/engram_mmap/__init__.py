@@ -8,6 +8,8 @@ Public API (stable; see the package README):
 * :class:`EngramTable`, :class:`TableConfig` - a table mapped from safetensors shards; ``gather``,
   ``gather_async``, ``prefetch``.
 * :func:`dequantize` - fp8 E4M3 rows x E8M0 scales -> float32 / bfloat16.
+* :mod:`engram_mmap.safetensors_header` - the project's safetensors header reader: :func:`parse_header`
+  (:class:`Header`, :class:`TensorInfo`), :func:`header_problems`, :func:`read_header`.
 """
 
 from importlib.metadata import version as _version
@@ -15,7 +17,15 @@ from importlib.metadata import version as _version
 from .config import EngramConfig
 from .dequant import dequantize
 from .hashing import EngramHasher, build_token_map
-from .safetensors_header import EngramFormatError, TensorInfo
+from .safetensors_header import (
+    EngramFormatError,
+    Header,
+    SafetensorsFormatError,
+    TensorInfo,
+    header_problems,
+    parse_header,
+    read_header,
+)
 from .table import EngramTable, GatherHandle, PrefetchHandle, TableConfig
 
 __version__ = _version("engram-mmap")
@@ -25,10 +35,15 @@ __all__ = [
     "EngramHasher",
     "EngramTable",
     "GatherHandle",
+    "Header",
     "PrefetchHandle",
+    "SafetensorsFormatError",
     "TableConfig",
     "TensorInfo",
     "__version__",
     "build_token_map",
     "dequantize",
+    "header_problems",
+    "parse_header",
+    "read_header",
 ]

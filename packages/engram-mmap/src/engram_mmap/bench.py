@@ -35,8 +35,8 @@ import numpy as np
 from . import _native
 from .config import EngramConfig
 from .hashing import EngramHasher
-from .table import EngramTable, TableConfig
 from .synthetic import write_v41_engram_shard
+from .table import EngramTable, TableConfig
 
 LAYERS = (1, 14)
 COLS = 24  # 3 orders x 8 heads
@@ -163,8 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"# {table_cfg} | 48 rows (2 tables x 24) per token, rows from the V4.1 hash of uniform random tokens")
     rng = np.random.default_rng(args.seed)
     results: dict[str, Any] = {"env": env, "table_config": repr(table_cfg), "files": {}, "ceilings": {}, "cases": []}
-    log(f"{'case':<40}{'median_ms':>11}{'p10_ms':>10}{'p90_ms':>10}{'rows/s':>12}{'ceiling/s':>12}{'ratio':>7}"
-        f"{'cpu_ms':>10}")
+    log(
+        f"{'case':<40}{'median_ms':>11}{'p10_ms':>10}{'p90_ms':>10}{'rows/s':>12}{'ceiling/s':>12}{'ratio':>7}"
+        f"{'cpu_ms':>10}"
+    )
     # "cold-rs": the cold file again, with the scale tensors copied to RAM (TableConfig.resident_scales).
     for kind in ("cold", "cold-rs", "cached"):
         base = "cached" if kind == "cached" else "cold"
@@ -262,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     if cold_res:
         log(f"# cold steps: at most {max(cold_res):.4%} of a weight tensor was resident before a step (mincore)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        with open(args.json, "w") as out:
+            json.dump(results, out, indent=1)
     return 0
 
 

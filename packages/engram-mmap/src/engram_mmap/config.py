@@ -270,9 +270,7 @@ class EngramConfig:
                 max_ngram_size=max_ngram,
                 n_heads=as_int("engram_n_heads", need("engram_n_heads")),
                 vocab_sizes=vocab_sizes,
-                compressed_vocab_size=as_int(
-                    "engram_compressed_vocab_size", need("engram_compressed_vocab_size")
-                ),
+                compressed_vocab_size=as_int("engram_compressed_vocab_size", need("engram_compressed_vocab_size")),
                 pad_token_id=as_int(pad_key, need(pad_key)),
                 head_dim=as_int("engram_head_dim", text.get("engram_head_dim", 256)),
                 seed=as_int("engram_seed", text.get("engram_seed", 0)),
@@ -343,6 +341,4 @@ class EngramConfig:
             int64 ``[max_ngram_size]``; entry k multiplies the token k positions back.
         """
         self._layer_index(layer)
-        return np.array(
-            _multipliers(self.seed, layer, self.max_ngram_size, self.compressed_vocab_size), dtype=np.int64
-        )
+        return np.array(_multipliers(self.seed, layer, self.max_ngram_size, self.compressed_vocab_size), dtype=np.int64)

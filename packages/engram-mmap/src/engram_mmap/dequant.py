@@ -45,9 +45,7 @@ def _bytes(a: Any, name: str) -> np.ndarray:
 
 def _f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     bits = x.view(np.uint32)
-    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(
-        np.uint16
-    )
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
     nan = np.isnan(x)
     if nan.any():  # keep NaN a (quiet) NaN: rounding could carry a payload into the exponent
         rounded[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)

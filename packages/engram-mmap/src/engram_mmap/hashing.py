@@ -151,9 +151,7 @@ class EngramHasher:
             )
         return cls(config, token_map)
 
-    def _compressed(
-        self, token_ids: Any, mask: Any, name: str
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def _compressed(self, token_ids: Any, mask: Any, name: str) -> tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(token_ids)
         if ids.ndim != 1:
             raise ValueError(f"{name}: expected a 1-D sequence of token ids, got shape {ids.shape}")
@@ -174,9 +172,7 @@ class EngramHasher:
                 )
         return self.token_map[ids], live
 
-    def _slots(
-        self, token_ids: Any, lookback: Any, mask: Any, lookback_mask: Any
-    ) -> np.ndarray:
+    def _slots(self, token_ids: Any, lookback: Any, mask: Any, lookback_mask: Any) -> np.ndarray:
         """Compressed ids of the max_ngram slots per position, blocked slots already padded: [T, K+1]."""
         k = self.config.max_ngram_size - 1
         cur, live = self._compressed(token_ids, mask, "token_ids")

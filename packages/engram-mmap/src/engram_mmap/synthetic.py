@@ -12,7 +12,6 @@ import math
 import os
 import struct
 from collections.abc import Callable, Mapping
-from typing import Union
 
 import numpy as np
 
@@ -21,7 +20,7 @@ from .safetensors_header import DTYPE_BYTES
 __all__ = ["random_chunks", "write_safetensors", "write_v41_engram_shard"]
 
 # Array bytes, a generator of the bytes [start, start + n) of the tensor, or None for a hole.
-Source = Union[np.ndarray, Callable[[int, int], bytes], None]
+Source = np.ndarray | Callable[[int, int], bytes] | None
 
 
 def write_safetensors(

@@ -2,7 +2,9 @@
 
 See README.md. Public API:
 
-* :class:`ExpertCacheConfig`, :class:`ProjectionSpec` - the one frozen config;
+* :class:`ExpertCacheConfig`, :class:`ProjectionSpec` - the one frozen config, and the policy it chooses:
+  :class:`DecayedConfig`, :class:`LruConfig`, :class:`LfuConfig`, :class:`ArcConfig`, :class:`HybridConfig`
+  (:func:`policy_config` builds one from a name);
 * :class:`ExpertCache` - the slot pool, per-layer ``slot_of`` maps and pointer tables on a device;
 * :mod:`expert_cache.policies` - ``decayed`` (the reference), ``lru``, ``lfu``, ``arc``, ``hybrid``;
 * :mod:`expert_cache.trace` - the trace format, :class:`TraceRecorder`, the synthetic generator;
@@ -11,10 +13,21 @@ See README.md. Public API:
 
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
-
 from typing import TYPE_CHECKING, Any
 
-from .config import DSV41_FLASH_EXL3_3BPW, POLICIES, ExpertCacheConfig, ProjectionSpec
+from .config import (
+    DSV41_FLASH_EXL3_3BPW,
+    POLICIES,
+    ArcConfig,
+    DecayedConfig,
+    ExpertCacheConfig,
+    HybridConfig,
+    LfuConfig,
+    LruConfig,
+    PolicyConfig,
+    ProjectionSpec,
+    policy_config,
+)
 from .planner import CacheController, CacheStats, Swap
 from .policies import Policy, load_profile, make_policy, save_profile
 
@@ -56,11 +69,17 @@ except PackageNotFoundError:  # imported from a source tree (e.g. PYTHONPATH=src
 __all__ = [
     "DSV41_FLASH_EXL3_3BPW",
     "POLICIES",
+    "ArcConfig",
     "CacheController",
     "CacheStats",
+    "DecayedConfig",
     "ExpertCache",
     "ExpertCacheConfig",
+    "HybridConfig",
+    "LfuConfig",
+    "LruConfig",
     "Policy",
+    "PolicyConfig",
     "ProjectionSpec",
     "Swap",
     "SyntheticTraceConfig",
@@ -73,6 +92,7 @@ __all__ = [
     "load_profile",
     "load_trace",
     "make_policy",
+    "policy_config",
     "save_profile",
     "simulate",
     "static_oracle_hit_rate",

@@ -103,6 +103,9 @@ class ExpertCache:
                 home_ptr[layer, :, p] = self._home[layer][p].data_ptr() + np.arange(E, dtype=np.int64) * spec.nbytes
         self._home_ptr = home_ptr.reshape(L * E, P)
         dev = self.device
+        # torch.cuda.Stream on a CUDA device, None on a CPU one (every use is on the CUDA path)
+        self._compute: Any
+        self._side: Any
         if self._cuda:
             self._compute = compute_stream if compute_stream is not None else torch.cuda.current_stream(dev)
             self._side = torch.cuda.Stream(dev)
@@ -145,7 +148,10 @@ class ExpertCache:
         out = []
         for layer, row in enumerate(home):
             if len(row) != len(self._specs):
-                raise ValueError(f"home[{layer}]: expected {len(self._specs)} projections {[s.name for s in self._specs]}, got {len(row)}")
+                raise ValueError(
+                    f"home[{layer}]: expected {len(self._specs)} projections {[s.name for s in self._specs]}, "
+                    f"got {len(row)}"
+                )
             lay = []
             for p, (t, spec) in enumerate(zip(row, self._specs, strict=True)):
                 name = f"home[{layer}][{p}] ({spec.name})"
@@ -501,5 +507,7 @@ class ExpertCache:
         """Save the hybrid policy's slow pick rates as a routing-frequency profile (hybrid policy only)."""
         pol = self._ctl.policy
         if not isinstance(pol, HybridPolicy):
-            raise ValueError(f"policy: save_profile needs the 'hybrid' policy, the cache uses {self.config.policy!r}")
+            raise ValueError(
+                f"policy: save_profile needs the 'hybrid' policy, the cache uses {self.config.policy.name!r}"
+            )
         save_profile(path, pol.rates(), self.config.num_layers, self.config.num_experts)

@@ -1,23 +1,36 @@
-"""The one configuration object of the package: :class:`ExpertCacheConfig` (frozen, validated).
+"""The configuration of the package: :class:`ExpertCacheConfig` and the policy it chooses (frozen, validated).
 
-Every field is checked in ``__post_init__``; a bad value raises ``ValueError`` (or ``TypeError``) whose message
-starts with the field name, e.g. ``"admit_limit: must be >= 1, got 0"``.
+``ExpertCacheConfig`` holds the geometry, size, planner, elastic and execution settings; its ``policy`` field is
+one small config per residency policy (:class:`DecayedConfig`, :class:`LruConfig`, :class:`LfuConfig`,
+:class:`ArcConfig`, :class:`HybridConfig`) holding that policy's own knobs only; :func:`policy_config` builds one
+from a name. Every field is checked in ``__post_init__``; a bad value raises ``ValueError`` (or ``TypeError``)
+whose message starts with the field name, e.g. ``"admit_limit: must be >= 1, got 0"`` or
+``"HybridConfig.halflives[1]: must be in (0.0, 1000000000.0], got -1.0"``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
+from typing import Any, ClassVar, Literal, TypeAlias
 
 import numpy as np
+
+from cpu_tier.geometry import V41_FLASH
 
 __all__ = [
     "DSV41_FLASH_EXL3_3BPW",
     "POLICIES",
+    "ArcConfig",
+    "DecayedConfig",
     "ExpertCacheConfig",
+    "HybridConfig",
+    "LfuConfig",
+    "LruConfig",
+    "PolicyConfig",
     "PolicyName",
     "ProjectionSpec",
+    "policy_config",
 ]
 
 PolicyName = Literal["decayed", "lru", "lfu", "arc", "hybrid"]
@@ -61,7 +74,9 @@ class ProjectionSpec:
             raise ValueError(f"projections[{self.name}].shape: must be a non-empty tuple of ints, got {self.shape!r}")
         for d in self.shape:
             if not isinstance(d, (int, np.integer)) or isinstance(d, bool) or d < 1:
-                raise ValueError(f"projections[{self.name}].shape: every dimension must be an int >= 1, got {self.shape!r}")
+                raise ValueError(
+                    f"projections[{self.name}].shape: every dimension must be an int >= 1, got {self.shape!r}"
+                )
         if self.dtype not in _DTYPES:
             raise ValueError(f"projections[{self.name}].dtype: must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 
@@ -76,12 +91,12 @@ class ProjectionSpec:
         return math.prod(self.shape) * self.itemsize
 
 
-#: DeepSeek-V4.1-Flash routed experts in EXL3 3.0 bpw, as the reference system stores them (section 2 of
-#: ../shared/reference/reference-system.md): w13 (gate+up) int16 ``[2, 320, 144, 48]`` = 8,847,360 B and w2 (down)
-#: int16 ``[144, 320, 48]`` = 4,423,680 B, 13,271,040 B (12.66 MiB) per expert.
+#: DeepSeek-V4.1-Flash routed experts (``cpu_tier.geometry.V41_FLASH``) in EXL3 3.0 bpw, as the reference system
+#: stores them (section 2 of ../shared/reference/reference-system.md): w13 (gate+up) int16 ``[2, 320, 144, 48]``
+#: = 8,847,360 B and w2 (down) int16 ``[144, 320, 48]`` = 4,423,680 B, 13,271,040 B (12.66 MiB) per expert.
 DSV41_FLASH_EXL3_3BPW: tuple[ProjectionSpec, ...] = (
-    ProjectionSpec("w13", (2, 320, 144, 48), "int16"),
-    ProjectionSpec("w2", (144, 320, 48), "int16"),
+    ProjectionSpec("w13", (2, *V41_FLASH.trellis_shape("gate")), "int16"),
+    ProjectionSpec("w2", V41_FLASH.trellis_shape("down"), "int16"),
 )
 
 
@@ -102,6 +117,107 @@ def _check_float(name: str, value: object, lo: float, hi: float, lo_open: bool =
         raise ValueError(f"{name}: must be in {left}{lo}, {hi}], got {value}")
 
 
+# ---------------------------------------------------------------------------------------------- policies
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecayedConfig:
+    """``decayed``, the reference system's ``ec_step``: ``score = score * decay + picks`` once per replan."""
+
+    name: ClassVar[PolicyName] = "decayed"
+    decay: float = 0.9
+
+    def __post_init__(self) -> None:
+        _check_float("DecayedConfig.decay", self.decay, 0.0, 1.0, lo_open=True)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LruConfig:
+    """``lru``: priority = step of the last access (recency only; no knobs)."""
+
+    name: ClassVar[PolicyName] = "lru"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LfuConfig:
+    """``lfu``: the count of steps a key was accessed in, halved every ``halve_every`` steps (LFU with aging)."""
+
+    name: ClassVar[PolicyName] = "lfu"
+    halve_every: int = 256
+
+    def __post_init__(self) -> None:
+        _check_int("LfuConfig.halve_every", self.halve_every, 1)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArcConfig:
+    """``arc``: ARC on the per-step access stream with capacity ``num_slots`` (no knobs)."""
+
+    name: ClassVar[PolicyName] = "arc"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HybridConfig:
+    """``hybrid``: frequency + recency on several time scales (:class:`expert_cache.policies.HybridPolicy`).
+
+    ``halflives`` are the candidate time scales (decode steps), ``score_halflife`` how long the shadow caches
+    remember their hits, ``slow_halflife`` / ``slow_weight`` the slow rate added to every candidate,
+    ``recency_bonus`` a bonus for keys routed in the last step, ``profile_path`` an optional ``.npz``
+    routing-frequency profile (:func:`expert_cache.policies.save_profile`) the policy starts from, weighted by
+    ``profile_weight``.
+    """
+
+    name: ClassVar[PolicyName] = "hybrid"
+    halflives: tuple[float, ...] = (8.0, 16.0, 32.0, 64.0, 128.0)
+    score_halflife: float = 256.0
+    slow_halflife: float = 2048.0
+    slow_weight: float = 0.1
+    recency_bonus: float = 0.0
+    profile_path: str | None = None
+    profile_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.halflives, tuple) or not self.halflives:
+            raise ValueError(f"HybridConfig.halflives: must be a non-empty tuple of numbers, got {self.halflives!r}")
+        for i, h in enumerate(self.halflives):
+            _check_float(f"HybridConfig.halflives[{i}]", h, 0.0, 1e9, lo_open=True)
+        _check_float("HybridConfig.score_halflife", self.score_halflife, 0.0, 1e9, lo_open=True)
+        _check_float("HybridConfig.slow_halflife", self.slow_halflife, 0.0, 1e9, lo_open=True)
+        if self.slow_halflife < max(self.halflives):
+            raise ValueError(
+                f"HybridConfig.slow_halflife: must be >= max(halflives) = {max(self.halflives)}, "
+                f"got {self.slow_halflife}"
+            )
+        _check_float("HybridConfig.slow_weight", self.slow_weight, 0.0, 1e6)
+        _check_float("HybridConfig.recency_bonus", self.recency_bonus, 0.0, 1e6)
+        if self.profile_path is not None and (not isinstance(self.profile_path, str) or not self.profile_path):
+            raise ValueError(
+                f"HybridConfig.profile_path: must be None or a non-empty path string, got {self.profile_path!r}"
+            )
+        _check_float("HybridConfig.profile_weight", self.profile_weight, 0.0, 1e9)
+
+
+PolicyConfig: TypeAlias = DecayedConfig | LruConfig | LfuConfig | ArcConfig | HybridConfig
+_POLICY_CONFIGS: dict[str, type[Any]] = {
+    c.name: c for c in (DecayedConfig, LruConfig, LfuConfig, ArcConfig, HybridConfig)
+}
+
+
+def policy_config(name: PolicyName, **knobs: Any) -> PolicyConfig:
+    """The config of the policy ``name`` with ``knobs`` (its fields), e.g. ``policy_config("lfu", halve_every=64)``."""
+    cls = _POLICY_CONFIGS.get(name)
+    if cls is None:
+        raise ValueError(f"policy: must be one of {list(POLICIES)}, got {name!r}")
+    fields = [f.name for f in dataclasses.fields(cls)]
+    for k in knobs:
+        if k not in fields:
+            raise ValueError(f"{cls.__name__}.{k}: the {name!r} policy has no such knob (it has {fields or 'none'})")
+    return cls(**knobs)
+
+
+# ------------------------------------------------------------------------------------------ the cache
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ExpertCacheConfig:
     """Configuration of one expert cache (geometry, size, policy, elastic lifecycle).
@@ -115,13 +231,9 @@ class ExpertCacheConfig:
         ``(budget - margin_bytes) // slot_stride`` with ``budget = vram_budget_bytes``, or the device's free memory
         when that is 0 too (CUDA only). ``max_slots`` (0 = no cap) caps the derived count.
     Policy (:mod:`expert_cache.policies`)
-        ``policy`` ranks (layer, expert) pairs; every ``replan_every`` steps the planner wants the top
-        ``num_slots`` pairs resident, admits at most ``admit_limit`` of them, and evicts a resident only when
-        ``priority(new) > hysteresis * priority(victim)``. ``decay`` is the reference's per-replan score decay;
-        ``lfu_halve_every`` the LFU aging period; ``hybrid_*`` the hybrid policy's half-lives (candidates, shadow
-        score memory, slow rate) and weights;
-        ``profile_path`` an optional ``.npz`` routing-frequency profile (:func:`expert_cache.policies.save_profile`)
-        the hybrid policy starts from.
+        ``policy`` (a :data:`PolicyConfig`: which policy, with its own knobs) ranks (layer, expert) pairs; every
+        ``replan_every`` steps the planner wants the top ``num_slots`` pairs resident, admits at most
+        ``admit_limit`` of them, and evicts a resident only when ``priority(new) > hysteresis * priority(victim)``.
     Elastic lifecycle
         With ``elastic``, a step of more than ``prefill_tokens`` scheduled tokens releases the whole pool before it
         runs (the memory goes back to the allocator), and the pool is refilled after ``rewarm_after`` consecutive
@@ -137,8 +249,8 @@ class ExpertCacheConfig:
         each replan waits for the compute stream once, like the reference. ``slot_alignment``: byte alignment of
         each projection inside a slot.
 
-    Defaults are the reference system's (``DSV41_EC_*``: every 16, admit 48, decay 0.9, hysteresis 1.0, margin
-    900 MB, prefill threshold 512 tokens, re-warm after 4 decode steps).
+    Defaults are the reference system's (``DSV41_EC_*``: decayed counts with decay 0.9, every 16, admit 48,
+    hysteresis 1.0, margin 900 MB, prefill threshold 512 tokens, re-warm after 4 decode steps).
     """
 
     num_layers: int
@@ -149,19 +261,10 @@ class ExpertCacheConfig:
     vram_budget_bytes: int = 0
     margin_bytes: int = 900 * 2**20
     max_slots: int = 0
-    policy: PolicyName = "decayed"
+    policy: PolicyConfig = DecayedConfig()
     replan_every: int = 16
     admit_limit: int = 48
     hysteresis: float = 1.0
-    decay: float = 0.9
-    lfu_halve_every: int = 256
-    hybrid_halflives: tuple[float, ...] = (8.0, 16.0, 32.0, 64.0, 128.0)
-    hybrid_score_halflife: float = 256.0
-    hybrid_slow_halflife: float = 2048.0
-    hybrid_slow_weight: float = 0.1
-    hybrid_recency_bonus: float = 0.0
-    profile_path: str | None = None
-    profile_weight: float = 1.0
     elastic: bool = False
     prefill_tokens: int = 512
     rewarm_after: int = 4
@@ -194,36 +297,22 @@ class ExpertCacheConfig:
         _check_int("max_slots", self.max_slots, 0)
         if self.num_slots > self.num_layers * self.num_experts:
             raise ValueError(
-                f"num_slots: must be <= num_layers * num_experts = {self.num_layers * self.num_experts}, got {self.num_slots}"
+                f"num_slots: must be <= num_layers * num_experts = {self.num_layers * self.num_experts}, "
+                f"got {self.num_slots}"
             )
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy: must be one of {list(POLICIES)}, got {self.policy!r}")
+        if not isinstance(self.policy, tuple(_POLICY_CONFIGS.values())):
+            raise TypeError(
+                f"policy: must be one of DecayedConfig, LruConfig, LfuConfig, ArcConfig, HybridConfig "
+                f"(policy_config(name) builds one from one of {list(POLICIES)}), got {self.policy!r}"
+            )
         _check_int("replan_every", self.replan_every, 1, 1024)
         _check_int("admit_limit", self.admit_limit, 1)
         _check_float("hysteresis", self.hysteresis, 1.0, 1e6)
-        if self.policy in ("lru", "arc") and self.hysteresis != 1.0:
+        if self.policy.name in ("lru", "arc") and self.hysteresis != 1.0:
             raise ValueError(
-                f"hysteresis: policy {self.policy!r} ranks by recency, where a ratio means nothing; must be 1.0, got {self.hysteresis}"
+                f"hysteresis: policy {self.policy.name!r} ranks by recency, where a ratio means nothing; "
+                f"must be 1.0, got {self.hysteresis}"
             )
-        _check_float("decay", self.decay, 0.0, 1.0, lo_open=True)
-        _check_int("lfu_halve_every", self.lfu_halve_every, 1)
-        if not isinstance(self.hybrid_halflives, tuple) or not self.hybrid_halflives:
-            raise ValueError(f"hybrid_halflives: must be a non-empty tuple of numbers, got {self.hybrid_halflives!r}")
-        for i, h in enumerate(self.hybrid_halflives):
-            _check_float(f"hybrid_halflives[{i}]", h, 0.0, 1e9, lo_open=True)
-        _check_float("hybrid_score_halflife", self.hybrid_score_halflife, 0.0, 1e9, lo_open=True)
-        _check_float("hybrid_slow_halflife", self.hybrid_slow_halflife, 0.0, 1e9, lo_open=True)
-        if self.hybrid_slow_halflife < max(self.hybrid_halflives):
-            raise ValueError(
-                f"hybrid_slow_halflife: must be >= max(hybrid_halflives) = {max(self.hybrid_halflives)}, got {self.hybrid_slow_halflife}"
-            )
-        _check_float("hybrid_slow_weight", self.hybrid_slow_weight, 0.0, 1e6)
-        _check_float("hybrid_recency_bonus", self.hybrid_recency_bonus, 0.0, 1e6)
-        if self.profile_path is not None and (not isinstance(self.profile_path, str) or not self.profile_path):
-            raise ValueError(f"profile_path: must be None or a non-empty path string, got {self.profile_path!r}")
-        if self.profile_path is not None and self.policy != "hybrid":
-            raise ValueError(f"profile_path: only the 'hybrid' policy reads a profile, policy is {self.policy!r}")
-        _check_float("profile_weight", self.profile_weight, 0.0, 1e9)
         if not isinstance(self.elastic, bool):
             raise TypeError(f"elastic: must be a bool, got {type(self.elastic).__name__}")
         _check_int("prefill_tokens", self.prefill_tokens, 1)

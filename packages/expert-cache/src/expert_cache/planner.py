@@ -113,7 +113,10 @@ class CacheController:
         self.decode_streak = 0
         self.steps_since_replan = 0
         self._held: Callable[[], Observation] | None = None
-        self._c = {k: 0 for k in ("steps", "decode_steps", "prefill_steps", "admits", "evicts", "replans", "releases", "rewarms")}
+        self._c = {
+            k: 0
+            for k in ("steps", "decode_steps", "prefill_steps", "admits", "evicts", "replans", "releases", "rewarms")
+        }
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 

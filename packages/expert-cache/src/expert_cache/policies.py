@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .config import ExpertCacheConfig
+from .config import ArcConfig, DecayedConfig, ExpertCacheConfig, HybridConfig, LfuConfig, LruConfig
 
 __all__ = [
     "ARCPolicy",
@@ -381,30 +381,30 @@ def load_profile(path: str | os.PathLike[str], num_layers: int, num_experts: int
 
 
 def make_policy(config: ExpertCacheConfig, num_slots: int) -> Policy:
-    """Build the policy named by ``config.policy`` for a cache of ``num_slots`` slots."""
+    """Build the policy ``config.policy`` configures, for a cache of ``num_slots`` slots."""
     n = config.num_keys
-    if config.policy == "decayed":
-        return DecayedCountsPolicy(n, config.decay)
-    if config.policy == "lru":
+    p = config.policy
+    if isinstance(p, DecayedConfig):
+        return DecayedCountsPolicy(n, p.decay)
+    if isinstance(p, LruConfig):
         return LRUPolicy(n)
-    if config.policy == "lfu":
-        return LFUPolicy(n, config.lfu_halve_every)
-    if config.policy == "arc":
+    if isinstance(p, LfuConfig):
+        return LFUPolicy(n, p.halve_every)
+    if isinstance(p, ArcConfig):
         return ARCPolicy(n, max(1, num_slots))
-    if config.policy == "hybrid":
+    if isinstance(p, HybridConfig):
         prof = None
-        if config.profile_path is not None:
-            prof = load_profile(config.profile_path, config.num_layers, config.num_experts)
+        if p.profile_path is not None:
+            prof = load_profile(p.profile_path, config.num_layers, config.num_experts)
         return HybridPolicy(
             n,
             num_slots,
-            config.hybrid_halflives,
-            config.hybrid_slow_halflife,
-            config.hybrid_slow_weight,
-            config.hybrid_recency_bonus,
+            p.halflives,
+            p.slow_halflife,
+            p.slow_weight,
+            p.recency_bonus,
             prof,
-            config.profile_weight,
-            config.hybrid_score_halflife,
+            p.profile_weight,
+            p.score_halflife,
         )
-    raise ValueError(f"policy: unknown policy {config.policy!r}")  # pragma: no cover - config validates
-
+    raise TypeError(f"policy: unknown policy config {p!r}")  # pragma: no cover - config validates

@@ -29,7 +29,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .config import POLICIES, ExpertCacheConfig
+from cpu_tier.geometry import V41_FLASH
+
+from .config import POLICIES, ExpertCacheConfig, policy_config
 from .planner import CacheController, CacheStats
 from .policies import Policy
 from .trace import Trace, load_trace
@@ -242,7 +244,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--observe-prefill", action="store_true")
     ap.add_argument("--rewarm-set", choices=("kept", "top"), default="kept")
     ap.add_argument("--profile", default=None, help="routing-frequency profile .npz (hybrid policy)")
-    ap.add_argument("--slot-bytes", type=int, default=13_271_040, help="bytes per expert (for bytes_copied)")
+    ap.add_argument(
+        "--slot-bytes",
+        type=int,
+        default=V41_FLASH.expert_trellis_bytes,
+        help="bytes per expert (for bytes_copied; default: a V4.1-Flash expert)",
+    )
     ap.add_argument("--belady", action="store_true", help="also compute Belady's MIN hit rate (bypass)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     a = ap.parse_args(argv)
@@ -253,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_experts=trace.num_experts,
             slot_bytes=a.slot_bytes,
             num_slots=a.slots,
-            policy=a.policy,
+            policy=policy_config(a.policy, profile_path=a.profile) if a.profile else policy_config(a.policy),
             replan_every=a.replan_every,
             admit_limit=a.admit_limit,
             hysteresis=a.hysteresis,
@@ -261,7 +268,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             prefill_tokens=a.prefill_tokens,
             observe_prefill=a.observe_prefill,
             rewarm_set=a.rewarm_set,
-            profile_path=a.profile,
         )
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -270,7 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out: dict[str, object] = {
         "trace": a.trace,
         "source": trace.meta.get("source", "?"),
-        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "projections"},
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "projections"}
+        | {"policy": {"name": cfg.policy.name, **dataclasses.asdict(cfg.policy)}},
         "stats": st.as_dict(),
     }
     if a.belady:

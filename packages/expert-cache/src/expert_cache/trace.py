@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from cpu_tier.geometry import V41_FLASH
+
 __all__ = ["SyntheticTraceConfig", "Trace", "TraceRecorder", "generate", "load_trace"]
 
 FORMAT = "expert-cache-trace"
@@ -69,7 +71,8 @@ class Trace:
             raise ValueError(f"{where}: ids must be integers, got {ids.dtype}")
         if rows.ndim != 1 or toks.ndim != 1 or rows.shape != toks.shape:
             raise ValueError(
-                f"{where}: rows_per_step and tokens_per_step must be 1-D of equal length, got {rows.shape} and {toks.shape}"
+                f"{where}: rows_per_step and tokens_per_step must be 1-D of equal length, "
+                f"got {rows.shape} and {toks.shape}"
             )
         if not np.issubdtype(rows.dtype, np.integer) or not np.issubdtype(toks.dtype, np.integer):
             raise ValueError(f"{where}: rows_per_step and tokens_per_step must be integers")
@@ -91,7 +94,9 @@ class Trace:
                 dup = np.any(srt[:, :, 1:] == srt[:, :, :-1], axis=2)
                 if dup.any():
                     r, layer = (int(v[0]) for v in np.nonzero(dup))
-                    raise ValueError(f"{where}: ids row {r} layer {layer} routes the same expert twice: {ids[r, layer].tolist()}")
+                    raise ValueError(
+                        f"{where}: ids row {r} layer {layer} routes the same expert twice: {ids[r, layer].tolist()}"
+                    )
         return cls(
             ids.astype(np.int16, copy=False),
             rows.astype(np.int32, copy=False),
@@ -172,7 +177,14 @@ class TraceRecorder:
         Stored as ``meta_json`` (``source`` defaults to ``"server"``).
     """
 
-    def __init__(self, num_layers: int, num_experts: int, top_k: int, max_rows_per_step: int = 0, meta: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_experts: int,
+        top_k: int,
+        max_rows_per_step: int = 0,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
         self.shape = (int(num_layers), int(top_k))
         self.num_experts = int(num_experts)
         self.max_rows = int(max_rows_per_step)
@@ -199,7 +211,9 @@ class TraceRecorder:
     def trace(self) -> Trace:
         """The validated trace recorded so far."""
         ids = np.concatenate(self._ids) if self._ids else np.zeros((0, *self.shape), np.int16)
-        return Trace.create(ids, np.array(self._rows, np.int32), np.array(self._toks, np.int32), self.num_experts, self.meta, "recorder")
+        return Trace.create(
+            ids, np.array(self._rows, np.int32), np.array(self._toks, np.int32), self.num_experts, self.meta, "recorder"
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -209,7 +223,8 @@ class SyntheticTraceConfig:
     Each of ``streams`` concurrent streams serves requests one after another. A request has a prompt of
     ~``mean_prompt_tokens`` tokens (one prefill step; ``prefill_rows`` of its token rows are recorded) and
     ~``mean_decode_tokens`` decode tokens (both geometric); a prompt of at most ``full_rows_below`` tokens has all
-    its rows recorded (it is a decode-path step for a cache whose ``prefill_tokens`` is that value). A decode step routes one token per active stream. Every
+    its rows recorded (it is a decode-path step for a cache whose ``prefill_tokens`` is that value). A decode step
+    routes one token per active stream. Every
     token picks ``top_k`` distinct experts per layer by Gumbel-top-k sampling from the logits
 
         ``-zipf_global * log(rank_global[l, e]) - zipf_request * log(rank_request[l, e]) + locality * prev[l, e]``
@@ -222,9 +237,9 @@ class SyntheticTraceConfig:
     decode routing; unknown for real models).
     """
 
-    num_layers: int = 40
-    num_experts: int = 384
-    top_k: int = 6
+    num_layers: int = V41_FLASH.num_layers
+    num_experts: int = V41_FLASH.num_experts
+    top_k: int = V41_FLASH.top_k
     decode_steps: int = 4000
     streams: int = 1
     zipf_global: float = 0.3
@@ -334,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m expert_cache.trace --out T.npz [--streams 4 --drift 5 ...]``: write a synthetic trace."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m expert_cache.trace", description="Write a synthetic routing trace (.npz).")
+    ap = argparse.ArgumentParser(
+        prog="python -m expert_cache.trace", description="Write a synthetic routing trace (.npz)."
+    )
     ap.add_argument("--out", required=True)
     for f in dataclasses.fields(SyntheticTraceConfig):
         ap.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
@@ -347,7 +364,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tr = generate(cfg)
     tr.save(out)
-    print(f"{out}: {tr.num_steps} steps ({int((tr.tokens_per_step > cfg.full_rows_below).sum())} prefill), {tr.ids.shape[0]} rows, L={tr.num_layers} E={tr.num_experts} K={tr.top_k}")
+    print(
+        f"{out}: {tr.num_steps} steps ({int((tr.tokens_per_step > cfg.full_rows_below).sum())} prefill), "
+        f"{tr.ids.shape[0]} rows, L={tr.num_layers} E={tr.num_experts} K={tr.top_k}"
+    )
     return 0
 
 

@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from pack_tools.build import INPUT_RECEIPT
 from pack_tools.errors import PackError
+from pack_tools.inputs import INPUT_RECEIPT
 from pack_tools.origin import INPUTS, PinnedRepo
 from pack_tools.st import atomic_write_json
 

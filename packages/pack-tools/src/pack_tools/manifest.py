@@ -226,8 +226,8 @@ def load_manifest(pack_dir: Path) -> dict[str, Any]:
         raise PackError(f"{MANIFEST_NAME}: missing (not a finished pack)")
     try:
         doc = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise PackError(f"{MANIFEST_NAME}: not valid JSON ({e})") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise PackError(f"{MANIFEST_NAME}: not valid JSON ({err})") from None
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
         raise PackError(f"{MANIFEST_NAME}: format field is not {MANIFEST_FORMAT!r}")
     if doc.get("version") != MANIFEST_VERSION:

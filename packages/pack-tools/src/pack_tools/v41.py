@@ -15,7 +15,6 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from engram_mmap.config import next_prime
-
 from pack_tools.errors import PackError
 
 __all__ = [
@@ -25,6 +24,8 @@ __all__ = [
     "engram_primes",
     "exl3_modules",
     "is_vision",
+    "moe_layers",
+    "natural_key",
     "serving_module_name",
     "text_config",
     "woa_slice_root",
@@ -54,6 +55,11 @@ def text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
 def is_vision(name: str) -> bool:
     """Tensors of the vision tower / aligner / image tokens, which a text-only pack drops."""
     return name.startswith(("vision.", "aligner.", "model.vision", "visual.", "image_")) or ".image_" in name
+
+
+def natural_key(name: str) -> list[Any]:
+    """Sort key that orders module names by their numbers: ``layers.2`` before ``layers.10``."""
+    return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", name)]
 
 
 def woa_slice_root(prefix: str) -> tuple[str, int] | None:

@@ -287,9 +287,9 @@ class _Verifier:
         count = 0
         for prefix, parts in sorted(v41.exl3_modules(where).items()):
             msgs = self.exl3_problems(prefix, parts, where, info)
-            for m in msgs:
+            for msg in msgs:
                 if count < 4 * self.cap:
-                    self.add(m)
+                    self.add(msg)
                 count += 1
         if count > 4 * self.cap:
             self.add(f"... and {count - 4 * self.cap} more EXL3 tensor-set problems")
@@ -307,15 +307,15 @@ class _Verifier:
                 self.add(str(e))
                 continue
             rows[m["layer"]][m["part"]] = (where[name], t)
-        for layer, parts in sorted(rows.items()):
-            if "weight" in parts and "scale" in parts:
-                (_fw, w), (fs, s) = parts["weight"], parts["scale"]
+        for layer, table in sorted(rows.items()):
+            if "weight" in table and "scale" in table:
+                (_fw, w), (fs, s) = table["weight"], table["scale"]
                 if s.shape[0] != w.shape[0] or s.shape[1] * 32 != w.shape[1]:
                     self.add(f"{fs}: layers.{layer}.engram.embed.scale: shape {list(s.shape)} does not match "
                              f"table {list(w.shape)} (one scale per 32 columns per row)")  # fmt: skip
             else:
-                missing = "scale" if "weight" in parts else "weight"
-                f = next(iter(parts.values()))[0]
+                missing = "scale" if "weight" in table else "weight"
+                f = next(iter(table.values()))[0]
                 self.add(f"{f}: layers.{layer}.engram.embed.{missing}: missing (the index names only its partner)")
 
     def exl3_problems(self, prefix: str, parts: set[str], where: dict[str, str], info: Any) -> list[str]:

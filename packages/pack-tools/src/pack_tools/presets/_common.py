@@ -216,7 +216,7 @@ def write_input_receipt(
     root: Path, *, source: str, extra: Mapping[str, Any] | None = None, hash_files: bool = True
 ) -> Path:
     """``.pack-tools-input.json``: every file of a synthesized input directory with size (and sha256)."""
-    from pack_tools.build import INPUT_RECEIPT
+    from pack_tools.inputs import INPUT_RECEIPT
 
     files: dict[str, Any] = {}
     for p in sorted(root.rglob("*")):

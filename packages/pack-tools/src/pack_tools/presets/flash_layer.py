@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from cpu_tier.geometry import V41_FLASH
 from pack_tools.manifest import INDEX_NAME
 from pack_tools.presets import _common as c
 from pack_tools.st import RawTensor, atomic_write_json, write_safetensors
@@ -25,14 +26,14 @@ __all__ = ["FlashLayer", "flash_layer_plan", "synth_flash_layer"]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class FlashLayer:
-    """Shape of the layer; the defaults are DeepSeek-V4.1-Flash's."""
+    """Shape of the layer; the defaults are DeepSeek-V4.1-Flash's (``cpu_tier.geometry.V41_FLASH``)."""
 
-    experts: int = 384
-    hidden: int = 5120
-    intermediate: int = 2304
-    bits: float = 3
-    codebook: str = "mul1"
-    shared_bits: float = 4
+    experts: int = V41_FLASH.num_experts
+    hidden: int = V41_FLASH.hidden
+    intermediate: int = V41_FLASH.intermediate
+    bits: float = V41_FLASH.bits
+    codebook: str = V41_FLASH.codebook
+    shared_bits: float = V41_FLASH.shared_bits
     layer: int = 0
     shard_bytes: int = 512 << 20
 
@@ -45,7 +46,7 @@ class FlashLayer:
                 raise ValueError(f"FlashLayer.{f}: must be a positive multiple of 128, got {v}")
         if self.experts <= 0:
             raise ValueError(f"FlashLayer.experts: must be positive, got {self.experts}")
-        if self.codebook not in SUPPORTED_BITS or self.bits not in SUPPORTED_BITS[self.codebook]:  # type: ignore[index]
+        if self.codebook not in SUPPORTED_BITS or self.bits not in SUPPORTED_BITS[self.codebook]:
             raise ValueError(f"FlashLayer.bits: {self.bits} not supported for codebook {self.codebook!r}")
         if self.shard_bytes <= 0:
             raise ValueError("FlashLayer.shard_bytes: must be positive")

@@ -24,9 +24,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from cpu_tier.exl3 import Codebook
 
 #: The architecture name the vllm-dsv41 plugin registers for this pack.
 ARCHITECTURE = "Dsv41DemoForCausalLM"
@@ -43,9 +46,9 @@ MOE_INTERMEDIATE = 128
 MAX_POSITIONS = 2048
 
 EXPERT_BITS = 3.0
-EXPERT_CODEBOOK = "mul1"
+EXPERT_CODEBOOK: Codebook = "mul1"
 #: Dense EXL3 linears: name -> (bits, codebook).
-ATTENTION_EXL3 = {
+ATTENTION_EXL3: dict[str, tuple[float, Codebook]] = {
     "q_proj": (4.0, "mul1"),
     "k_proj": (4.0, "mul1"),
     "v_proj": (4.0, "mul1"),
@@ -169,9 +172,7 @@ def _train_tokenizer(rng: np.random.Generator) -> Any:
     if size < VOCAB_SIZE:  # pad with reserved tokens so every logit row decodes to a token
         from tokenizers import AddedToken
 
-        tok.add_special_tokens(
-            [AddedToken(f"<|reserved_{i}|>", special=True) for i in range(VOCAB_SIZE - size)]
-        )
+        tok.add_special_tokens([AddedToken(f"<|reserved_{i}|>", special=True) for i in range(VOCAB_SIZE - size)])
     if tok.get_vocab_size() != VOCAB_SIZE:
         raise RuntimeError(f"tiny-demo tokenizer has {tok.get_vocab_size()} tokens, expected {VOCAB_SIZE}")
     return tok
