@@ -99,10 +99,9 @@ def _time(fn: Any, iters: int) -> float:
 
 def hbm_rate() -> float:
     """Device copy rate, bytes read + written per second (2 GiB copy)."""
-    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    t = _time(lambda: dst.copy_(src), 5)
-    del src, dst
+    bufs = [torch.empty(1 << 31, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    t = _time(lambda: bufs[1].copy_(bufs[0]), 5)
+    bufs.clear()
     return 2 * (1 << 31) / t
 
 
@@ -136,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             ref = _exact(t, x.float())
             row: dict[str, Any] = {"matrix": name, "k": k, "n": n, "bits": bits, "rows": m, "trellis_bytes": tb}
             for key, kern in kernels.items():
-                sec = _time(lambda kern=kern: kern(x), 20 if m <= 8 else 5)
+                sec = _time(lambda kern=kern, x=x: kern(x), 20 if m <= 8 else 5)
                 y = kern(x).double()
                 err = float(torch.linalg.norm(y - ref) / torch.linalg.norm(ref))
                 row[f"{key}_us"] = sec * 1e6

@@ -25,8 +25,7 @@ def main() -> int:
     layers = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     from pack_tools import synth
     from pack_tools.presets.flash_layer import FlashLayer
-    from vllm_dsv41.home import ExpertHome, resident_bytes
-    from vllm_dsv41.home import process_memory
+    from vllm_dsv41.home import ExpertHome, process_memory, resident_bytes
     from vllm_dsv41.loader import FULL_PACK_EXPERT_BYTES
 
     root = Path("/tmp/dsv41/flash")

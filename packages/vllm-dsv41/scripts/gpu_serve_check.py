@@ -70,9 +70,9 @@ def main() -> int:
         tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
                   "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                  "required": ["city"]}}}]  # fmt: skip
+        named = {"type": "function", "function": {"name": "get_weather"}}
         r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Paris?"}],
-                                      tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                                      max_tokens=64, temperature=0)  # fmt: skip
+                                      tools=tools, tool_choice=named, max_tokens=64, temperature=0)  # fmt: skip
         calls = r.choices[0].message.tool_calls or []
         check("named tool call", len(calls) == 1 and calls[0].function.name == "get_weather",
               calls[0].function.arguments[:60] if calls else "none")

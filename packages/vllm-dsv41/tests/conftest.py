@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from dsv41_server.testing import DemoServer, release_shared_demo_server, shared_demo_server
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cpu_tier.exl3 import random_tensor
 from safetensors.numpy import save_file
+
+from cpu_tier.exl3 import random_tensor
 from vllm_dsv41.checkpoint import TensorStore, exl3_modules, tensor_names
 
 

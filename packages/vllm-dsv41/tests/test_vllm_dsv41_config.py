@@ -6,6 +6,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+
 from cpu_tier import CpuTierConfig
 from vllm_dsv41 import Dsv41PluginConfig
 

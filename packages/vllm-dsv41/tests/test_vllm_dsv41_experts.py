@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from cpu_tier import CpuTierConfig
 from vllm_dsv41 import Dsv41PluginConfig
 from vllm_dsv41.experts import (
@@ -101,10 +102,12 @@ def test_out_buffer_contract(handle: int, reference: ReferenceExperts) -> None:
         torch.ops.dsv41.routed_experts_out(torch.zeros(3, HIDDEN), torch.zeros(3, TOP_K, dtype=torch.int64),
                                            torch.zeros(3, TOP_K), torch.zeros(2, HIDDEN), handle, 0)  # fmt: skip
     with pytest.raises(ValueError, match="out must be"):
+        half = torch.zeros(3, HIDDEN, dtype=torch.float16)
         torch.ops.dsv41.routed_experts_out(torch.zeros(3, HIDDEN), torch.zeros(3, TOP_K, dtype=torch.int64),
-                                           torch.zeros(3, TOP_K), torch.zeros(3, HIDDEN, dtype=torch.float16), handle, 0)  # fmt: skip
+                                           torch.zeros(3, TOP_K), half, handle, 0)  # fmt: skip
     with pytest.raises(KeyError, match="layer 5"):
-        routed_experts(torch.zeros(1, HIDDEN), torch.zeros(1, TOP_K, dtype=torch.int64), torch.zeros(1, TOP_K), handle, 5)
+        ids1 = torch.zeros(1, TOP_K, dtype=torch.int64)
+        routed_experts(torch.zeros(1, HIDDEN), ids1, torch.zeros(1, TOP_K), handle, 5)
 
 
 def test_op_has_a_shape_only_fake(handle: int) -> None:

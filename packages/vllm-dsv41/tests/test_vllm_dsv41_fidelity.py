@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from vllm_dsv41.fidelity import compare_logits
 
 

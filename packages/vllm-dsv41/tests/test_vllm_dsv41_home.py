@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors import safe_open
+
 from vllm_dsv41.home import ExpertHome, expert_tensor, process_memory, resident_bytes
 
 

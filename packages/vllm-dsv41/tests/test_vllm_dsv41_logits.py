@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from dsv41_server.testing import DemoServer
 from vllm_dsv41.reference import ReferenceDemoModel
 

@@ -20,6 +20,7 @@ def test_exactly_one_entry_point() -> None:
 def test_register_is_idempotent() -> None:
     from vllm import ModelRegistry
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
     from vllm_dsv41 import ARCHITECTURES, register
     from vllm_dsv41.quant import Exl3Config
 
@@ -52,6 +53,7 @@ def test_exl3_config_reads_the_checkpoint(demo_pack: Path) -> None:
 def test_exl3_config_without_trellis_is_an_error(tmp_path: Path) -> None:
     import numpy as np
     from safetensors.numpy import save_file
+
     from vllm_dsv41.quant import Exl3Config
 
     save_file({"w.weight": np.zeros(4, np.float16)}, str(tmp_path / "model.safetensors"))

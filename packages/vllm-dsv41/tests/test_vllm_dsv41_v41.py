@@ -22,6 +22,7 @@ def v41_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_registered_under_the_upstream_architecture_name() -> None:
     from vllm import ModelRegistry
+
     from vllm_dsv41 import register
     from vllm_dsv41.v41 import Dsv41ForCausalLM
 
@@ -37,6 +38,7 @@ def test_exl3_config_names_every_v41_module(v41_pack: Path) -> None:
     import json
 
     from vllm.transformers_utils.configs.deepseek_v41 import DeepseekV41Config
+
     from vllm_dsv41.quant import Exl3Config
 
     raw = json.loads((v41_pack / "config.json").read_text())

@@ -9,13 +9,14 @@ index, before the model is built, so every vLLM layer gets the right method at c
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 import torch
+
 from cpu_tier.exl3 import Exl3Tensor
+from engram_mmap.safetensors_header import parse_header
 
 __all__ = ["EXL3_SUFFIXES", "TensorStore", "exl3_modules", "tensor_names"]
 
@@ -29,25 +30,6 @@ EXL3_SUFFIXES: dict[str, torch.dtype] = {
     "mcg": torch.int32,
     "mul1": torch.int32,
 }
-
-_MAX_HEADER = 100 * 1024 * 1024  # the safetensors format's own limit
-
-
-def _header_names(path: Path) -> list[str]:
-    with path.open("rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > _MAX_HEADER:
-            raise ValueError(f"{path}: not a safetensors file (header length {n} is implausible)")
-        header = f.read(n)
-    try:
-        names = json.loads(header)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: safetensors header is not valid JSON ({e})") from None
-    return [k for k in names if k != "__metadata__"]
-
 
 def tensor_names(model_dir: str | Path) -> list[str]:
     """All tensor names of a local checkpoint directory (from the index if present, else the headers)."""
@@ -64,7 +46,7 @@ def tensor_names(model_dir: str | Path) -> list[str]:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{model_dir}: no *.safetensors files")
-    return [name for f in files for name in _header_names(f)]
+    return [name for f in files for name in parse_header(f).tensors]
 
 
 def exl3_modules(names: Iterable[str]) -> frozenset[str]:

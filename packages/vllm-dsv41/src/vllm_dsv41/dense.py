@@ -22,6 +22,7 @@ import os
 from typing import Literal, Protocol
 
 import torch
+
 from cpu_tier.exl3 import Exl3Tensor
 
 __all__ = ["Exl3DenseLinear", "Exllamav3Kernel", "TritonKernel", "exllamav3_available", "make_kernel"]

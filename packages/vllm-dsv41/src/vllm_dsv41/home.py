@@ -27,11 +27,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from cpu_tier.exl3 import Exl3Tensor
 from engram_mmap.safetensors_header import TensorInfo, read_header
 
-__all__ = ["EXPERT_RE", "PROJECTIONS", "ExpertHome", "HomeStats", "LayerExperts", "expert_problems", "expert_tensor", "process_memory",
-           "resident_bytes"]
+__all__ = [
+    "EXPERT_RE",
+    "PROJECTIONS",
+    "ExpertHome",
+    "HomeStats",
+    "LayerExperts",
+    "expert_problems",
+    "expert_tensor",
+    "process_memory",
+    "resident_bytes",
+]
 
 #: A routed expert's tensor: ``<moe>.experts.<e>.<proj>.<part>`` (``layers.3.ffn`` for V4.1's native names,
 #: ``model.layers.3.mlp`` for the demo's). ``<moe>`` must hold the decoder layer number.
@@ -304,7 +314,9 @@ class ExpertHome:
         """The layer's experts as ``Exl3Tensor`` views (validated; names in errors are the checkpoint's)."""
         parts = self._layers.get(layer)
         if not parts:
-            raise KeyError(f"{self.pack}: MoE layer {layer} has no routed experts in the pack (layers {self.layer_ids})")
+            raise KeyError(
+                f"{self.pack}: MoE layer {layer} has no routed experts in the pack (layers {self.layer_ids})"
+            )
         experts = sorted({e for e, _ in parts})
         if experts != list(range(len(experts))):
             missing = sorted(set(range(max(experts) + 1)) - set(experts))
@@ -457,7 +469,7 @@ def process_memory() -> dict[str, int]:
 
 
 def resident_bytes(home: ExpertHome) -> dict[str, int]:
-    """``Rss`` / ``Anonymous`` / ``Shared_Clean`` / ``Private_Clean`` bytes of the home's mappings (``/proc/self/smaps``).
+    """``Rss`` / ``Anonymous`` / ``Shared_Clean`` / ``Private_Clean`` of the home's mappings (``/proc/self/smaps``).
 
     A mapping of the pack's files holds page-cache pages: its ``Anonymous`` stays 0 (no private copy of any
     expert exists), whatever the tiers read.

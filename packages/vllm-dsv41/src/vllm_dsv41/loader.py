@@ -48,7 +48,8 @@ class LoadReport(dict):  # type: ignore[type-arg]
             f"{r['home_rate_gbs']:.2f} GB/s); {r['dense_tensors']} other tensors read in {r['dense_seconds']:.2f} s "
             f"({r['dense_bytes'] / GiB:.3f} GiB); RSS after load {r['rss'] / GiB:.3f} GiB (anon "
             f"{r['rss_anon'] / GiB:.3f}, file {r['rss_file'] / GiB:.3f}) = expert bytes + "
-            f"{(r['rss'] - r['expert_bytes']) / GiB:+.3f} GiB (goal <= +2 GiB); a {FULL_PACK_EXPERT_BYTES / 1e9:.0f} GB "
+            f"{(r['rss'] - r['expert_bytes']) / GiB:+.3f} GiB (goal <= +2 GiB); "
+            f"a {FULL_PACK_EXPERT_BYTES / 1e9:.0f} GB "
             f"pack's experts at this rate: {r['full_pack_seconds']:.0f} s"
         )
 

@@ -167,7 +167,9 @@ class Exl3HostExpertsMethod(FusedMoEMethodBase):
         if par.tp_size != 1 or par.ep_size != 1 or num_experts != self.moe.num_experts:
             raise NotImplementedError(f"{name}: host-resident EXL3 experts need tp=1, ep=1 (got {par})")
         if self.moe.activation != MoEActivation.SILU:
-            raise NotImplementedError(f"{name}: EXL3 host experts support SwiGLU (silu) only, got {self.moe.activation}")
+            raise NotImplementedError(
+                f"{name}: EXL3 host experts support SwiGLU (silu) only, got {self.moe.activation}"
+            )
         if getattr(layer, "apply_router_weight_on_input", False):
             raise NotImplementedError(f"{name}: apply_router_weight_on_input is not supported")
         self.layer_index = extract_layer_index(name)

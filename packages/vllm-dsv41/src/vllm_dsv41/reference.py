@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from cpu_tier.exl3 import Exl3Tensor
 
 __all__ = ["ReferenceDemoModel", "ReferenceExperts", "swiglu"]
