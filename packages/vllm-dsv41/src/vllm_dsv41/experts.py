@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 from cpu_tier.exl3 import Exl3Tensor
 
+from . import metrics
 from .config import Dsv41PluginConfig
 
 __all__ = ["CpuExpertRuntime", "ExpertRuntime", "routed_experts"]
@@ -76,6 +78,7 @@ class CpuExpertRuntime:
         self.isa: str = self._tier.isa
         self._hidden: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._metrics = metrics.tier("cpu")
 
     def add_layer(
         self,
@@ -100,7 +103,9 @@ class CpuExpertRuntime:
             ids = topk_ids.detach().to(device="cpu", dtype=torch.int32).contiguous().numpy()
             wts = topk_weights.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
             with self._lock:  # one forward at a time: the tier owns one worker pool
+                t0 = time.perf_counter()
                 self._tier.forward(layer, xs.numpy(), self._picks.from_topk(ids, wts), out=out.numpy())
+                self._metrics.forward(time.perf_counter() - t0, picks=ids.size)
         return out.to(device=x.device, dtype=x.dtype)
 
     def close(self) -> None:
