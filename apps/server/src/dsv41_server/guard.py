@@ -42,6 +42,9 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 #: Routes answered without the API key (GET/HEAD only): the health check load balancers and supervisors poll.
 OPEN_PATHS: frozenset[str] = frozenset({"/health"})
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+#: How much of a refused request's body is read and dropped before the answer, so that a client still sending
+#: it reads the 401/413 instead of a reset connection (past this the answer is sent and the connection closed).
+DRAIN_BYTES = 16 << 20
 
 
 def error_body(status: int, message: str, err_type: str, param: str | None = None) -> bytes:
@@ -110,6 +113,8 @@ class Guard:
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for every request in flight to finish; whether they all did."""
+        if not self._calls:
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:
@@ -175,6 +180,8 @@ class Guard:
                 message = (
                     "invalid API key" if ok is False else "missing API key: send the header 'Authorization: Bearer KEY'"
                 )
+                if method in _BODY_METHODS:
+                    await _drain(receive, self.max_body_bytes)
                 await _respond(
                     send, 401, error_body(401, message, "AuthenticationError"), ((b"www-authenticate", b"Bearer"),)
                 )
@@ -191,25 +198,25 @@ class Guard:
         limit = self.max_body_bytes
         too_large = f"request body is larger than this server's limit of {limit} bytes (--max-request-bytes)"
         length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            await _respond(send, 413, error_body(413, too_large, "RequestTooLargeError"), ((b"connection", b"close"),))
-            return None
+        declared = int(length) if length is not None and length.isdigit() else None
         parts: list[bytes] = []
         size = 0
-        while True:
+        more = True
+        while more and (declared is None or declared <= limit):
             msg = await receive()
             if msg["type"] == "http.disconnect":
                 return None
             chunk = msg.get("body", b"")
             size += len(chunk)
+            more = msg.get("more_body", False)
             if size > limit:
-                await _respond(
-                    send, 413, error_body(413, too_large, "RequestTooLargeError"), ((b"connection", b"close"),)
-                )
-                return None
-            parts.append(chunk)
-            if not msg.get("more_body", False):
                 break
+            parts.append(chunk)
+        if size > limit or (declared is not None and declared > limit):
+            if more and (declared is None or declared <= limit + DRAIN_BYTES):
+                await _drain(receive, DRAIN_BYTES)
+            await _respond(send, 413, error_body(413, too_large, "RequestTooLargeError"), ((b"connection", b"close"),))
+            return None
         body = b"".join(parts)
         ctype = headers.get(b"content-type", b"application/json").split(b";")[0].strip().lower()
         if body and (ctype == b"application/json" or ctype.endswith(b"+json")):
@@ -263,6 +270,16 @@ class Guard:
             if call.sse:
                 tail = b"data: " + error_body(503, call.message, "ServiceUnavailableError") + b"\n\ndata: [DONE]\n\n"
             await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+async def _drain(receive: Receive, max_bytes: int) -> None:
+    """Read and drop the rest of a request body, at most ``max_bytes`` of it."""
+    seen = 0
+    while seen <= max_bytes:
+        msg = await receive()
+        if msg["type"] != "http.request" or not msg.get("more_body", False):
+            return
+        seen += len(msg.get("body", b""))
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

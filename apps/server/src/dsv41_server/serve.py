@@ -9,8 +9,9 @@ control, which adds:
 * ``Guard`` around the app (API key on every route but ``/health``, body-size limit, request checks, drain);
   the key never appears on a command line and vLLM's own key middleware is not used;
 * the lifecycle: the exit status says what happened (``ExitCode``); the first SIGTERM/SIGINT stops accepting,
-  lets requests in flight run for ``shutdown_grace_s``, ends the rest with an error and exits 0; a second one
-  exits at once; the engine dying ends every request with an error and exits 1;
+  lets requests in flight run for ``shutdown_grace_s``, ends the rest with an error and exits 0 (during
+  start-up it stops the engine and exits 0); a second one kills the engine and exits at once; the engine
+  dying ends every request with an error and exits 1;
 * ``PROMETHEUS_MULTIPROC_DIR``: a fresh directory through which the engine process's ``dsv41_*`` metrics reach
   this process's ``/metrics`` (vllm_dsv41.metrics).
 
@@ -110,37 +111,50 @@ class _Lifecycle:
         self.cfg, self.pack, self.kind, self.api_key, self.metrics_dir = cfg, pack, kind, api_key, metrics_dir
         self.signals = 0
         self.stop = asyncio.Event()
-        self.exit_code = ExitCode.STOPPED
         self.serving = False
 
     # ------------------------------------------------------------------------------------------ signals
 
-    def _hard_exit(self, code: int, why: str) -> None:
-        """Kill every child process (the engine) and exit now, from any thread."""
+    def _exit_now(self, code: int, why: str, engine_grace: float = 0.0) -> None:
+        """Stop every child process (the engine: SIGTERM, SIGKILL after ``engine_grace`` s) and exit now."""
         try:
             import psutil
 
-            for child in psutil.Process().children(recursive=True):
+            children = psutil.Process().children(recursive=True)
+            for child in children:
                 try:
-                    child.kill()
+                    if engine_grace > 0:
+                        child.terminate()
+                    else:
+                        child.kill()
                 except psutil.Error:
                     pass
+            if engine_grace > 0:
+                _, alive = psutil.wait_procs(children, timeout=engine_grace)
+                for child in alive:
+                    try:
+                        child.kill()
+                    except psutil.Error:
+                        pass
         finally:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
             print(f"dsv41-server: {why}; exiting now with status {code}", file=sys.stderr, flush=True)
             os._exit(code)
 
     def _on_startup_signal(self, signum: int, _frame: FrameType | None) -> None:
+        # Nothing is served yet, so there is nothing to drain: stop the engine's start and exit. (Raising
+        # KeyboardInterrupt here, as vLLM does, is lost while vLLM waits for the engine in a ZMQ poll.)
         self.signals += 1
+        name = signal.Signals(signum).name
         if self.signals == 1:
-            raise KeyboardInterrupt(signal.Signals(signum).name)  # unwinds the engine's start-up (vLLM's way)
-        self._hard_exit(128 + signum, f"second {signal.Signals(signum).name} during start-up")
+            self._exit_now(ExitCode.STOPPED, f"{name} during start-up", engine_grace=ENGINE_STOP_SECONDS)
+        self._exit_now(128 + signum, f"second signal ({name}) during start-up")
 
     def _on_signal(self, signum: int) -> None:
         self.signals += 1
         name = signal.Signals(signum).name
         if self.signals > 1:
-            self._hard_exit(128 + signum, f"second signal ({name})")
+            self._exit_now(128 + signum, f"second signal ({name})")
         log.info("%s: stopping (grace for requests in flight: %g s; a second signal exits at once)",
                  name, self.cfg.shutdown_grace_s)  # fmt: skip
         self._arm_backstop(self.cfg.shutdown_grace_s, ExitCode.STOPPED)
@@ -148,7 +162,7 @@ class _Lifecycle:
 
     def _arm_backstop(self, grace: float, code: int) -> None:
         timer = threading.Timer(
-            grace + BACKSTOP_SECONDS, self._hard_exit, (code, f"shutdown still running {grace + BACKSTOP_SECONDS:g} s after it began")
+            grace + BACKSTOP_SECONDS, self._exit_now, (code, f"shutdown still running {grace + BACKSTOP_SECONDS:g} s after it began")
         )  # fmt: skip
         timer.daemon = True
         timer.start()
@@ -175,11 +189,7 @@ class _Lifecycle:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_startup_signal)
-        try:
-            return int(uvloop.run(self._main(args)))
-        except KeyboardInterrupt:
-            log.info("stopped during start-up")
-            return ExitCode.STOPPED
+        return int(uvloop.run(self._main(args)))
 
     async def _main(self, args: Any) -> int:
         from vllm.entrypoints.launchers.api_server.entry import build_async_engine_client
