@@ -167,7 +167,8 @@ class Soak:
         async with http.stream("POST", "/v1/chat/completions", json=body, headers=self.headers) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
-                return Result(kind, case, False, resp.status_code, time.monotonic() - t, error=f"{resp.status_code}: {text[:200]}")
+                dt = time.monotonic() - t
+                return Result(kind, case, False, resp.status_code, dt, error=f"{resp.status_code}: {text[:200]}")
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -214,10 +215,13 @@ class Soak:
         dt = time.monotonic() - t
         if resp.status_code != 200:
             return Result("tool", case, False, resp.status_code, dt, error=f"{resp.status_code}: {resp.text[:200]}")
-        msg = resp.json()["choices"][0]["message"]
+        answer = resp.json()["choices"][0]
+        msg = answer["message"]
         error = ""
         if choice != "auto":
             error = _tool_args_error([c["function"]["arguments"] for c in msg.get("tool_calls") or []])
+            if error:
+                error += f" (finish_reason {answer['finish_reason']!r}, content {str(msg.get('content'))[:60]!r})"
         return Result("tool", case, not error, 200, dt, error=error)
 
     async def _bad(self, http: httpx.AsyncClient) -> Result:
@@ -233,6 +237,10 @@ class Soak:
         ok = 400 <= resp.status_code < 500
         error = "" if ok else f"{case}: answered {resp.status_code}, expected 4xx: {resp.text[:160]}"
         return Result("bad", case, ok, resp.status_code, dt, error=error)
+
+
+def r_case(key: str) -> str:
+    return key.split(": ", 1)[0]
 
 
 def _tool_args_error(args: list[str]) -> str:
@@ -328,8 +336,8 @@ def report(soak: Soak, samples: list[Sample], wall: float, header: str) -> dict[
         ttft = [r.ttft * 1e3 for r in rs if r.ttft is not None]
         row = {"case": name.strip(), "n": len(rs), "errors": sum(not r.ok for r in rs),
                "5xx": sum(1 for r in rs if r.status is not None and r.status >= 500),
-               "p50_ms": _pct(lat, 50), "p90_ms": _pct(lat, 90), "p99_ms": _pct(lat, 99), "max_ms": max(lat, default=float("nan")),
-               "ttft_p50_ms": _pct(ttft, 50)}  # fmt: skip
+               "p50_ms": _pct(lat, 50), "p90_ms": _pct(lat, 90), "p99_ms": _pct(lat, 99),
+               "max_ms": max(lat, default=float("nan")), "ttft_p50_ms": _pct(ttft, 50)}  # fmt: skip
         rows.append(row)
         print(f"{name:<24}{row['n']:>6}{row['errors']:>8}{row['5xx']:>6}{row['p50_ms']:>9.0f}{row['p90_ms']:>9.0f}"
               f"{row['p99_ms']:>9.0f}{row['max_ms']:>9.0f}{row['ttft_p50_ms']:>10.0f}")  # fmt: skip
@@ -351,14 +359,19 @@ def report(soak: Soak, samples: list[Sample], wall: float, header: str) -> dict[
             growth[n] = {"first_mib": val(samples[0]) / 2**20, "last_mib": val(samples[-1]) / 2**20,
                          "slope_second_half_mib_per_min": _slope_mib_per_min([(s.t, val(s)) for s in half])}  # fmt: skip
             g = growth[n]
-            print(f"# {n.split(':')[0]}: {g['first_mib']:.1f} -> {g['last_mib']:.1f} MiB "
-                  f"({g['last_mib'] - g['first_mib']:+.1f}); second half {g['slope_second_half_mib_per_min']:+.2f} MiB/min")  # fmt: skip
+            delta, slope = g["last_mib"] - g["first_mib"], g["slope_second_half_mib_per_min"]
+            print(f"# {n.split(':')[0]}: {g['first_mib']:.1f} -> {g['last_mib']:.1f} MiB ({delta:+.1f}); "
+                  f"second half {slope:+.2f} MiB/min")  # fmt: skip
 
     errors = Counter(r.error for r in soak.results if not r.ok)
-    if errors:
-        print("\n# errors (first 10 distinct)")
-        for e, n in errors.most_common(10):
-            print(f"{n:>6}  {e}")
+    kinds: dict[str, list[str]] = defaultdict(list)  # the same error with other ids or text: one line, one example
+    for r in soak.results:
+        if not r.ok:
+            kinds[f"{r.case}: {r.error[:50]}"].append(r.error)
+    if kinds:
+        print("\n# errors, by case and beginning (count, one example)")
+        for key, examples in sorted(kinds.items(), key=lambda kv: -len(kv[1]))[:10]:
+            print(f"{len(examples):>6}  {r_case(key)}: {examples[0][:200]}")
     return {"rows": rows, "rss": [{"t": s.t, "done": s.done, "rss": s.rss} for s in samples], "growth": growth,
             "errors": dict(errors)}  # fmt: skip
 

@@ -65,7 +65,9 @@ def test_metrics_cross_processes_through_the_multiprocess_directory(tmp_path: Pa
     assert v["dsv41_expert_cache_fill_bytes_total", ()] == 8192
     assert v["dsv41_prefill_staged_bytes_total", ()] == 16e9
     assert v["dsv41_prefill_staged_seconds_total", ()] == 1.0
-    assert v["dsv41_prefill_staged_gbps", ()] == pytest.approx(16.0)  # the most recent transfer's
+    assert v["dsv41_prefill_staged_gbps_sum", ()] == pytest.approx(32.0)  # two transfers at 16 GB/s
+    assert v["dsv41_prefill_staged_gbps_bucket", (("le", "14.0"),)] == 0
+    assert v["dsv41_prefill_staged_gbps_bucket", (("le", "16.0"),)] == 2
     assert v["dsv41_cpu_deadline_misses_total", ()] == 2
     assert v["dsv41_cpu_recomputed_picks_total", ()] == 14
     assert v["dsv41_engram_gather_seconds_count", ()] == 2
@@ -105,9 +107,11 @@ def test_metrics_on_the_server_are_documented_present_and_move(demo_server: Any,
         temperature=0.0,
     )  # fmt: skip
     after = _scrape(demo_server)
-    calls = after["dsv41_expert_forward_seconds_count", 'tier="cpu"'] - before["dsv41_expert_forward_seconds_count", 'tier="cpu"']
-    picks = after["dsv41_expert_picks_total", 'tier="cpu"'] - before["dsv41_expert_picks_total", 'tier="cpu"']
-    seconds = after["dsv41_expert_forward_seconds_sum", 'tier="cpu"'] - before["dsv41_expert_forward_seconds_sum", 'tier="cpu"']
+    def moved(name: str) -> float:
+        return after[name, 'tier="cpu"'] - before[name, 'tier="cpu"']
+
+    calls, seconds = moved("dsv41_expert_forward_seconds_count"), moved("dsv41_expert_forward_seconds_sum")
+    picks = moved("dsv41_expert_picks_total")
     # The demo: 2 MoE layers, top-2 of 8 experts. Every step (prefill, then one per further token) calls each layer
     # once, and every token of the prompt and of the answer but the last is routed to 2 experts in each layer.
     tokens = r.usage.prompt_tokens + r.usage.completion_tokens - 1

@@ -141,7 +141,7 @@ class Guard:
         auth = headers.get(b"authorization")
         if auth is not None:
             scheme, _, token = auth.partition(b" ")
-            sent = token.strip() if scheme.lower() == b"bearer" else auth
+            sent = token.strip() if scheme.lower() == b"bearer" else b""  # only the Bearer scheme
         elif b"x-api-key" in headers:
             sent = headers[b"x-api-key"].strip()
         if sent is None:

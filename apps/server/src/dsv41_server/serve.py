@@ -161,9 +161,8 @@ class _Lifecycle:
         self.stop.set()
 
     def _arm_backstop(self, grace: float, code: int) -> None:
-        timer = threading.Timer(
-            grace + BACKSTOP_SECONDS, self._exit_now, (code, f"shutdown still running {grace + BACKSTOP_SECONDS:g} s after it began")
-        )  # fmt: skip
+        deadline = grace + BACKSTOP_SECONDS
+        timer = threading.Timer(deadline, self._exit_now, (code, f"shutdown still running {deadline:g} s after it began"))
         timer.daemon = True
         timer.start()
 

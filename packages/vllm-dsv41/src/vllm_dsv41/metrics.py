@@ -23,7 +23,7 @@ name                                      type       labels    what
 ``dsv41_expert_cache_fill_bytes_total``   counter              bytes copied by those fills
 ``dsv41_prefill_staged_bytes_total``      counter              expert bytes streamed to VRAM by staged-DMA prefill
 ``dsv41_prefill_staged_seconds_total``    counter              seconds those transfers took
-``dsv41_prefill_staged_gbps``             gauge                GB/s (1e9 B/s) of the most recent staged transfer
+``dsv41_prefill_staged_gbps``             histogram            GB/s (1e9 B/s) of each staged transfer
 ``dsv41_cpu_deadline_misses_total``       counter              CPU-tier forwards that missed their deadline
 ``dsv41_cpu_recomputed_picks_total``      counter              picks of those forwards recomputed on the GPU
 ``dsv41_engram_gather_seconds``           histogram            one Engram table gather
@@ -52,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Histogram
 
 __all__ = [
     "TIERS",
@@ -70,6 +70,8 @@ TIERS: tuple[str, ...] = ("cpu", "gpu", "gpu_cache", "streamed")
 
 #: Seconds: one layer's forward is ~50 us (a decode step on a small model) to seconds (a long prefill on CPU).
 _FORWARD_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: GB/s of one host->VRAM transfer: PCIe 3/4/5 x16 peak at about 13/26/52 GB/s.
+_GBPS_BUCKETS = (1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 20.0, 24.0, 28.0, 32.0, 40.0, 48.0, 56.0, 64.0)
 #: Seconds: one Engram gather is a few pages of a memory-mapped table (page cache: ~10 us; NVMe: ~100 us+).
 _GATHER_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25)
 
@@ -93,10 +95,8 @@ PREFILL_STAGED_BYTES = Counter(
 PREFILL_STAGED_SECONDS = Counter(
     "dsv41_prefill_staged_seconds", "Seconds the staged-DMA prefill's host->VRAM transfers took"
 )
-PREFILL_STAGED_GBPS = Gauge(
-    "dsv41_prefill_staged_gbps",
-    "GB/s (1e9 bytes/s) of the most recent staged-DMA prefill transfer",
-    multiprocess_mode="mostrecent",
+PREFILL_STAGED_GBPS = Histogram(  # a histogram, not a gauge: multiprocess gauges show no series until first set
+    "dsv41_prefill_staged_gbps", "GB/s (1e9 bytes/s) of each staged-DMA prefill transfer", buckets=_GBPS_BUCKETS
 )
 CPU_DEADLINE_MISSES = Counter(
     "dsv41_cpu_deadline_misses", "CPU-tier forwards that missed their deadline"
@@ -154,7 +154,7 @@ def staged_prefill(nbytes: int, seconds: float) -> None:
     PREFILL_STAGED_BYTES.inc(nbytes)
     PREFILL_STAGED_SECONDS.inc(seconds)
     if seconds > 0:
-        PREFILL_STAGED_GBPS.set(nbytes / seconds / 1e9)
+        PREFILL_STAGED_GBPS.observe(nbytes / seconds / 1e9)
 
 
 def cpu_deadline_miss(recomputed_picks: int) -> None:
