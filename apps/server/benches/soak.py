@@ -10,8 +10,9 @@ wrong key, an oversize body, ...). It stops at ``--requests`` requests or ``--du
 comes first (requests in flight then finish). Loopback only: it reads the server's memory from /proc.
 
 Printed: per kind of request, the count, errors (a good request not answered 200 with a well-formed answer,
-a bad one not answered 4xx, a broken connection), 5xx answers and latency percentiles (time to the last
-byte; streams also to the first token); the server's resident memory (the API-server process and each
+a bad one not answered 4xx, a broken connection), 5xx answers, answers cut at ``max_tokens`` (``cut``: a tool
+call cut short is not judged) and latency percentiles (time to the last byte; streams also to the first
+token); the server's resident memory (the API-server process and each
 child, e.g. vLLM's engine core) every ``--rss-every`` seconds; the first distinct errors.
 """
 
@@ -68,6 +69,7 @@ class Result:
     seconds: float
     ttft: float | None = None
     error: str = ""
+    truncated: bool = False  # stopped at max_tokens: a tool call cut short is not judged
 
 
 @dataclass
@@ -192,9 +194,10 @@ class Soak:
             error = "stream ended without data: [DONE]"
         if not error and finish not in ("stop", "length", "tool_calls"):
             error = f"stream ended with finish_reason {finish!r}"
-        if not error and body.get("tool_choice") not in (None, "auto", "none"):
+        truncated = finish == "length" and kind == "tool"
+        if not error and not truncated and body.get("tool_choice") not in (None, "auto", "none"):
             error = _tool_args_error(list(tool_args.values()))
-        return Result(kind, case, not error, 200, dt, ttft, error)
+        return Result(kind, case, not error, 200, dt, ttft, error, truncated)
 
     async def _chat_stream(self, http: httpx.AsyncClient) -> Result:
         body = _chat_body(self.model, self.rng, stream=True, stream_options={"include_usage": True})
@@ -218,11 +221,12 @@ class Soak:
         answer = resp.json()["choices"][0]
         msg = answer["message"]
         error = ""
-        if choice != "auto":
+        truncated = answer["finish_reason"] == "length"
+        if choice != "auto" and not truncated:
             error = _tool_args_error([c["function"]["arguments"] for c in msg.get("tool_calls") or []])
             if error:
                 error += f" (finish_reason {answer['finish_reason']!r}, content {str(msg.get('content'))[:60]!r})"
-        return Result("tool", case, not error, 200, dt, error=error)
+        return Result("tool", case, not error, 200, dt, error=error, truncated=truncated)
 
     async def _bad(self, http: httpx.AsyncClient) -> Result:
         case, req = self.rng.choice(self.bad)
@@ -319,10 +323,10 @@ def _slope_mib_per_min(points: list[tuple[float, float]]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else float("nan")
 
 
-def report(soak: Soak, samples: list[Sample], wall: float, header: str) -> dict[str, Any]:
+def report(soak: Soak, samples: list[Sample], wall: float) -> dict[str, Any]:
     rows = []
-    print(header)
-    print(f"{'case':<24}{'n':>6}{'errors':>8}{'5xx':>6}{'p50_ms':>9}{'p90_ms':>9}{'p99_ms':>9}{'max_ms':>9}{'ttft_p50':>10}")
+    print(f"{'case':<24}{'n':>6}{'errors':>8}{'5xx':>6}{'cut':>6}{'p50_ms':>9}{'p90_ms':>9}{'p99_ms':>9}{'max_ms':>9}"
+          f"{'ttft_p50':>10}")  # fmt: skip
     by: dict[str, list[Result]] = defaultdict(list)
     for r in soak.results:
         by[r.kind].append(r)
@@ -335,11 +339,11 @@ def report(soak: Soak, samples: list[Sample], wall: float, header: str) -> dict[
         lat = [r.seconds * 1e3 for r in rs]
         ttft = [r.ttft * 1e3 for r in rs if r.ttft is not None]
         row = {"case": name.strip(), "n": len(rs), "errors": sum(not r.ok for r in rs),
-               "5xx": sum(1 for r in rs if r.status is not None and r.status >= 500),
+               "5xx": sum(1 for r in rs if r.status is not None and r.status >= 500), "cut": sum(r.truncated for r in rs),
                "p50_ms": _pct(lat, 50), "p90_ms": _pct(lat, 90), "p99_ms": _pct(lat, 99),
                "max_ms": max(lat, default=float("nan")), "ttft_p50_ms": _pct(ttft, 50)}  # fmt: skip
         rows.append(row)
-        print(f"{name:<24}{row['n']:>6}{row['errors']:>8}{row['5xx']:>6}{row['p50_ms']:>9.0f}{row['p90_ms']:>9.0f}"
+        print(f"{name:<24}{row['n']:>6}{row['errors']:>8}{row['5xx']:>6}{row['cut']:>6}{row['p50_ms']:>9.0f}{row['p90_ms']:>9.0f}"
               f"{row['p99_ms']:>9.0f}{row['max_ms']:>9.0f}{row['ttft_p50_ms']:>10.0f}")  # fmt: skip
     print(f"# {len(soak.results)} requests in {wall:.0f} s ({len(soak.results) / wall:.2f}/s)")
 
@@ -419,7 +423,7 @@ async def amain(a: argparse.Namespace) -> int:
         stop.set()
         progress.cancel()
         await sampler
-    out = report(soak, samples, wall, header)
+    out = report(soak, samples, wall)
     if a.json:
         Path(a.json).write_text(json.dumps({"header": header, **out}, indent=1))
     return 1 if any(not r.ok for r in soak.results) else 0
