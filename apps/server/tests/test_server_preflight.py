@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from dsv41_server import ServerConfig, ServerError
+from dsv41_server.config import MIN_API_KEY_CHARS, default_max_request_bytes
 from dsv41_server.cli import parse_args
 from dsv41_server.packs import DEMO, V41, ensure_demo_pack, pack_kind
 from dsv41_server.preflight import (
@@ -94,6 +95,7 @@ def test_bad_flag_values_name_the_setting(argv: list[str], needle: str) -> None:
 
 
 def test_vllm_arguments_per_pack_kind(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DeepseekV41ForCausalLM"]}))
     cfg = ServerConfig(pack=tmp_path, plugin_overrides={"cpu": {"threads": 2}})
     demo = vllm_argv(cfg, tmp_path, DEMO)
     assert demo[demo.index("--tool-call-parser") + 1] == "hermes"
@@ -111,8 +113,26 @@ def test_vllm_arguments_per_pack_kind(tmp_path: Path) -> None:
     # the routed-expert op is an eager break of vLLM's breakable CUDA graphs: FULL graphs would capture the CPU tier
     assert json.loads(v41[v41.index("--compilation-config") + 1]) == {"cudagraph_mode": "PIECEWISE"}
     assert "--api-key" not in demo + v41
+    assert v41[v41.index("--dtype") + 1] == "bfloat16" and "--gpu-memory-utilization" in v41
+    assert "--gpu-memory-utilization" not in demo
     assert vllm_env(cfg, DEMO)["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(cfg, V41)
+    # vLLM imports the V4.1 model before it turns breakable graphs on: the server turns them on first
+    assert vllm_env(cfg, V41)["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "1"
+    assert "VLLM_USE_BREAKABLE_CUDAGRAPH" not in vllm_env(cfg, DEMO)
+
+
+def test_request_limit_and_shutdown_grace_flags() -> None:
+    cfg, _ = parse_args([])
+    assert cfg.max_request_bytes is None and cfg.shutdown_grace_s == 30.0
+    assert default_max_request_bytes(2048) == 1 << 20  # the floor
+    assert default_max_request_bytes(65536) == 2 << 20  # 32 bytes per context token
+    cfg, _ = parse_args(["--max-request-bytes", "65536", "--shutdown-grace", "2.5"])
+    assert cfg.max_request_bytes == 65536 and cfg.shutdown_grace_s == 2.5
+    with pytest.raises(ServerError, match="max_request_bytes"):
+        parse_args(["--max-request-bytes", "10"])
+    with pytest.raises(ServerError, match="shutdown_grace_s"):
+        parse_args(["--shutdown-grace", "-1"])
 
 
 def test_pack_kind_from_config(tmp_path: Path) -> None:
@@ -137,7 +157,13 @@ def test_api_key_rules(tmp_path: Path) -> None:
     f = tmp_path / "key"
     f.write_text("s3cret\n")
     f.chmod(0o600)
-    assert check_api_key(ServerConfig(host="0.0.0.0", api_key_file=f)) == ("s3cret", [])
+    assert check_api_key(ServerConfig(api_key_file=f)) == ("s3cret", [])  # loopback: any key
+    short = check_api_key(ServerConfig(host="0.0.0.0", api_key_file=f))  # reachable from other machines
+    assert short[0] is None and "6 characters" in short[1][0] and f"at least {MIN_API_KEY_CHARS}" in short[1][0]
+    f.write_text("x" * (MIN_API_KEY_CHARS - 1) + "\n")
+    assert check_api_key(ServerConfig(host="0.0.0.0", api_key_file=f))[0] is None
+    f.write_text("x" * MIN_API_KEY_CHARS + "\n")
+    assert check_api_key(ServerConfig(host="0.0.0.0", api_key_file=f)) == ("x" * MIN_API_KEY_CHARS, [])
     f.chmod(0o644)
     assert "chmod 600" in check_api_key(ServerConfig(host="0.0.0.0", api_key_file=f))[1][0]
     f.write_text("  \n")
@@ -201,7 +227,19 @@ def test_v41_pack_on_a_cpu_machine_stops_before_vllm(demo_pack: Path, tmp_path: 
 def test_demo_pack_passes_preflight(demo_pack: Path) -> None:
     result = preflight(ServerConfig(pack=demo_pack, port=free_port()), demo_pack, DEMO)
     assert result.api_key is None and result.pack_info["experts"] == 8 and result.pack_info["layers"] == 2
-    assert check_pack(demo_pack) == []
+    assert check_pack(demo_pack) == ([], [])
+
+
+def test_untracked_files_warn_but_untracked_weights_stop(demo_pack: Path, tmp_path: Path) -> None:
+    pack = _copy(demo_pack, tmp_path / "untracked")
+    (pack / "NOTES.md").write_text("my notes")
+    problems, warnings = check_pack(pack)
+    assert problems == [] and len(warnings) == 1 and "NOTES.md" in warnings[0] and "ignores it" in warnings[0]
+    result = preflight(ServerConfig(pack=pack, port=free_port()), pack, DEMO)
+    assert result.warnings == tuple(warnings)
+    (pack / "extra.safetensors").write_bytes(b"\0" * 16)  # vLLM could load it (no index in this pack)
+    problems, _ = check_pack(pack)
+    assert any("extra.safetensors" in p and "untracked" in p for p in problems)
 
 
 def test_demo_cache_is_reused_and_repaired(demo_pack: Path, tmp_path: Path) -> None:
@@ -211,7 +249,7 @@ def test_demo_cache_is_reused_and_repaired(demo_pack: Path, tmp_path: Path) -> N
     with (cache / "model.safetensors").open("r+b") as f:
         f.seek(-64, os.SEEK_END)
         f.write(b"\xff" * 64)
-    assert ensure_demo_pack(cache) == cache and check_pack(cache) == []
+    assert ensure_demo_pack(cache) == cache and check_pack(cache) == ([], [])
     other = tmp_path / "not-a-pack"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
@@ -237,7 +275,14 @@ def test_truncated_pack_fails_with_one_clear_message(demo_pack: Path, tmp_path: 
     pack = _copy(demo_pack, tmp_path / "truncated")
     size = (pack / "model.safetensors").stat().st_size
     os.truncate(pack / "model.safetensors", size // 2)
-    _assert_one_error(_run_server(["--pack", str(pack), "--port", str(free_port())], tmp_path), "model.safetensors")
+    message = _assert_one_error(
+        _run_server(["--pack", str(pack), "--port", str(free_port())], tmp_path), "model.safetensors"
+    )
+    # The first problem (the truncation) is the one shown; the damage it causes is counted, not listed.
+    lines = [ln for ln in message.splitlines() if ln.startswith("  - ")]
+    assert len(lines) == 2, message
+    assert "truncated" in lines[0] and "more lines about model.safetensors" in lines[0]
+    assert lines[1] == f"  - (every problem: pack-tools verify {pack})"
 
 
 def test_missing_pack_and_wrong_architecture(demo_pack: Path, tmp_path: Path) -> None:
@@ -255,6 +300,12 @@ def test_binding_beyond_loopback_needs_an_api_key(demo_pack: Path, tmp_path: Pat
     key = tmp_path / "key"
     key.write_text("k\n")
     key.chmod(0o600)
+    _assert_one_error(
+        _run_server(["--pack", str(demo_pack), "--host", "0.0.0.0", "--port", str(free_port()), "--api-key-file",
+                     str(key), "--check"], tmp_path),
+        "1 characters", f"at least {MIN_API_KEY_CHARS}",
+    )  # fmt: skip
+    key.write_text("k" * MIN_API_KEY_CHARS + "\n")
     ok = _run_server(
         ["--pack", str(demo_pack), "--host", "0.0.0.0", "--port", str(free_port()), "--api-key-file", str(key),
          "--check"], tmp_path,

@@ -48,7 +48,8 @@ def test_tiny_v41_real_names_dtypes_and_layout(tiny_session):
     assert t["mtp.0.ffn.experts.0.w3.trellis"][1][2] == 64  # MTP experts are 4 bpw
     assert t["head.trellis"][1][2] == 96  # 6 bpw head
     assert t["layers.3.ffn.shared_experts.w2.trellis"][:2] == ("I16", (I // 16, H // 16, 64))
-    assert t["layers.1.attn.wo_a.slice.1.trellis"][1] == (d.heads * d.head_dim // d.o_groups // 16, d.o_lora_rank // 16, 64)
+    woa_rows = d.heads * d.head_dim // d.o_groups  # one slice's input size
+    assert t["layers.1.attn.wo_a.slice.1.trellis"][1] == (woa_rows // 16, d.o_lora_rank // 16, 64)
     assert t["embed.weight"][:2] == ("BF16", (d.vocab, H))
     assert t["layers.2.hc_attn_fn"][:2] == ("F32", ((2 + d.hc_mult) * d.hc_mult, d.hc_mult * H))
     assert t["layers.0.ffn.gate.bias"][:2] == ("F32", (d.experts,))
@@ -99,7 +100,8 @@ def test_tiny_v41_config_and_tokenizer(tiny_session):
     assert tok.token_to_id("<｜deepseek_image｜>") == cfg["image_token_id"]
     from engram_mmap.hashing import build_token_map
 
-    assert build_token_map(str(tiny_session.exl3 / "tokenizer.json"))[1] == cfg["text_config"]["engram_compressed_vocab_size"]
+    classes = build_token_map(str(tiny_session.exl3 / "tokenizer.json"))[1]
+    assert classes == cfg["text_config"]["engram_compressed_vocab_size"]
     ids = tok.encode("<｜User｜>The capital of Japan?<｜Assistant｜></think>").ids
     assert ids[0] == V41_SPECIAL_TOKENS.index("<｜User｜>") and V41_SPECIAL_TOKENS.index("</think>") in ids
     tc = json.loads((tiny_session.exl3 / "tokenizer_config.json").read_text())

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .config import ServerConfig, default_demo_dir
-from .errors import ServerError
+from .errors import ExitCode, ServerError
 
 __all__ = ["main", "parse_args"]
 
@@ -68,6 +68,15 @@ def _parser() -> argparse.ArgumentParser:
                         "in VRAM (the oracle; only packs that fit)")
     e.add_argument("--dense-kernel", choices=("auto", "exllamav3", "triton"),
                    help="GPU kernel of the dense EXL3 linears (default auto: exllamav3's where it imports)")
+    p.add_argument(
+        "--max-request-bytes", type=int, default=None,
+        help="largest request body accepted, larger ones get 413 (default: 32 bytes per context token, at least 1 MiB)",
+    )  # fmt: skip
+    p.add_argument(
+        "--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+        help="on SIGTERM/SIGINT, how long requests in flight may still run before they are ended with an error "
+        "(default 30; a second signal exits at once)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--check", action="store_true", help="run the preflight checks and exit")
     return p
@@ -101,15 +110,30 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
             gpu_memory_utilization=a.gpu_memory_utilization,
             plugin_overrides=plugin,
             log_level=a.log_level,
+            max_request_bytes=a.max_request_bytes,
+            shutdown_grace_s=a.shutdown_grace,
         )
     except ValueError as e:
         raise ServerError(f"bad option: {e}") from None
     return cfg, a.check
 
 
+def _configure_logging() -> None:
+    """The server's log lines on stderr, through a handler of its own (vLLM and its dependencies reconfigure
+    the root logger while starting)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if log.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s dsv41-server %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the server; returns the process exit code (2 when it cannot start)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s dsv41-server %(levelname)s %(message)s")
+    """Run the server; returns the process exit status (``ExitCode``: 2 when refused by the preflight)."""
+    _configure_logging()
     try:
         cfg, check_only = parse_args(argv)
         from .packs import ensure_demo_pack, pack_kind
@@ -124,11 +148,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = preflight(cfg, pack, kind)
     except ServerError as e:
         print(f"dsv41-server: error: {e}", file=sys.stderr)
-        return 2
+        return ExitCode.REFUSED
+    for warning in result.warnings:
+        log.warning("%s", warning)
     log.info("preflight passed: %s (%s) on %s:%d", pack, kind.name, cfg.host, cfg.port)
     if check_only:
-        return 0
+        return ExitCode.STOPPED
     from .serve import serve
 
-    serve(cfg, pack, kind, result.api_key)
-    return 0
+    try:
+        code = serve(cfg, pack, kind, result.api_key)
+    except Exception:
+        log.exception("the server failed to start")
+        return ExitCode.START_FAILED
+    log.info("exiting with status %d (%s)", code, ExitCode(code).name if code in set(ExitCode) else "signal")
+    return code

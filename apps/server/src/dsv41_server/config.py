@@ -12,7 +12,10 @@ from typing import Any
 
 from vllm_dsv41 import Dsv41PluginConfig
 
-__all__ = ["ServerConfig", "default_demo_dir", "is_loopback"]
+__all__ = ["MIN_API_KEY_CHARS", "ServerConfig", "default_demo_dir", "default_max_request_bytes", "is_loopback"]
+
+#: The shortest API key accepted for a server reachable from other machines (loopback binds accept any key).
+MIN_API_KEY_CHARS = 16
 
 
 def default_demo_dir() -> Path:
@@ -29,6 +32,12 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # a host name: assume it resolves beyond loopback
+
+
+def default_max_request_bytes(max_model_len: int) -> int:
+    """The default request-body limit: 32 bytes per context token (a full-context prompt fits even as escaped
+    JSON, about 4 characters a token written as 6-byte escapes), at least 1 MiB."""
+    return max(1 << 20, 32 * max_model_len)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,6 +57,10 @@ class ServerConfig:
     gpu_memory_utilization : fraction of VRAM vLLM may use (GPU packs).
     plugin_overrides : vllm-dsv41 plugin settings (``Dsv41PluginConfig`` fields) that override the pack's.
     log_level : uvicorn's log level.
+    max_request_bytes : the largest request body accepted (413 beyond); ``None``: ``default_max_request_bytes``
+        of the context length.
+    shutdown_grace_s : on SIGTERM/SIGINT, how long requests in flight may still run before they are ended
+        with an error.
     """
 
     pack: Path | None = None
@@ -62,6 +75,8 @@ class ServerConfig:
     gpu_memory_utilization: float = 0.90
     plugin_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     log_level: str = "info"
+    max_request_bytes: int | None = None
+    shutdown_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -78,6 +93,10 @@ class ServerConfig:
         object.__setattr__(self, "plugin_overrides", MappingProxyType(dict(self.plugin_overrides)))
         if self.log_level not in ("critical", "error", "warning", "info", "debug", "trace"):
             raise ValueError(f"log_level: unknown level {self.log_level!r}")
+        if self.max_request_bytes is not None and self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes: expected at least 1024, got {self.max_request_bytes}")
+        if not 0 <= self.shutdown_grace_s <= 3600:
+            raise ValueError(f"shutdown_grace_s: expected 0..3600 seconds, got {self.shutdown_grace_s}")
 
     @property
     def demo(self) -> bool:

@@ -8,9 +8,10 @@ import logging
 import shutil
 from pathlib import Path
 
+from .config import ServerConfig
 from .errors import ServerError
 
-__all__ = ["DEMO", "KINDS", "V41", "PackKind", "ensure_demo_pack", "pack_kind"]
+__all__ = ["DEMO", "KINDS", "V41", "PackKind", "ensure_demo_pack", "kind_vllm_args", "kind_vllm_env", "pack_kind"]
 
 log = logging.getLogger("dsv41_server")
 
@@ -65,6 +66,41 @@ V41 = PackKind(
 )
 
 KINDS: tuple[PackKind, ...] = (DEMO, V41)
+
+
+# ------------------------------------------------------------------- per-kind vLLM arguments: the one place
+# Everything that differs between pack kinds in how vLLM is started is built here (from the kinds above and
+# the server's settings); serve.py adds only what every kind shares (model, host, port, plugin settings).
+
+
+def kind_vllm_args(kind: PackKind, cfg: ServerConfig) -> list[str]:
+    """The vLLM server arguments that depend on the pack kind."""
+    argv = [
+        "--dtype", kind.dtype,
+        "--max-model-len", str(cfg.max_model_len or kind.max_model_len),
+        "--tool-call-parser", kind.tool_call_parser,
+        "--reasoning-parser", kind.reasoning_parser,
+        *kind.extra_vllm_args,
+    ]  # fmt: skip
+    if kind.device == "cuda":
+        argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+    return argv
+
+
+def kind_vllm_env(kind: PackKind, cfg: ServerConfig) -> dict[str, str]:
+    """The vLLM environment variables that depend on the pack kind."""
+    env: dict[str, str] = {}
+    if kind.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+        # vLLM always runs the engine core in a process of its own (the API server talks to it over ZMQ); this
+        # puts the model worker inside that engine-core process instead of a third process.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    elif cfg.pack is not None:
+        from vllm_dsv41 import vllm_env_for_pack
+
+        # what the plugin needs vLLM to see before vLLM is imported (V4.1 with CUDA graphs: breakable graphs on)
+        env.update(vllm_env_for_pack(cfg.pack))
+    return env
 
 
 def pack_kind(pack: Path) -> PackKind:

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .config import ServerConfig
+from .config import MIN_API_KEY_CHARS, ServerConfig
 from .errors import ServerError
 from .packs import PackKind
 
@@ -47,23 +47,45 @@ class PreflightResult:
 
     api_key: str | None
     pack_info: dict[str, Any]
+    warnings: tuple[str, ...] = ()
 
 
 def _gib(n: float) -> str:
     return f"{n / GiB:.1f} GiB"
 
 
-def check_pack(pack: Path) -> list[str]:
-    """``pack-tools verify`` of the pack, at most ``MAX_PACK_LINES`` lines plus a count of the rest."""
+#: pack-tools' mark on a file the manifest does not list (a problem for ``pack-tools verify``, not for serving:
+#: vLLM reads only the files the pack's config and index name, except ``*.safetensors`` without an index).
+UNTRACKED_MARK = "(untracked file)"
+
+
+def check_pack(pack: Path) -> tuple[list[str], list[str]]:
+    """``pack-tools verify`` of the pack: (problems, warnings).
+
+    Problems are grouped by file: a file's first problem is shown with a count of the rest, which most often
+    follow from it (a truncated file damages every tensor after the cut); at most ``MAX_PACK_LINES`` files.
+    Untracked files other than ``*.safetensors`` are warnings: they do not stop the server.
+    """
     from pack_tools import verify_pack
 
-    problems = verify_pack(pack)
-    if not problems:
-        return []
-    shown = [f"pack {pack} fails verification: {p}" for p in problems[:MAX_PACK_LINES]]
-    if len(problems) > MAX_PACK_LINES:
-        shown.append(f"... and {len(problems) - MAX_PACK_LINES} more (run: pack-tools verify {pack})")
-    return shown
+    by_file: dict[str, list[str]] = {}
+    warnings: list[str] = []
+    for p in verify_pack(pack):
+        name = p.split(": ", 1)[0]
+        if p.endswith(UNTRACKED_MARK) and not name.endswith(".safetensors"):
+            warnings.append(f"pack {pack}: {p}; the server ignores it")
+            continue
+        by_file.setdefault(name, []).append(p)
+    shown = []
+    for name, problems in list(by_file.items())[:MAX_PACK_LINES]:
+        more = len(problems) - 1
+        tail = f" (+{more} more line{'s' * (more > 1)} about {name}, likely following from this one)" if more else ""
+        shown.append(f"pack {pack} fails verification: {problems[0]}{tail}")
+    if len(by_file) > MAX_PACK_LINES:
+        shown.append(f"... and problems in {len(by_file) - MAX_PACK_LINES} more files")
+    if shown:
+        shown.append(f"(every problem: pack-tools verify {pack})")
+    return shown, warnings
 
 
 def plugin_config(pack: Path, overrides: Mapping[str, Any]) -> Any:
@@ -179,6 +201,11 @@ def check_api_key(cfg: ServerConfig) -> tuple[str | None, list[str]]:
         return None, [f"--api-key-file {path}: the file is empty"]
     if any(c.isspace() for c in key):
         return None, [f"--api-key-file {path}: the key must be one line without spaces"]
+    if not cfg.loopback and len(key) < MIN_API_KEY_CHARS:
+        return None, [
+            f"--api-key-file {path}: the key has {len(key)} characters; a server reachable from other machines "
+            f"needs at least {MIN_API_KEY_CHARS} (e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        ]
     return key, []
 
 
@@ -205,7 +232,7 @@ def preflight(cfg: ServerConfig, pack: Path, kind: PackKind) -> PreflightResult:
     api_key, p = check_api_key(cfg)
     problems += p
     problems += check_port(cfg.host, cfg.port)
-    pack_problems = check_pack(pack)
+    pack_problems, warnings = check_pack(pack)
     if not pack_problems:
         from vllm_dsv41.home import expert_problems
 
@@ -236,4 +263,4 @@ def preflight(cfg: ServerConfig, pack: Path, kind: PackKind) -> PreflightResult:
     if problems:
         head = f"cannot serve {pack} ({kind.name}):"
         raise ServerError(head + "".join(f"\n  - {p}" for p in problems))
-    return PreflightResult(api_key=api_key, pack_info=info)
+    return PreflightResult(api_key=api_key, pack_info=info, warnings=tuple(warnings))

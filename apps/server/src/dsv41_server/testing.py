@@ -68,6 +68,7 @@ class DemoServer:
         self.log_path = self.root / "server.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.startup_seconds = float("nan")
+        self._t0 = float("nan")
 
     @property
     def base_url(self) -> str:
@@ -88,15 +89,22 @@ class DemoServer:
         except OSError:
             return "(no log)"
 
-    def start(self, timeout: float = 900.0) -> DemoServer:
-        """Start the server and wait until ``/health`` answers; raise with the log tail if it does not."""
+    def start_async(self) -> DemoServer:
+        """Start the server process and return at once."""
         self.root.mkdir(parents=True, exist_ok=True)
         env = isolated_env(self.root)
-        t0 = time.monotonic()
+        self._t0 = time.monotonic()
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
+        return self
+
+    def start(self, timeout: float = 900.0) -> DemoServer:
+        """Start the server and wait until ``/health`` answers; raise with the log tail if it does not."""
+        self.start_async()
+        assert self.proc is not None
+        t0 = self._t0
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the demo server exited with {self.proc.returncode}:\n{self.log_tail()}")
@@ -113,6 +121,36 @@ class DemoServer:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    def engine_pids(self) -> list[int]:
+        """The engine-core processes vLLM started under the server (``VLLM::EngineCore``)."""
+        import psutil
+
+        assert self.proc is not None
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        out = []
+        for c in children:
+            try:
+                if "EngineCore" in c.name() or "EngineCore" in " ".join(c.cmdline()):
+                    out.append(c.pid)
+            except psutil.Error:
+                pass
+        return out
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """The exit status, once the server has exited within ``timeout`` seconds; ``None`` if it has not."""
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
 
     def stop(self, timeout: float = 60.0) -> None:
         """SIGINT (vLLM's clean shutdown), then SIGKILL of the process group if it lingers."""

@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from . import metrics
 from .config import Dsv41PluginConfig
 from .home import LayerExperts
 
@@ -115,6 +117,7 @@ class CpuExpertRuntime:
         self._lock = threading.Lock()
         self._max_tokens = max_tokens
         self._staging: dict[tuple[torch.device, int, int], _Staging] = {}
+        self._metrics = metrics.tier("cpu")
 
     def add_layer(self, experts: LayerExperts, swiglu_limit: float | None) -> None:
         self._tier.add_layer(experts.layer, list(experts.gate), list(experts.up), list(experts.down),
@@ -123,7 +126,9 @@ class CpuExpertRuntime:
 
     def _compute(self, layer: int, x32: np.ndarray, ids: np.ndarray, w: np.ndarray, out32: np.ndarray) -> None:
         with self._lock:  # one forward at a time: the tier owns one worker pool
+            t0 = time.perf_counter()
             self._tier.forward(layer, x32, self._picks.from_topk(ids, w), out=out32)
+            self._metrics.forward(time.perf_counter() - t0, picks=ids.size)
 
     def forward_into(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
