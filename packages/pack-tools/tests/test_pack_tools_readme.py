@@ -20,4 +20,4 @@ def test_readme_python_blocks_run(
     for i, code in enumerate(blocks):
         exec(compile(code, f"{README.name} python block {i + 1}", "exec"), ns)  # noqa: S102
     out = capsys.readouterr().out
-    assert "DeepseekV41LLMForCausalLM 4 MoE layers, 8 experts per layer" in out, out
+    assert "DeepseekV41ForCausalLM 4 MoE layers, 16 experts per layer" in out, out

@@ -1,4 +1,4 @@
-"""The served model equals the float64 numpy reference built from ``cpu_tier.exl3``.
+"""The served demo equals the float64 numpy reference built from ``cpu_tier.exl3`` (``vllm_dsv41.reference``).
 
 The running demo server (vLLM + this plugin: EXL3 attention dequantized at load, routed experts in the CPU
 expert tier) returns the log-probabilities of every prompt position and of the generated tokens;
