@@ -155,9 +155,11 @@ def _tokenizer_corpus() -> list[str]:
         "Engram tables hold hashed n-gram embeddings read from disk.",
         '{"name": "get_weather", "arguments": {"location": "Paris"}}',
     ]
-    words = ("expert cache host memory pinned stream prefill decode token layer tensor trellis codebook "
-             "hadamard router weight gate shared sparse attention window index compressor engram table "
-             "shard pack verify build serve request stream reason tool call answer question number").split()
+    words = (
+        "expert cache host memory pinned stream prefill decode token layer tensor trellis codebook "
+        "hadamard router weight gate shared sparse attention window index compressor engram table "
+        "shard pack verify build serve request stream reason tool call answer question number"
+    ).split()
     for i in range(600):
         a, b, c = words[i % len(words)], words[(i * 7 + 3) % len(words)], words[(i * 13 + 5) % len(words)]
         lines.append(f"{a} {b} {c} {i} {i * i % 997} {a.capitalize()}{b}_{c}({i}) -> {b}.{c}[{i % 17}]")
@@ -193,8 +195,10 @@ def write_tokenizer(root: Path, vocab_size: int, chat_template: str | None = Non
     tok.add_special_tokens([IMAGE_TOKEN])
     size = tok.get_vocab_size()
     if size != vocab_size or tok.token_to_id(IMAGE_TOKEN) != vocab_size - 1:
-        raise ValueError(f"tokenizer: built {size} ids (image token at {tok.token_to_id(IMAGE_TOKEN)}), "
-                         f"expected exactly {vocab_size} with the image token last")
+        raise ValueError(
+            f"tokenizer: built {size} ids (image token at {tok.token_to_id(IMAGE_TOKEN)}), "
+            f"expected exactly {vocab_size} with the image token last"
+        )
     tok.save(str(root / "tokenizer.json"))
     cfg: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
