@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 
@@ -117,11 +117,11 @@ class TritonKernel:
         return (v.reshape(*v.shape[:-1], v.shape[-1] // 128, 128) @ self.h128).reshape(v.shape)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from dma_prefill.compute import decode_triton
+        from dma_prefill.triton_ops import decode_triton
 
         w = decode_triton(self.trellis, self.codebook)  # fp16 W_inner (k, n)
         xh = self._had(x.float() * self.suh).to(torch.float16)
-        y = torch.matmul(xh, w, out_dtype=torch.float32) if _HAS_OUT_DTYPE else (xh.float() @ w.float())
+        y = _matmul_f32(xh, w)
         y = self._had(y) * self.svh
         return y if self.bias is None else y + self.bias
 
@@ -132,14 +132,22 @@ class TritonKernel:
 
 def _has_out_dtype() -> bool:
     try:
-        torch.matmul(torch.zeros(1, 1, dtype=torch.float16), torch.zeros(1, 1, dtype=torch.float16),
-                     out_dtype=torch.float32)  # fmt: skip
+        mm: Any = torch.matmul  # out_dtype is newer than torch's type stubs
+        mm(torch.zeros(1, 1, dtype=torch.float16), torch.zeros(1, 1, dtype=torch.float16), out_dtype=torch.float32)
     except (TypeError, RuntimeError):
         return False
     return True
 
 
 _HAS_OUT_DTYPE = _has_out_dtype()
+
+
+def _matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp16 x fp16 with fp32 accumulation and an fp32 result (upcast when torch lacks ``out_dtype``)."""
+    if _HAS_OUT_DTYPE:
+        mm: Any = torch.matmul
+        return mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
 
 Backend = Literal["auto", "exllamav3", "triton"]
 

@@ -180,15 +180,15 @@ class _Staging:
 
     def __init__(self, device: torch.device, rows: int, hidden: int, topk: int) -> None:
         self.rows, self.topk = rows, topk
-        f32 = {"dtype": torch.float32}
-        self.dx = torch.empty((rows, hidden), device=device, **f32)
-        self.dout = torch.empty((rows, hidden), device=device, **f32)
-        self.dids = torch.empty((rows, self.topk), device=device, dtype=torch.int32)
-        self.dw = torch.empty((rows, self.topk), device=device, **f32)
-        self.hx = torch.empty((rows, hidden), pin_memory=True, **f32)
-        self.hout = torch.empty((rows, hidden), pin_memory=True, **f32)
-        self.hids = torch.empty((rows, self.topk), pin_memory=True, dtype=torch.int32)
-        self.hw = torch.empty((rows, self.topk), pin_memory=True, **f32)
+        f32, i32 = torch.float32, torch.int32
+        self.dx = torch.empty((rows, hidden), device=device, dtype=f32)
+        self.dout = torch.empty((rows, hidden), device=device, dtype=f32)
+        self.dids = torch.empty((rows, self.topk), device=device, dtype=i32)
+        self.dw = torch.empty((rows, self.topk), device=device, dtype=f32)
+        self.hx = torch.empty((rows, hidden), pin_memory=True, dtype=f32)
+        self.hout = torch.empty((rows, hidden), pin_memory=True, dtype=f32)
+        self.hids = torch.empty((rows, self.topk), pin_memory=True, dtype=i32)
+        self.hw = torch.empty((rows, self.topk), pin_memory=True, dtype=f32)
         self.inputs_ready = torch.cuda.Event()
 
 

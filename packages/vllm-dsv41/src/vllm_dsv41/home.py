@@ -25,6 +25,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -353,7 +354,7 @@ class ExpertHome:
 HOST_REGISTER_READ_ONLY = 8
 
 
-def expert_problems(pack: str | os.PathLike[str], config: Mapping[str, object] | None = None) -> list[str]:
+def expert_problems(pack: str | os.PathLike[str], config: Mapping[str, Any] | None = None) -> list[str]:
     """What is wrong with a pack's routed experts, from the index and the safetensors headers only (no data read).
 
     Checks that every MoE layer ``0 .. num_hidden_layers - 1`` has ``n_routed_experts`` experts, each with gate, up
@@ -367,14 +368,14 @@ def expert_problems(pack: str | os.PathLike[str], config: Mapping[str, object] |
             config = json.loads((pack / "config.json").read_text())
         except (OSError, ValueError) as e:
             return [f"{pack / 'config.json'}: unreadable ({e})"]
-    tc = config.get("text_config") if isinstance(config.get("text_config"), Mapping) else config
-    assert isinstance(tc, Mapping)
+    nested = config.get("text_config")
+    tc: Mapping[str, Any] = nested if isinstance(nested, Mapping) else config
     try:
         n_exp = tc["n_routed_experts"] if "n_routed_experts" in tc else tc["num_experts"]  # DeepSeek / Qwen names
-        layers, experts = int(tc["num_hidden_layers"]), int(n_exp)  # type: ignore[call-overload]
-        hidden, inter = int(tc["hidden_size"]), int(tc["moe_intermediate_size"])  # type: ignore[call-overload]
-    except (KeyError, TypeError, ValueError) as e:
-        return [f"{pack / 'config.json'}: no usable {e} for the routed experts"]
+        layers, experts = int(tc["num_hidden_layers"]), int(n_exp)
+        hidden, inter = int(tc["hidden_size"]), int(tc["moe_intermediate_size"])
+    except (KeyError, TypeError, ValueError) as err:
+        return [f"{pack / 'config.json'}: no usable {err} for the routed experts"]
     try:
         by_file = _expert_names_by_file(pack)
     except ValueError as e:
@@ -409,8 +410,8 @@ def expert_problems(pack: str | os.PathLike[str], config: Mapping[str, object] |
                 problems.append(f"{pack}: layer {layer}: {role} projections of experts {missing or ids[experts:][:5]} "
                                 f"are {'missing' if missing else 'beyond n_routed_experts'} ({len(ids)} of {experts})")
                 continue
-            for e in ids:
-                where, got = found[(layer, e, role)]
+            for eid in ids:
+                where, got = found[(layer, eid, role)]
                 if tuple(got[:2]) != shape:
                     problems.append(f"{where}: trellis {list(got)}, the config needs {16 * shape[0]} x "
                                     f"{16 * shape[1]} (in x out)")  # fmt: skip

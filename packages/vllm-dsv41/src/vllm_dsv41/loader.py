@@ -37,7 +37,7 @@ FULL_PACK_EXPERT_BYTES = 204_000_000_000
 GiB = 1 << 30
 
 
-class LoadReport(dict):  # type: ignore[type-arg]
+class LoadReport(dict[str, Any]):
     """What one load cost (a dict, logged as one line and kept on the model as ``dsv41_load_report``)."""
 
     def line(self) -> str:
@@ -66,7 +66,7 @@ class Dsv41ModelLoader(DefaultModelLoader):
         if not pack.is_dir():
             raise ValueError(f"{pack}: load_format 'dsv41' serves local packs only (a directory)")
 
-    def load_weights(self, model: torch.nn.Module, model_config: Any) -> None:
+    def load_weights(self, model: Any, model_config: Any) -> None:
         from .quant import Exl3Config
 
         pack = Path(model_config.model)
@@ -97,7 +97,7 @@ class Dsv41ModelLoader(DefaultModelLoader):
             rss_anon=mem.get("RssAnon", 0), rss_file=mem.get("RssFile", 0), rss_before=before.get("VmRSS", 0),
             full_pack_seconds=FULL_PACK_EXPERT_BYTES / rate,
         )  # fmt: skip
-        model.dsv41_load_report = report  # type: ignore[assignment]
+        model.dsv41_load_report = report
         logger.info("%s", report.line())
 
     def _dense_weights(self, pack: Path, mapper: Any, counts: dict[str, int],

@@ -56,7 +56,7 @@ class Exl3LinearMethod(LinearMethodBase):
 
     def create_weights(
         self,
-        layer: torch.nn.Module,
+        layer: Any,
         input_size_per_partition: int,
         output_partition_sizes: list[int],
         input_size: int,
@@ -73,7 +73,7 @@ class Exl3LinearMethod(LinearMethodBase):
             layer.register_parameter(suffix, _placeholder(dtype, functools.partial(self._load, layer, suffix)))
 
     def _load(
-        self, layer: torch.nn.Module, suffix: str, param: Any, loaded: torch.Tensor, shard_id: Any = None
+        self, layer: Any, suffix: str, param: Any, loaded: torch.Tensor, shard_id: Any = None
     ) -> None:
         shard = getattr(loaded, "shard_id", None) if shard_id is None else shard_id
         n = len(layer.exl3_sizes[1])
@@ -87,7 +87,7 @@ class Exl3LinearMethod(LinearMethodBase):
             raise ValueError(f"{self.prefix}.{suffix}: unsupported shard id {shard!r} for {n} output part(s)")
         layer.exl3_store.put(part, suffix, loaded)
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         k, sizes = layer.exl3_sizes
         store: TensorStore = layer.exl3_store
         names = self.parts if len(self.parts) == len(sizes) else [f"{self.prefix}[{i}]" for i in range(len(sizes))]
@@ -109,7 +109,7 @@ class Exl3LinearMethod(LinearMethodBase):
             w_t = torch.from_numpy(np.ascontiguousarray(w)).to(device=device, dtype=layer.exl3_params_dtype)
             layer.register_buffer("exl3_weight", w_t, persistent=False)
 
-    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def apply(self, layer: Any, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         dense = getattr(layer, "exl3_dense", None)
         if dense is not None:
             y = dense(x)
@@ -155,7 +155,7 @@ class Exl3HostExpertsMethod(FusedMoEMethodBase):
 
     def create_weights(
         self,
-        layer: torch.nn.Module,
+        layer: Any,
         num_experts: int,
         hidden_size: int,
         intermediate_size_per_partition: int,
@@ -184,17 +184,17 @@ class Exl3HostExpertsMethod(FusedMoEMethodBase):
         self.out = self.quant_config.moe_out_buffer(rows, hidden_size, params_dtype)
         _, self.runtime_handle = self.quant_config.expert_runtime()
 
-    def _refuse(self, layer: torch.nn.Module, param: Any = None, loaded_weight: Any = None, weight_name: str = "",
+    def _refuse(self, layer: Any, param: Any = None, loaded_weight: Any = None, weight_name: str = "",
                 **kw: Any) -> bool:  # fmt: skip
         raise ValueError(
             f"{layer.layer_name}: routed expert tensor {weight_name!r} came through vLLM's weight reader; this "
             "plugin maps routed experts from the pack itself: load with load_format='dsv41' (the server does)"
         )
 
-    def get_fused_moe_quant_config(self, layer: torch.nn.Module) -> None:
+    def get_fused_moe_quant_config(self, layer: Any) -> None:
         return None
 
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+    def process_weights_after_loading(self, layer: Any) -> None:
         num_experts, hidden, inter = layer.exl3_sizes
         experts = self.quant_config.home().layer(self.layer_index)
         if (experts.num_experts, experts.hidden, experts.intermediate) != (num_experts, hidden, inter):
@@ -207,7 +207,7 @@ class Exl3HostExpertsMethod(FusedMoEMethodBase):
 
     def apply(
         self,
-        layer: torch.nn.Module,
+        layer: Any,
         x: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,

@@ -64,7 +64,7 @@ class Exl3Config(QuantizationConfig):
 
     # ----------------------------------------------------------------------------------- vLLM interface
 
-    def get_name(self) -> str:  # type: ignore[override]
+    def get_name(self) -> str:
         return QUANT_METHOD
 
     def get_supported_act_dtypes(self) -> list[torch.dtype]:

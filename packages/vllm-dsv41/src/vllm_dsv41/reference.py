@@ -109,13 +109,11 @@ class ReferenceDemoModel:
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 self._attn[(i, name)] = self._linear_weight(raw, f"{p}.self_attn.{name}")
             n = int(c["num_experts"])
-            self.experts.add_layer(
-                i,
-                *[
-                    [Exl3Tensor.from_safetensors(raw, f"{p}.mlp.experts.{e}.{proj}") for e in range(n)]
-                    for proj in ("gate_proj", "up_proj", "down_proj")
-                ],
+            gate, up, down = (
+                [Exl3Tensor.from_safetensors(raw, f"{p}.mlp.experts.{e}.{proj}") for e in range(n)]
+                for proj in ("gate_proj", "up_proj", "down_proj")
             )
+            self.experts.add_layer(i, gate, up, down)
 
     @staticmethod
     def _linear_weight(raw: dict[str, np.ndarray], prefix: str) -> np.ndarray:

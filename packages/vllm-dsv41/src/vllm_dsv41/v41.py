@@ -122,7 +122,7 @@ def configure_exl3_names(quant: Exl3Config, hf_config: Any) -> None:
     """Give ``Exl3Config`` the V4.1 names: mapped module names and the fused-module table (once)."""
     if getattr(quant, "_v41_named", False):
         return
-    quant._v41_named = True  # type: ignore[attr-defined]
+    quant._v41_named = True
     expert_dtype = getattr(hf_config, "expert_dtype", "fp4")
     quant.apply_vllm_mapper(v41_weights_mapper(expert_dtype).get_rename_mapper())
     quant.packed_modules_mapping = dict(PACKED_MODULES)
