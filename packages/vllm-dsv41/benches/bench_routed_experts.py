@@ -87,8 +87,10 @@ def main() -> None:
         xn, out, buf = x.numpy(), np.empty((t, h), np.float32), torch.empty(t, h)
         picks = Picks.from_topk(ids.numpy(), w.numpy())
         op, ceil = _times(
-            [lambda: torch.ops.dsv41.routed_experts_out(x, ids, w, buf, handle, 0),  # noqa: B023
-             lambda: tier.forward(0, xn, picks, out=out)],  # noqa: B023
+            [
+                lambda: torch.ops.dsv41.routed_experts_out(x, ids, w, buf, handle, 0),  # noqa: B023
+                lambda: tier.forward(0, xn, picks, out=out),  # noqa: B023
+            ],
             a.warmup,
             a.iters,
         )

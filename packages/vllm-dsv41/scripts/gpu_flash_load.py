@@ -56,11 +56,14 @@ def main() -> int:
             "full_pack_seconds": FULL_PACK_EXPERT_BYTES / (nbytes / sec),
         }  # fmt: skip
         results[temp] = row
-        print(f"{temp}: {nbytes / GiB:.2f} GiB of experts in {layers} layers mapped + page-locked in {sec:.1f} s "
-              f"({row['gb_per_s']:.2f} GB/s); RSS {mem['VmRSS'] / GiB:.2f} GiB (anon {mem['RssAnon'] / GiB:.2f}, "
-              f"file {mem['RssFile'] / GiB:.2f}) = expert bytes {(mem['VmRSS'] - nbytes) / GiB:+.2f} GiB; "
-              f"home mappings: Rss {row['home_rss'] / GiB:.2f} GiB, Anonymous {row['home_anonymous']} B; "
-              f"a 204 GB pack at this rate: {row['full_pack_seconds']:.0f} s", flush=True)
+        print(
+            f"{temp}: {nbytes / GiB:.2f} GiB of experts in {layers} layers mapped + page-locked in {sec:.1f} s "
+            f"({row['gb_per_s']:.2f} GB/s); RSS {mem['VmRSS'] / GiB:.2f} GiB (anon {mem['RssAnon'] / GiB:.2f}, "
+            f"file {mem['RssFile'] / GiB:.2f}) = expert bytes {(mem['VmRSS'] - nbytes) / GiB:+.2f} GiB; "
+            f"home mappings: Rss {row['home_rss'] / GiB:.2f} GiB, Anonymous {row['home_anonymous']} B; "
+            f"a 204 GB pack at this rate: {row['full_pack_seconds']:.0f} s",
+            flush=True,
+        )
         for h in homes:
             h.close()
     (out / "flash_load.json").write_text(json.dumps(results, indent=1))

@@ -52,7 +52,7 @@ fid() {  # name, extra args
     local name=$1; shift
     log "fidelity $name"
     timeout 560 python3 -m vllm_dsv41.fidelity "$PACK" --runtime cpu --against all-in-vram --gpu-memory-gib 24 \
-        --cpu-threads 8 --json "$OUT/fidelity_$name.json" --min-top1 0.999 --max-kl-mean 1e-4 "$@" \
+        --cpu-threads 8 --json "$OUT/fidelity_$name.json" --min-top1 0.999 --max-kl-mean 1e-4 --noise-floor "$@" \
         > "$OUT/fidelity_$name.log" 2>&1
     local r=$?
     grep -v "INFO\|DEBUG" "$OUT/fidelity_$name.log" | tail -30

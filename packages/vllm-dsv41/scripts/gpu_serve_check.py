@@ -25,8 +25,23 @@ def main() -> int:
     keyfile.write_text(key)
     os.chmod(keyfile, 0o600)
     log = open(out / "server.log", "w")
-    cmd = [sys.executable, "-m", "dsv41_server", "--pack", str(pack), "--port", str(port), "--api-key-file",
-           str(keyfile), "--max-model-len", "1024", "--gpu-memory-utilization", "0.17", "--cpu-threads", "8"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsv41_server",
+        "--pack",
+        str(pack),
+        "--port",
+        str(port),
+        "--api-key-file",
+        str(keyfile),
+        "--max-model-len",
+        "1024",
+        "--gpu-memory-utilization",
+        "0.17",
+        "--cpu-threads",
+        "8",
+    ]
     t0 = time.time()
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     fails = 0
@@ -59,12 +74,23 @@ def main() -> int:
         model = c.models.list().data[0].id
         check("models", model == "deepseek-v4.1-flash", model)
         msgs = [{"role": "user", "content": "What is the capital of Japan?"}]
-        r = c.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0,
-                                      extra_body={"chat_template_kwargs": {"thinking": False}})
+        r = c.chat.completions.create(
+            model=model,
+            messages=msgs,
+            max_tokens=24,
+            temperature=0,
+            extra_body={"chat_template_kwargs": {"thinking": False}},
+        )
         text = r.choices[0].message.content or ""
         check("chat", r.usage.completion_tokens > 0, repr(text[:60]))
-        chunks = c.chat.completions.create(model=model, messages=msgs, max_tokens=24, temperature=0, stream=True,
-                                           extra_body={"chat_template_kwargs": {"thinking": False}})
+        chunks = c.chat.completions.create(
+            model=model,
+            messages=msgs,
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            extra_body={"chat_template_kwargs": {"thinking": False}},
+        )
         streamed = "".join((ch.choices[0].delta.content or "") for ch in chunks if ch.choices)
         check("streaming equals non-streaming", streamed == text, repr(streamed[:60]))
         tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city",
@@ -74,15 +100,26 @@ def main() -> int:
         r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Weather in Paris?"}],
                                       tools=tools, tool_choice=named, max_tokens=64, temperature=0)  # fmt: skip
         calls = r.choices[0].message.tool_calls or []
-        check("named tool call", len(calls) == 1 and calls[0].function.name == "get_weather",
-              calls[0].function.arguments[:60] if calls else "none")
+        check(
+            "named tool call",
+            len(calls) == 1 and calls[0].function.name == "get_weather",
+            calls[0].function.arguments[:60] if calls else "none",
+        )
         for thinking in (True, False):
-            r = c.chat.completions.create(model=model, messages=msgs, max_tokens=32, temperature=0,
-                                          extra_body={"chat_template_kwargs": {"thinking": thinking}})
+            r = c.chat.completions.create(
+                model=model,
+                messages=msgs,
+                max_tokens=32,
+                temperature=0,
+                extra_body={"chat_template_kwargs": {"thinking": thinking}},
+            )
             m = r.choices[0].message
             reasoning = getattr(m, "reasoning_content", None) or getattr(m, "reasoning", None)
-            check(f"reasoning {'on' if thinking else 'off'}", r.usage.completion_tokens > 0,
-                  f"reasoning={str(reasoning)[:40]!r} content={str(m.content)[:40]!r}")
+            check(
+                f"reasoning {'on' if thinking else 'off'}",
+                r.usage.completion_tokens > 0,
+                f"reasoning={str(reasoning)[:40]!r} content={str(m.content)[:40]!r}",
+            )
         try:
             c.chat.completions.create(model=model, messages=msgs, max_tokens=-5)
             check("4xx for a bad request", False, "accepted max_tokens=-5")

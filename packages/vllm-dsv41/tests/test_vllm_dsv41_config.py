@@ -63,8 +63,10 @@ def _vllm_config(pack: dict | None, extra: dict | None) -> SimpleNamespace:
 def test_from_vllm_config_merges_pack_defaults_and_overrides_field_by_field() -> None:
     assert Dsv41PluginConfig.from_vllm_config(_vllm_config(None, None)) == Dsv41PluginConfig()
     cfg = Dsv41PluginConfig.from_vllm_config(
-        _vllm_config({"cpu": {"precision": "fast", "spin_us": 10}, "dense_kernel": "triton"},
-                     {"dsv41": {"cpu": {"spin_us": 0}, "runtime": "all-in-vram"}})  # fmt: skip
+        _vllm_config(
+            {"cpu": {"precision": "fast", "spin_us": 10}, "dense_kernel": "triton"},
+            {"dsv41": {"cpu": {"spin_us": 0}, "runtime": "all-in-vram"}},
+        )  # fmt: skip
     )
     assert (cfg.cpu.precision, cfg.cpu.spin_us, cfg.dense_kernel, cfg.runtime) == ("fast", 0, "triton", "all-in-vram")
     with pytest.raises(ValueError, match="config.json 'dsv41': unknown field 'bogus'"):

@@ -41,10 +41,14 @@ def reference(home: ExpertHome) -> ReferenceExperts:
     return ref
 
 
-@pytest.fixture(scope="module", params=["cpu", "all-in-vram"])
+@pytest.fixture(scope="module", params=["cpu", "all-in-vram", "all-in-vram-f64"])
 def handle(request: pytest.FixtureRequest, home: ExpertHome) -> Iterator[int]:
+    runtime: CpuExpertRuntime | AllInVramRuntime
     if request.param == "cpu":
         runtime = CpuExpertRuntime(Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact")))
+    elif request.param == "all-in-vram-f64":
+        runtime = AllInVramRuntime("cpu", torch.float64)
+        assert runtime.name == "all-in-vram-f64"
     else:
         runtime = AllInVramRuntime("cpu")
     for lx in home.layers():
@@ -118,6 +122,29 @@ def test_op_has_a_shape_only_fake(handle: int) -> None:
         out = torch.empty(9, HIDDEN)
         torch.ops.dsv41.routed_experts_out(x, torch.empty(9, TOP_K, dtype=torch.int64), torch.empty(9, TOP_K), out,
                                            handle, 0)  # fmt: skip
+
+
+def test_f64_variant_is_closer_to_the_reference_and_refuses_other_dtypes(
+    home: ExpertHome, reference: ReferenceExperts
+) -> None:
+    f32, f64 = AllInVramRuntime("cpu"), AllInVramRuntime("cpu", torch.float64)
+    for lx in home.layers():
+        f32.add_layer(lx, swiglu_limit=None)
+        f64.add_layer(lx, swiglu_limit=None)
+    assert f64.nbytes == 2 * f32.nbytes
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((32, HIDDEN)).astype(np.float32)
+    ids, w = _routing(rng, 32)
+    expected = reference.forward(0, x, ids, w)
+    errs = []
+    for rt in (f32, f64):
+        out = torch.zeros(32, HIDDEN, dtype=torch.float32)
+        rt.forward_into(0, torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w), out)
+        errs.append(float(np.abs(out.numpy() - expected).max()))
+    assert errs[1] <= errs[0]  # float64 sums: only the final rounding to float32 remains
+    assert errs[1] <= 1e-6 * np.abs(expected).max()
+    with pytest.raises(ValueError, match="float32 or float64"):
+        AllInVramRuntime("cpu", torch.bfloat16)
 
 
 def test_runtime_slot_can_be_swapped(home: ExpertHome) -> None:

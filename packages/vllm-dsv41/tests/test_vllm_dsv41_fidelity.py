@@ -36,10 +36,14 @@ def test_fidelity_tool_on_the_demo_pack(demo_pack: Path, tmp_path: Path) -> None
     out = tmp_path / "fidelity.json"
     cmd = [sys.executable, "-m", "vllm_dsv41.fidelity", str(demo_pack), "--runtime", "cpu", "--against", "all-in-vram",
            "--positions", "512", "--length", "128", "--greedy-prompts", "2", "--greedy-tokens", "12",
-           "--cpu-threads", "2", "--json", str(out), "--min-top1", "0.999", "--max-kl-mean", "1e-4"]  # fmt: skip
+           "--cpu-threads", "2", "--json", str(out), "--min-top1", "0.999", "--max-kl-mean", "1e-4",
+           "--noise-floor"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     res = json.loads(out.read_text())
     assert res["positions"] == 512 and res["top1_agreement"] == 1.0 and res["kl_mean"] < 1e-8
     assert res["greedy_match"] and len(res["greedy_runtime"]) == 2 and len(res["greedy_runtime"][0]) == 12
     assert "top-1 agreement" in r.stdout
+    floor = res["noise_floor"]  # the oracle's experts with float64 sums, against the oracle
+    assert floor["runtime"] == "all-in-vram-f64" and floor["positions"] == 512 and floor["top1_agreement"] == 1.0
+    assert "noise floor" in r.stdout

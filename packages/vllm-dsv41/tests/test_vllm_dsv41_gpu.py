@@ -12,6 +12,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
+
 def _rel_rms(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b**2)))
 

@@ -31,6 +31,7 @@ EXL3_SUFFIXES: dict[str, torch.dtype] = {
     "mul1": torch.int32,
 }
 
+
 def tensor_names(model_dir: str | Path) -> list[str]:
     """All tensor names of a local checkpoint directory (from the index if present, else the headers)."""
     model_dir = Path(model_dir)

@@ -149,6 +149,7 @@ def _matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return mm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
+
 Backend = Literal["auto", "exllamav3", "triton"]
 
 
@@ -194,4 +195,3 @@ class Exl3DenseLinear:
     @property
     def trellis_bytes(self) -> int:
         return sum(k.trellis_bytes for k in self.kernels)  # type: ignore[attr-defined]
-

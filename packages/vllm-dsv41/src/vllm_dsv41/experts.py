@@ -198,20 +198,28 @@ class AllInVramRuntime:
     Parameters
     ----------
     device : where the experts live (the model's device; "cpu" for the CPU demo).
+    dtype : the compute (and storage) dtype: float32 (the oracle) or float64 (a diagnostic: the same experts with
+        more exact sums, to measure how much of a runtime's difference is the model's sensitivity to the last bits).
     """
 
     name = "all-in-vram"
     graph_safe = False  # data-dependent per-expert loops (host reads the routing)
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"AllInVramRuntime: dtype must be float32 or float64, got {dtype}")
         self.device = torch.device(device)
+        self.dtype = dtype
+        if dtype == torch.float64:
+            self.name = "all-in-vram-f64"
         self._w: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
         self._limit: dict[int, float | None] = {}
         self._hidden: dict[int, int] = {}
 
     def add_layer(self, experts: LayerExperts, swiglu_limit: float | None) -> None:
         def dq(ts: Sequence[Any]) -> list[torch.Tensor]:
-            return [torch.from_numpy(np.ascontiguousarray(t.reconstruct(), dtype=np.float32)).to(self.device)
+            return [torch.from_numpy(np.ascontiguousarray(t.reconstruct(), dtype=np.float32)).to(self.device,
+                                                                                                 self.dtype)
                     for t in ts]  # fmt: skip
 
         self._w[experts.layer] = (dq(experts.gate), dq(experts.up), dq(experts.down))
@@ -220,7 +228,7 @@ class AllInVramRuntime:
 
     @property
     def nbytes(self) -> int:
-        return sum(w.numel() * 4 for layer in self._w.values() for proj in layer for w in proj)
+        return sum(w.numel() * w.element_size() for layer in self._w.values() for proj in layer for w in proj)
 
     def forward_into(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
@@ -233,10 +241,10 @@ class AllInVramRuntime:
         _refuse_capture(self.name)
         gate, up, down = self._w[layer]
         limit = self._limit[layer]
-        xs = x.to(torch.float32)
-        acc = torch.zeros((t, x.shape[1]), dtype=torch.float32, device=x.device)
+        xs = x.to(self.dtype)
+        acc = torch.zeros((t, x.shape[1]), dtype=self.dtype, device=x.device)
         ids = topk_ids.to(torch.int64)
-        w = topk_weights.to(torch.float32)
+        w = topk_weights.to(self.dtype)
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False
         try:

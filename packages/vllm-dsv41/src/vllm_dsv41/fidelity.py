@@ -30,6 +30,8 @@ import torch
 
 __all__ = ["FidelityResult", "compare_logits", "main", "run_fidelity"]
 
+#: The diagnostic runtime ``--noise-floor`` compares with the oracle: the same dequantized experts, float64 sums.
+NOISE_FLOOR_RUNTIME = "all-in-vram-f64"
 #: Text the fixed prompts are cut from (tokenized with the pack's tokenizer).
 CORPUS = (
     "The capital of Japan is Tokyo. The capital of France is Paris. A mixture of experts routes each token to a "
@@ -160,9 +162,13 @@ def _switch(model: torch.nn.Module, runtime: str) -> str:
     current, _ = q.expert_runtime()
     if current.name == runtime:
         return runtime
-    cfg = dc.replace(q.plugin_config(), runtime=runtime)
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-    new = make_runtime(cfg, device)
+    if runtime == NOISE_FLOOR_RUNTIME:  # the oracle's experts with float64 sums (a diagnostic, not a config value)
+        from .experts import AllInVramRuntime
+
+        new: Any = AllInVramRuntime(device, torch.float64)
+    else:
+        new = make_runtime(dc.replace(q.plugin_config(), runtime=runtime), device)
     limits = _swiglu_limits(model)
     for layer in q.home().layers():
         new.add_layer(layer, limits.get(layer.layer))
@@ -208,8 +214,10 @@ def _logits_of(llm: Any, ids: list[int]) -> np.ndarray:
         return np.concatenate(prompt, axis=0)
     if rows == n - 1:  # runner V1: positions 0..n-2, then the sampled position
         return np.concatenate([*prompt, last], axis=0)
-    raise RuntimeError(f"expected {n - 1} or {n} prompt-logit rows for a {n}-token prompt, got calls of "
-                       f"{[c.shape[0] for c in calls]} rows")
+    raise RuntimeError(
+        f"expected {n - 1} or {n} prompt-logit rows for a {n}-token prompt, got calls of "
+        f"{[c.shape[0] for c in calls]} rows"
+    )
 
 
 def run_fidelity(
@@ -311,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-memory-gib", type=float, default=None, help="cap vLLM's GPU memory (e.g. 24)")
     ap.add_argument("--cpu-threads", type=int, default=0)
     ap.add_argument("--precision", choices=("exact", "fast"), default="exact", help="the CPU tier's precision")
+    ap.add_argument("--noise-floor", action="store_true",
+                    help=f"also compare {NOISE_FLOOR_RUNTIME} (the oracle's experts, float64 sums) with the reference: "
+                         "what last-bit differences in the experts' output alone do to this model")  # fmt: skip
     ap.add_argument("--json", type=Path, help="also write the result as JSON")
     ap.add_argument("--min-top1", type=float, default=None, help="exit 1 when top-1 agreement is below this")
     ap.add_argument("--max-kl-mean", type=float, default=None, help="exit 1 when the mean KL is above this")
@@ -324,8 +335,15 @@ def main(argv: list[str] | None = None) -> int:
     res = run_fidelity(llm, a.runtime, a.against, positions=a.positions, length=a.length,
                        greedy_prompts=a.greedy_prompts, greedy_tokens=a.greedy_tokens)  # fmt: skip
     print(res.table(), flush=True)
+    doc: dict[str, Any] = dataclasses.asdict(res)
+    if a.noise_floor:
+        floor = run_fidelity(llm, NOISE_FLOOR_RUNTIME, a.against, positions=a.positions, length=a.length,
+                             greedy_prompts=a.greedy_prompts, greedy_tokens=a.greedy_tokens)  # fmt: skip
+        print("\nnoise floor (the oracle's experts with float64 sums, against the oracle):", flush=True)
+        print(floor.table(), flush=True)
+        doc["noise_floor"] = dataclasses.asdict(floor)
     if a.json:
-        a.json.write_text(json.dumps(dataclasses.asdict(res), indent=2))
+        a.json.write_text(json.dumps(doc, indent=2))
     bad = (a.min_top1 is not None and res.top1_agreement < a.min_top1) or (
         a.max_kl_mean is not None and res.kl_mean > a.max_kl_mean
     )

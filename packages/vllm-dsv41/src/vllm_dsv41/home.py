@@ -344,10 +344,17 @@ class ExpertHome:
     def describe(self) -> str:
         s = self.stats
         gib = 1 << 30
-        return (f"{s.expert_bytes / gib:.3f} GiB of routed experts in {len(self._layers)} layers, "
-                f"{s.files} files, {s.mappings} mappings ({s.mapped_bytes / gib:.3f} GiB mapped), "
-                f"mapped in {s.map_seconds:.2f} s" + (f", registered with CUDA in {s.register_seconds:.2f} s "
-                f"({s.mapped_bytes / max(s.register_seconds, 1e-9) / 1e9:.2f} GB/s)" if s.registered else ""))
+        return (
+            f"{s.expert_bytes / gib:.3f} GiB of routed experts in {len(self._layers)} layers, "
+            f"{s.files} files, {s.mappings} mappings ({s.mapped_bytes / gib:.3f} GiB mapped), "
+            f"mapped in {s.map_seconds:.2f} s"
+            + (
+                f", registered with CUDA in {s.register_seconds:.2f} s "
+                f"({s.mapped_bytes / max(s.register_seconds, 1e-9) / 1e9:.2f} GB/s)"
+                if s.registered
+                else ""
+            )
+        )
 
 
 #: ``cudaHostRegisterReadOnly``: pin a read-only mapping (the GPU only reads it).
@@ -407,8 +414,10 @@ def expert_problems(pack: str | os.PathLike[str], config: Mapping[str, Any] | No
             ids = sorted(e for (ly, e, r) in found if ly == layer and r == role)
             if ids != list(range(experts)):
                 missing = sorted(set(range(experts)) - set(ids))[:5]
-                problems.append(f"{pack}: layer {layer}: {role} projections of experts {missing or ids[experts:][:5]} "
-                                f"are {'missing' if missing else 'beyond n_routed_experts'} ({len(ids)} of {experts})")
+                problems.append(
+                    f"{pack}: layer {layer}: {role} projections of experts {missing or ids[experts:][:5]} "
+                    f"are {'missing' if missing else 'beyond n_routed_experts'} ({len(ids)} of {experts})"
+                )
                 continue
             for eid in ids:
                 where, got = found[(layer, eid, role)]
@@ -488,4 +497,3 @@ def resident_bytes(home: ExpertHome) -> dict[str, int]:
             elif current and head and head[0].rstrip(":") in totals:
                 totals[head[0].rstrip(":")] += int(head[1]) * 1024
     return totals
-

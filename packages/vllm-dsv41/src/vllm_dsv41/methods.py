@@ -72,9 +72,7 @@ class Exl3LinearMethod(LinearMethodBase):
         for suffix, dtype in EXL3_SUFFIXES.items():
             layer.register_parameter(suffix, _placeholder(dtype, functools.partial(self._load, layer, suffix)))
 
-    def _load(
-        self, layer: Any, suffix: str, param: Any, loaded: torch.Tensor, shard_id: Any = None
-    ) -> None:
+    def _load(self, layer: Any, suffix: str, param: Any, loaded: torch.Tensor, shard_id: Any = None) -> None:
         shard = getattr(loaded, "shard_id", None) if shard_id is None else shard_id
         n = len(layer.exl3_sizes[1])
         if shard is None and n == 1:

@@ -85,9 +85,7 @@ EXPERT_FORWARD_SECONDS = Histogram(
 EXPERT_PICKS = Counter(
     "dsv41_expert_picks", "Routed (token, expert) picks computed, per tier (cpu, gpu, gpu_cache, streamed)", ["tier"]
 )
-CACHE_LOOKUPS = Counter(
-    "dsv41_expert_cache_lookups", "VRAM expert-cache lookups by result (hit, miss)", ["result"]
-)
+CACHE_LOOKUPS = Counter("dsv41_expert_cache_lookups", "VRAM expert-cache lookups by result (hit, miss)", ["result"])
 CACHE_FILLS = Counter("dsv41_expert_cache_fills", "Experts copied into the VRAM expert cache")
 CACHE_FILL_BYTES = Counter("dsv41_expert_cache_fill_bytes", "Bytes copied into the VRAM expert cache")
 PREFILL_STAGED_BYTES = Counter(
@@ -99,9 +97,7 @@ PREFILL_STAGED_SECONDS = Counter(
 PREFILL_STAGED_GBPS = Histogram(  # a histogram, not a gauge: multiprocess gauges show no series until first set
     "dsv41_prefill_staged_gbps", "GB/s (1e9 bytes/s) of each staged-DMA prefill transfer", buckets=_GBPS_BUCKETS
 )
-CPU_DEADLINE_MISSES = Counter(
-    "dsv41_cpu_deadline_misses", "CPU-tier forwards that missed their deadline"
-)
+CPU_DEADLINE_MISSES = Counter("dsv41_cpu_deadline_misses", "CPU-tier forwards that missed their deadline")
 CPU_RECOMPUTED_PICKS = Counter(
     "dsv41_cpu_recomputed_picks", "Picks of CPU-tier forwards that missed their deadline, recomputed on the GPU"
 )
