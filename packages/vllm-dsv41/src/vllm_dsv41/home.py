@@ -33,6 +33,7 @@ from cpu_tier.exl3 import Exl3Tensor
 from engram_mmap.safetensors_header import TensorInfo, read_header
 
 __all__ = [
+    "EXPERT_COLUMNS",
     "EXPERT_RE",
     "PROJECTIONS",
     "ExpertHome",
@@ -52,6 +53,9 @@ EXPERT_RE = re.compile(r"^(?P<moe>.*?layers\.(?P<layer>\d+)\.[A-Za-z_]+)\.expert
 PROJECTIONS: dict[str, str] = {"w1": "gate", "w3": "up", "w2": "down",
                                "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}  # fmt: skip
 _ROLES = ("gate", "up", "down")
+#: An expert's EXL3 tensors as the GPU tiers address them: one column of the VRAM cache's pointer table per
+#: (role, part), in this order (the hit kernels index the columns by position).
+EXPERT_COLUMNS: tuple[tuple[str, str], ...] = tuple((r, p) for r in _ROLES for p in ("trellis", "suh", "svh"))
 _PAGE = mmap.PAGESIZE
 _MERGE_GAP = 1 << 20  # expert tensors closer than this share one mapping (the gap is mapped too)
 _NP_DTYPES = {"I16": np.int16, "F16": np.float16, "I32": np.int32, "F32": np.float32, "BF16": np.uint16,
