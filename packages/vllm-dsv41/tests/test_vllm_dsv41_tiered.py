@@ -44,7 +44,8 @@ def _slot_bytes(home: ExpertHome) -> int:
     return ExpertCacheConfig(num_layers=LAYERS, num_experts=EXPERTS, projections=src.projections).slot_stride
 
 
-def _runtime(home: ExpertHome, slots: int, split: str = "auto", rates: Rates = RATES, **tiered: object) -> TieredRuntime:
+def _runtime(home: ExpertHome, slots: int, split: str = "auto", rates: Rates = RATES,
+             **tiered: object) -> TieredRuntime:  # fmt: skip
     t = TieredConfig(split=split, hit_kernel="reference", replan_every=2, **tiered)  # type: ignore[arg-type]
     cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact"), runtime="tiered", tiered=t)
     rt = TieredRuntime(cfg, home, "cpu", rates=rates, cache_bytes=max(slots * _slot_bytes(home), 1))

@@ -128,9 +128,9 @@ def _eager_routed() -> Any:
     from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 
     def call(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, runtime: int, layer: int) -> None:
-        rt = _experts.get_runtime(runtime)
+        rt: Any = _experts.get_runtime(runtime)
         if getattr(rt, "cache_allowed", True) is False and _kv_cache_bound():
-            getattr(rt, "allow_cache")()  # the tiered runtime's VRAM cache takes what vLLM left, once its KV cache exists
+            rt.allow_cache()  # the tiered runtime's VRAM cache takes what vLLM leaves, once its KV cache exists
         torch.ops.dsv41.routed_experts_out(x, ids, w, out, runtime, layer)
 
     return eager_break_during_capture(call)
