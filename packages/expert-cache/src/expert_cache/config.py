@@ -20,6 +20,7 @@ from cpu_tier.geometry import V41_FLASH
 
 __all__ = [
     "DSV41_FLASH_EXL3_3BPW",
+    "MIN_SLOT_ALIGNMENT",
     "POLICIES",
     "ArcConfig",
     "DecayedConfig",
@@ -34,6 +35,8 @@ __all__ = [
 ]
 
 PolicyName = Literal["decayed", "lru", "lfu", "arc", "hybrid"]
+#: The least :attr:`ExpertCacheConfig.slot_alignment`: one 128-byte line, so every slot column suits vector loads.
+MIN_SLOT_ALIGNMENT = 128
 #: Every policy name :class:`ExpertCacheConfig` accepts (see :mod:`expert_cache.policies`).
 POLICIES: tuple[PolicyName, ...] = ("decayed", "lru", "lfu", "arc", "hybrid")
 
@@ -228,8 +231,9 @@ class ExpertCacheConfig:
         row of ``slot_bytes`` bytes (projection name ``"weights"``).
     Size
         ``num_slots`` VRAM slots, shared by all layers. ``num_slots = 0`` derives the count at allocation:
-        ``(budget - margin_bytes) // slot_stride`` with ``budget = vram_budget_bytes``, or the device's free memory
-        when that is 0 too (CUDA only). ``max_slots`` (0 = no cap) caps the derived count.
+        ``(budget - margin_bytes) // slot_stride`` with ``budget = vram_budget_bytes``, or, when that is 0 too, the
+        free device memory the cache is given (``ExpertCache(..., free_bytes=)``, default the device's free memory
+        at construction; CUDA only). ``max_slots`` (0 = no cap) caps the derived count.
     Policy (:mod:`expert_cache.policies`)
         ``policy`` (a :data:`PolicyConfig`: which policy, with its own knobs) ranks (layer, expert) pairs; every
         ``replan_every`` steps the planner wants the top ``num_slots`` pairs resident, admits at most
@@ -246,8 +250,12 @@ class ExpertCacheConfig:
         replan. ``async_observe``: a replan does not wait for the GPU; it snapshots the routing counters (a
         device-to-host copy on the compute stream) and plans with the snapshot of the *previous* replan, so the
         policy sees its data one replan interval late (releases and re-warms still see everything). Without it,
-        each replan waits for the compute stream once, like the reference. ``slot_alignment``: byte alignment of
-        each projection inside a slot.
+        each replan waits for the compute stream once, like the reference.
+    Alignment
+        ``slot_alignment`` (a power of two, >= 128; default 256): the pool's base and every projection column
+        inside every slot start on a ``slot_alignment`` byte boundary (each column is padded to a multiple of it),
+        so a kernel may use 16-byte vector loads, ``cp.async`` and TMA on any slot pointer and reads whole 128-byte
+        lines. Home pointers carry only the home's own alignment (``ExpertCache.home_alignment``).
 
     Defaults are the reference system's (``DSV41_EC_*``: decayed counts with decay 0.9, every 16, admit 48,
     hysteresis 1.0, margin 900 MB, prefill threshold 512 tokens, re-warm after 4 decode steps).
@@ -327,8 +335,10 @@ class ExpertCacheConfig:
         if not isinstance(self.async_observe, bool):
             raise TypeError(f"async_observe: must be a bool, got {type(self.async_observe).__name__}")
         _check_int("slot_alignment", self.slot_alignment, 1)
-        if self.slot_alignment & (self.slot_alignment - 1):
-            raise ValueError(f"slot_alignment: must be a power of two, got {self.slot_alignment}")
+        if self.slot_alignment & (self.slot_alignment - 1) or self.slot_alignment < MIN_SLOT_ALIGNMENT:
+            raise ValueError(
+                f"slot_alignment: must be a power of two >= {MIN_SLOT_ALIGNMENT}, got {self.slot_alignment}"
+            )
 
     # ---- derived geometry -------------------------------------------------------------------------------------
 
