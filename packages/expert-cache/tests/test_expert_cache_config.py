@@ -74,6 +74,7 @@ def test_frozen() -> None:
         (dict(prefill_tokens=0), ValueError, "prefill_tokens: must be >= 1"),
         (dict(rewarm_after=-1), ValueError, "rewarm_after: must be >= 0"),
         (dict(rewarm_set="all"), ValueError, "rewarm_set: must be 'kept' or 'top'"),
+        (dict(rewarm_limit=-1), ValueError, "rewarm_limit: must be >= 0"),
         (dict(observe_prefill="yes"), TypeError, "observe_prefill: must be a bool"),
         (dict(slot_alignment=3), ValueError, "slot_alignment: must be a power of two >= 128, got 3"),
         (dict(slot_alignment=64), ValueError, "slot_alignment: must be a power of two >= 128, got 64"),

@@ -236,6 +236,42 @@ def test_observe_and_decode_steps_never_sync(make_home) -> None:
     assert cache.stats().picks == 7 * 4 * 24
 
 
+@pytest.mark.parametrize("policy", ["decayed", "hybrid"])
+def test_replans_never_sync_with_async_observe(make_home, policy: str) -> None:
+    """Replans off the critical path: with ``async_observe`` (and ``async_fill``) a replan, its admissions and
+    evictions (table writes on the compute stream, fills on the side stream) and the activation of finished fills
+    never make the host wait for the device, step after step."""
+    cfg = ExpertCacheConfig(
+        num_layers=4,
+        num_experts=32,
+        slot_bytes=1 << 16,
+        num_slots=20,
+        replan_every=1,
+        admit_limit=4,
+        policy=policy_config(policy),
+        async_observe=True,
+    )
+    cache = ExpertCache(cfg, make_home(cfg, pin=True), "cuda")
+    rng = np.random.default_rng(2)
+    steps = [torch.from_numpy(rng.integers(0, 32, (4, 2, 6))).cuda() for _ in range(40)]
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for ids in steps:
+            cache.before_step(2)
+            cache.observe_all(ids)
+            cache.after_step()
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode("default")
+    cache.synchronize()
+    st = cache.stats()
+    assert st.replans == 40 and st.admits >= 20 and st.evicts > 0, st
+
+
 def test_observe_in_a_cuda_graph(make_home) -> None:
     """A decode step's observe calls captured once and replayed give the same counters and residents as eager
     calls with the same ids."""

@@ -238,11 +238,16 @@ class ExpertCacheConfig:
         ``policy`` (a :data:`PolicyConfig`: which policy, with its own knobs) ranks (layer, expert) pairs; every
         ``replan_every`` steps the planner wants the top ``num_slots`` pairs resident, admits at most
         ``admit_limit`` of them, and evicts a resident only when ``priority(new) > hysteresis * priority(victim)``.
+        A step therefore queues at most ``admit_limit`` fills (``admit_limit * expert_bytes`` over the copy engine),
+        except a re-warm (below).
     Elastic lifecycle
         With ``elastic``, a step of more than ``prefill_tokens`` scheduled tokens releases the whole pool before it
         runs (the memory goes back to the allocator), and the pool is refilled after ``rewarm_after`` consecutive
         steps of at most ``prefill_tokens`` tokens. ``rewarm_set = "kept"`` re-admits the residents remembered at
-        release (the reference); ``"top"`` admits the current top ``num_slots`` by priority.
+        release (the reference); ``"top"`` admits the current top ``num_slots`` by priority. ``rewarm_limit``
+        (0 = no limit, the reference) caps the re-warm's admissions, best first; the replans that follow fill the
+        remaining free slots (at most ``admit_limit`` each), so that no step queues more than
+        ``max(admit_limit, rewarm_limit)`` fills.
         ``observe_prefill`` lets the routing of big (prefill) steps feed the policy, weighted by ``prefill_weight``.
     Execution
         ``async_fill``: slot fills run on a side stream and a newcomer's pointers move to its slot at the first
@@ -277,6 +282,7 @@ class ExpertCacheConfig:
     prefill_tokens: int = 512
     rewarm_after: int = 4
     rewarm_set: Literal["kept", "top"] = "kept"
+    rewarm_limit: int = 0
     observe_prefill: bool = False
     prefill_weight: float = 1.0
     async_fill: bool = True
@@ -327,6 +333,7 @@ class ExpertCacheConfig:
         _check_int("rewarm_after", self.rewarm_after, 0)
         if self.rewarm_set not in ("kept", "top"):
             raise ValueError(f"rewarm_set: must be 'kept' or 'top', got {self.rewarm_set!r}")
+        _check_int("rewarm_limit", self.rewarm_limit, 0)
         if not isinstance(self.observe_prefill, bool):
             raise TypeError(f"observe_prefill: must be a bool, got {type(self.observe_prefill).__name__}")
         _check_float("prefill_weight", self.prefill_weight, 0.0, 1e9)
