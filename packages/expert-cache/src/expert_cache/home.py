@@ -64,7 +64,8 @@ class ExpertRows:
 
     Notes
     -----
-    The arrays are projection-major (``[L, P, E]``) like :attr:`ExpertCache.pointer_table`. Every row's host and
+    The arrays are projection-major (``[L, P, E]``) like :attr:`ExpertCache.pointer_table`; the rows keep read-only
+    copies of them. Every row's host and
     kernel addresses must be multiples of its projection's item size. Validation (:meth:`check`) names the first
     bad (layer, expert, projection).
     """
@@ -74,6 +75,14 @@ class ExpertRows:
     offset: np.ndarray
     kernel_bases: tuple[int, ...] = ()
     owner: object = None
+
+    def __post_init__(self) -> None:
+        for field in ("buffer", "offset"):  # frozen means frozen: read-only copies of the arrays
+            a = getattr(self, field)
+            if isinstance(a, np.ndarray):
+                a = a.copy()
+                a.setflags(write=False)
+                object.__setattr__(self, field, a)
 
     # ---- construction ----------------------------------------------------------------------------------------
 
