@@ -628,10 +628,10 @@ def make_hits(
             from .dense import exllamav3_available
 
             backend = "exllamav3" if exllamav3_available() else "triton"
-    if backend == "reference":
-        return ReferenceHits(geometry)
     if options and backend != "triton":
         raise ValueError(f"make_hits: options {sorted(options)} apply to the 'triton' backend only")
+    if backend == "reference":
+        return ReferenceHits(geometry)
     if backend == "exllamav3":
         return Exl3MgemmHits(geometry, dev, max_tokens=max_tokens, top_k=top_k)
     if backend == "triton":
