@@ -39,19 +39,20 @@ GiB = 1 << 30
 FULL_LAYERS = 40  # DeepSeek-V4.1-Flash's MoE layers
 
 
-def combined_home_dir(root: Path, layers: int) -> Path:
+def combined_home_dir(root: Path, layers: int, shape: dict[str, int]) -> Path:
     """``layers`` flash-layer packs (written once) linked into one directory with one index."""
     from pack_tools import synth
     from pack_tools.presets.flash_layer import FlashLayer
 
     weight_map: dict[str, str] = {}
-    out = root / f"combined{layers}"
+    tag = "-".join(f"{k}{v}" for k, v in sorted(shape.items()))
+    out = root / f"combined{layers}{'-' + tag if tag else ''}"
     out.mkdir(parents=True, exist_ok=True)
     for layer in range(layers):
-        d = root / f"layer{layer}"
+        d = root / f"layer{layer}{'-' + tag if tag else ''}"
         if not (d / "model.safetensors.index.json").exists():
             t = time.time()
-            synth("flash-layer", d, seed=layer, layer=FlashLayer(layer=layer))
+            synth("flash-layer", d, seed=layer, layer=FlashLayer(layer=layer, **shape))
             print(f"synth flash-layer {layer}: {time.time() - t:.0f} s", flush=True)
         index = json.loads((d / "model.safetensors.index.json").read_text())
         for name, rel in index["weight_map"].items():
@@ -63,12 +64,13 @@ def combined_home_dir(root: Path, layers: int) -> Path:
     return out
 
 
-def decode_steps(layers: int, streams: int, steps: int, seed: int) -> list[np.ndarray]:
+def decode_steps(layers: int, experts: int, streams: int, steps: int, seed: int) -> list[np.ndarray]:
     """``steps`` decode steps of ``streams`` tokens: ids ``[streams, layers, top_k]`` each."""
     from expert_cache import SyntheticTraceConfig, generate
 
-    trace = generate(SyntheticTraceConfig(num_layers=layers, streams=streams, decode_steps=steps * 3, seed=seed,
-                                          mean_prompt_tokens=64.0, full_rows_below=0))  # fmt: skip
+    trace = generate(SyntheticTraceConfig(num_layers=layers, num_experts=experts, streams=streams,
+                                          decode_steps=steps * 3, seed=seed, mean_prompt_tokens=64.0,
+                                          full_rows_below=0))  # fmt: skip
     out, row = [], 0
     for rows, toks in zip(trace.rows_per_step.tolist(), trace.tokens_per_step.tolist(), strict=True):
         ids = trace.ids[row : row + rows]
@@ -82,39 +84,58 @@ def decode_steps(layers: int, streams: int, steps: int, seed: int) -> list[np.nd
     return out
 
 
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_hits(kernel: Any, ptrs: torch.Tensor, n: int, hidden: int, device: torch.device, reps: int) -> float:
+    """Best seconds of the hit kernel computing experts 0..n-1 at one token each through ``ptrs``."""
+    ids = torch.arange(n, dtype=torch.int32, device=device).view(n, 1)
+    x = torch.randn((n, hidden), dtype=torch.float32, device=device)
+    w = torch.ones((n, 1), dtype=torch.float32, device=device)
+    y = torch.empty((n, 1, hidden), dtype=torch.float32, device=device)
+    kernel.forward(ptrs, x, ids, w, y)
+    sync(device)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        kernel.forward(ptrs, x, ids, w, y)
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def measure_rates(runtime: Any, lx: Any, device: torch.device, reps: int = 5) -> dict[str, float]:
-    """cpu / pcie / hbm bytes per second of expert weights, measured now."""
+    """cpu / pcie / hbm bytes per second of expert weights, measured now (the runtime's cache must exist).
+
+    cpu: the CPU tier at one token per expert (the runtime's own measurement); pcie: the hit kernel through the
+    table of experts not resident (GPU-mapped host home); hbm: the same experts copied to device memory."""
     from vllm_dsv41.home import EXPERT_COLUMNS
     from vllm_dsv41.tiered import _expert_bytes
 
     eb = _expert_bytes(lx)
-    r = runtime._measure_rates()  # CPU tier (m=1) and the hit kernel over the host home
+    cpu = runtime._measure_rates().cpu_bps
     cache = runtime.cache
     li = runtime._index[lx.layer]
     kernel = runtime._hits[lx.layer]
-    n = 32
-    # hbm: the first n experts copied into VRAM (one tensor per column), their pointers in a copy of the table
-    ptrs = cache.layer_pointers(li).clone()
+    n = min(32, lx.num_experts)
+    home_ptrs = cache.layer_pointers(li).clone()
+    resident = cache.slot_of[li][:n].cpu().numpy() >= 0
+    if resident.any():
+        raise RuntimeError("measure_rates: run it before the cache admits experts (some of 0..n-1 are resident)")
+    pcie = n * eb / time_hits(kernel, home_ptrs, n, lx.hidden, device, reps)
+    # hbm: the first n experts copied into device memory (one tensor per column), their pointers in a table copy
+    ptrs = home_ptrs.clone()
     keep = []
     for e in range(n):
         tensors = [getattr(getattr(lx, role)[e], part) for role, part in EXPERT_COLUMNS]
         for c, arr in enumerate(tensors):
-            t = torch.from_numpy(np.ascontiguousarray(arr)).to(device)
+            t = torch.from_numpy(np.array(arr)).to(device)
             keep.append(t)
             ptrs[c, e] = t.data_ptr()
-    ids = torch.arange(n, dtype=torch.int32, device=device).view(n, 1)
-    x = torch.randn((n, lx.hidden), dtype=torch.bfloat16, device=device)
-    w = torch.ones((n, 1), dtype=torch.float32, device=device)
-    y = torch.empty((n, 1, lx.hidden), dtype=torch.float32, device=device)
-    kernel.forward(ptrs, x, ids, w, y)
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        kernel.forward(ptrs, x, ids, w, y)
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return {"cpu": r.cpu_bps, "pcie": r.pcie_bps, "hbm": n * eb / min(times)}
+    hbm = n * eb / time_hits(kernel, ptrs, n, lx.hidden, device, reps)
+    return {"cpu": cpu, "pcie": pcie, "hbm": hbm}
 
 
 def main() -> int:
@@ -125,12 +146,19 @@ def main() -> int:
     ap.add_argument("--splits", default="cpu,auto,pcie")
     ap.add_argument("--cache-gib-full", type=float, default=12.0,
                     help="the full model's expert cache on a 24 GB card (default 12 GiB)")  # fmt: skip
+    ap.add_argument("--cache-mib", type=float, default=0.0,
+                    help="the cache's size for the --layers given, overriding --cache-gib-full (dry runs)")  # fmt: skip
     ap.add_argument("--policy", default="hybrid")
     ap.add_argument("--hit-kernel", default="auto")
+    ap.add_argument("--replan-every", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=64)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--cpu-threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (a dry run at small shapes)")
+    ap.add_argument("--experts", type=int, default=0, help="experts per layer (0: Flash's 384); dry runs only")
+    ap.add_argument("--hidden", type=int, default=0, help="hidden size (0: Flash's); dry runs only")
+    ap.add_argument("--intermediate", type=int, default=0, help="expert intermediate size (0: Flash's); dry runs")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     from cpu_tier import CpuTierConfig
@@ -141,27 +169,42 @@ def main() -> int:
     from vllm_dsv41.split import Rates
     from vllm_dsv41.tiered import TieredRuntime, _expert_bytes
 
-    device = torch.device("cuda", 0)
-    home = ExpertHome(combined_home_dir(a.root, a.layers), register=True)
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    shape = {k: v for k, v in (("experts", a.experts), ("hidden", a.hidden), ("intermediate", a.intermediate)) if v}
+    home = ExpertHome(combined_home_dir(a.root, a.layers, shape), register=device.type == "cuda")
     print(f"home: {home.describe()}", flush=True)
     layers = list(home.layers())
     lx0 = layers[0]
     eb = _expert_bytes(lx0)
-    cache_bytes = int(a.cache_gib_full * GiB * a.layers / FULL_LAYERS)
+    cache_bytes = int(a.cache_mib * (1 << 20)) if a.cache_mib else int(a.cache_gib_full * GiB * a.layers / FULL_LAYERS)
+
+    def runtime(split: str, rates: Rates | None) -> TieredRuntime:
+        tcfg = TieredConfig(split=split, policy=a.policy, hit_kernel=a.hit_kernel,  # type: ignore[arg-type]
+                            replan_every=a.replan_every, deadline_factor=0.0, stats_every=0)  # fmt: skip
+        cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=a.cpu_threads), runtime="tiered", tiered=tcfg)
+        rt = TieredRuntime(cfg, home, device, cache_bytes=cache_bytes, rates=rates)
+        for lx in layers:
+            rt.add_layer(lx, swiglu_limit=None)
+        rt.allow_cache()
+        return rt
+
+    # the rates, once, with an empty cache (no expert resident yet)
+    rt = runtime("auto", Rates(1.0, 1.0))
+    rt._create_cache()
+    rates = measure_rates(rt, lx0, device)
+    rt.close()
+    print("rates (GB/s of expert weights): " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in rates.items()), flush=True)
+    model_rates = Rates(rates["cpu"], rates["pcie"], rates["hbm"], "measured")
     rows: list[dict[str, Any]] = []
-    rates: dict[str, float] | None = None
     for streams in (int(s) for s in a.streams.split(",")):
-        steps = decode_steps(a.layers, streams, a.warmup + a.steps, a.seed)
+        steps = decode_steps(a.layers, lx0.num_experts, streams, a.warmup + a.steps, a.seed)
+        ids_all = np.concatenate(steps)  # [steps * streams, L, K]
+        n_steps = len(steps)
+        trace = Trace.create(ids_all, np.full(n_steps, streams), np.full(n_steps, streams), lx0.num_experts)
         for split in a.splits.split(","):
-            tcfg = TieredConfig(split=split, policy=a.policy, hit_kernel=a.hit_kernel,  # type: ignore[arg-type]
-                                deadline_factor=0.0, stats_every=0)  # fmt: skip
-            cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=a.cpu_threads), runtime="tiered", tiered=tcfg)
-            rt = TieredRuntime(cfg, home, device, cache_bytes=cache_bytes,
-                               rates=None if rates is None else Rates(rates["cpu"], rates["pcie"], rates["hbm"],
-                                                                      "measured"))  # fmt: skip
-            for lx in layers:
-                rt.add_layer(lx, swiglu_limit=None)
-            rt.allow_cache()
+            rt = runtime(split, model_rates)
             g = torch.Generator(device=device).manual_seed(a.seed)
             xs = torch.randn((streams, lx0.hidden), generator=g, device=device, dtype=torch.bfloat16)
             out = torch.empty_like(xs)
@@ -169,29 +212,25 @@ def main() -> int:
             w = torch.full((streams, k), 1.0 / k, device=device)
             times: list[float] = []
             hit_bytes = miss_bytes = 0
-            before = None
+            before = (0, 0)
             for i, ids in enumerate(steps):
-                dev_ids = torch.from_numpy(ids).to(device)
-                torch.cuda.synchronize(device)
+                dev_ids = torch.from_numpy(ids.astype(np.int32)).to(device)
+                sync(device)
                 t0 = time.perf_counter()
                 for j, lx in enumerate(layers):
                     rt.forward_into(lx.layer, xs, dev_ids[:, j], w, out)
-                torch.cuda.synchronize(device)
+                sync(device)
                 dt = time.perf_counter() - t0
                 if i == a.warmup - 1:
                     before = (rt.stats.hit_picks, rt.stats.picks)
                 if i >= a.warmup:
                     times.append(dt)
-                    for j, lx in enumerate(layers):
+                    for j, lx in enumerate(layers):  # residency as this step saw it (replans run between steps)
                         li = rt._index[lx.layer]
                         distinct = np.unique(ids[:, j])
                         resident = rt.cache.slot_of[li].cpu().numpy()[distinct] >= 0
                         hit_bytes += int(resident.sum()) * eb
                         miss_bytes += int((~resident).sum()) * eb
-            if rates is None:
-                rates = measure_rates(rt, lx0, device)
-                print("rates (GB/s): " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in rates.items()), flush=True)
-            assert before is not None
             hits = (rt.stats.hit_picks - before[0]) / max(rt.stats.picks - before[1], 1)
             cap = rt.cache.num_slots
             rt.close()
@@ -199,20 +238,17 @@ def main() -> int:
             miss_rate = {"cpu": rates["cpu"], "pcie": rates["pcie"], "auto": rates["cpu"] + rates["pcie"]}[split]
             roof = (hit_bytes / rates["hbm"] + miss_bytes / miss_rate) / n
             med = statistics.median(times)
-            flat = np.concatenate([s.reshape(1, a.layers, -1) for s in steps]).astype(np.int16)
-            trace = Trace.create(np.repeat(flat, 1, axis=0), np.ones(len(steps), np.int64),
-                                 np.ones(len(steps), np.int64), lx0.num_experts)  # fmt: skip
             bel = belady_hit_rate(trace, cap)
             row = {"streams": streams, "split": split, "slots": cap, "median_ms": 1e3 * med, "min_ms": 1e3 * min(times),
                    "max_ms": 1e3 * max(times), "roofline_ms": 1e3 * roof, "ratio": roof / med, "hit_rate": hits,
-                   "belady": bel, "moe_ms_per_token_40_layers": 1e3 * med * FULL_LAYERS / a.layers,
+                   "belady": bel, "moe_ms_per_step_40_layers": 1e3 * med * FULL_LAYERS / a.layers,
                    "tok_s_moe_only_40_layers": a.layers / (med * FULL_LAYERS) * streams}  # fmt: skip
             rows.append(row)
             print(f"S={streams} split={split:5s} slots={cap:5d} step {row['median_ms']:.2f} ms "
                   f"(min {row['min_ms']:.2f}, max {row['max_ms']:.2f}) roofline {row['roofline_ms']:.2f} ms "
-                  f"ratio {row['ratio']:.2f}; hit rate {hits:.3f} (Belady {bel:.3f}); MoE at 40 layers "
-                  f"{row['moe_ms_per_token_40_layers']:.1f} ms/step = {row['tok_s_moe_only_40_layers']:.1f} tok/s "
-                  f"(experts only)", flush=True)  # fmt: skip
+                  f"ratio {row['ratio']:.2f}; hit rate {hits:.3f} (Belady MIN over the whole trace {bel:.3f}); "
+                  f"MoE at 40 layers {row['moe_ms_per_step_40_layers']:.1f} ms/step = "
+                  f"{row['tok_s_moe_only_40_layers']:.1f} tok/s (experts only)", flush=True)  # fmt: skip
     if a.json:
         a.json.write_text(json.dumps({"rates": rates, "rows": rows, "layers": a.layers}, indent=2))
     home.close()

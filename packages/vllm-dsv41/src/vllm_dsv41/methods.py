@@ -136,6 +136,25 @@ def _eager_routed() -> Any:
     return eager_break_during_capture(call)
 
 
+@functools.cache
+def _eager_split() -> tuple[Any, Any]:
+    """The two halves of a runtime with ``begin``/``finish`` (the tiered one) as eager breaks: the shared expert
+    is queued on the GPU between them, while the CPU tier computes the misses."""
+    from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+
+    def begin(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, runtime: int, layer: int) -> None:
+        rt: Any = _experts.get_runtime(runtime)
+        if getattr(rt, "cache_allowed", True) is False and _kv_cache_bound():
+            rt.allow_cache()
+        rt.begin(layer, x, ids, w)
+
+    def finish(out: torch.Tensor, runtime: int, layer: int) -> None:
+        rt: Any = _experts.get_runtime(runtime)
+        rt.finish(layer, out)
+
+    return eager_break_during_capture(begin), eager_break_during_capture(finish)
+
+
 def _kv_cache_bound() -> bool:
     """True once vLLM has bound a real KV cache to the model's attention layers (after its memory profiling)."""
     from vllm.forward_context import get_forward_context, is_forward_context_available
@@ -230,16 +249,22 @@ class Exl3HostExpertsMethod(FusedMoEMethodBase):
         shared_experts: Any = None,
         shared_experts_input: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if shared_experts is not None and shared_experts_input is not None:
-            from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
-
-            shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
         t = x.shape[0]
         out = self.out
         if t > out.shape[0] or out.device != x.device or out.dtype != x.dtype:
             out = self.out = self.quant_config.moe_out_buffer(t, x.shape[1], x.dtype, device=x.device)
         runtime, handle = self.quant_config.expert_runtime()
-        if runtime.graph_safe or x.device.type != "cuda":
+        split = x.device.type == "cuda" and hasattr(runtime, "begin") and not runtime.graph_safe
+        if split:  # the runtime's CPU work starts before the shared expert is queued, and overlaps it
+            begin, finish = _eager_split()
+            begin(x, topk_ids, topk_weights, handle, self.layer_index)
+        if shared_experts is not None and shared_experts_input is not None:
+            from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
+
+            shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
+        if split:
+            finish(out, handle, self.layer_index)
+        elif runtime.graph_safe or x.device.type != "cuda":
             torch.ops.dsv41.routed_experts_out(x, topk_ids, topk_weights, out, handle, self.layer_index)
         else:
             _eager_routed()(x, topk_ids, topk_weights, out, handle, self.layer_index)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -93,6 +92,26 @@ class TierStats:
             f"recomputed on the GPU); per step: layers {1e3 * self.layer_seconds / s:.2f} ms, CPU tier "
             f"{1e3 * self.cpu_seconds / s:.2f} ms, input wait {1e3 * self.wait_seconds / s:.2f} ms"
         )
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    """A layer between ``begin`` and ``finish``."""
+
+    layer: int
+    t: int
+    k: int = 0
+    b: _Buffers | None = None
+    kernel: Any = None
+    ptrs: Any = None
+    n_hit: int = 0
+    n_miss: int = 0
+    pcie_picks: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
+    cpu_picks: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.int64))
+    job: Any = None
+    timeout: float | None = None
+    submitted: float = 0.0
+    t0: float = 0.0
 
 
 class _Buffers:
@@ -182,11 +201,11 @@ class TieredRuntime:
         self._step_open = False
         self._step_tokens = 0
         self._buffers: dict[tuple[int, int], _Buffers] = {}
-        self._lock = threading.Lock()
         self.stats = TierStats()
         self._m_cpu = metrics.tier("cpu")
         self._recorder: Any = None  # expert_cache.TraceRecorder, created at the first recorded step
         self._step_ids: dict[int, np.ndarray] = {}
+        self._pending: _Pending | None = None
         self._closed = False
 
     # ------------------------------------------------------------------------------------------ setup
@@ -360,24 +379,45 @@ class TieredRuntime:
         t = _check_args(self._hidden, layer, x, topk_ids, topk_weights, out)
         if t == 0:
             return
+        self.begin(layer, x, topk_ids, topk_weights)
+        self.finish(layer, out)
+
+    def begin(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """First half of a layer's forward: the hits (and the PCIe share) queued on the GPU, the CPU share
+        submitted to the CPU tier; returns without waiting for them. The model may queue other GPU work (the
+        shared expert) before ``finish``."""
+        t = _check_args(self._hidden, layer, x, topk_ids, topk_weights, x)
         if x.device != self.device:
             raise ValueError(f"MoE layer {layer}: activations on {x.device}, the tiered runtime runs on {self.device}")
-        cuda = self.device.type == "cuda"
-        if cuda:
+        if self.device.type == "cuda":
             _refuse_capture(self.name)
-        with self._lock:
-            t0 = time.perf_counter()
-            self._begin_layer(layer, t)
-            self._forward(layer, x, topk_ids, topk_weights, out, t)
-            self.stats.layer_calls += 1
-            self.stats.layer_seconds += time.perf_counter() - t0
+        if self._pending is not None:
+            raise RuntimeError(f"MoE layer {layer}: begin() while layer {self._pending.layer} is not finished")
+        t0 = time.perf_counter()
+        self._begin_layer(layer, t)
+        self._pending = self._begin(layer, x, topk_ids, topk_weights, t) if t else _Pending(layer, 0, t0=t0)
+        self._pending.t0 = t0
 
-    def _forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 out: torch.Tensor, t: int) -> None:  # fmt: skip
+    def finish(self, layer: int, out: torch.Tensor) -> None:
+        """Second half: wait for the CPU share (deadline, GPU fallback) and write ``out[:T]``."""
+        p = self._pending
+        if p is None or p.layer != layer:
+            raise RuntimeError(f"MoE layer {layer}: finish() without its begin()")
+        self._pending = None
+        if p.t:
+            h = self._hidden[layer]
+            if out.ndim != 2 or out.shape[0] < p.t or out.shape[1] != h or out.device != self.device:
+                raise ValueError(f"MoE layer {layer}: out must be [>= {p.t}, {h}] on {self.device}, got "
+                                 f"{tuple(out.shape)} on {out.device}")  # fmt: skip
+            self._finish(p, out)
+        self.stats.layer_calls += 1
+        self.stats.layer_seconds += time.perf_counter() - p.t0
+
+    def _begin(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               t: int) -> _Pending:  # fmt: skip
         cuda = self.device.type == "cuda"
         k = topk_ids.shape[1]
-        h = x.shape[1]
-        b = self._buffers_for(h, k, t)
+        b = self._buffers_for(x.shape[1], k, t)
         ids, w, gpu_ids, hit, y = b.ids[:t], b.w[:t], b.gpu_ids[:t], b.hit[:t], b.y[:t]
         ids.copy_(topk_ids)
         w.copy_(topk_weights)
@@ -388,20 +428,21 @@ class TieredRuntime:
             cache.observe(li, ids)
             ptrs = cache.layer_pointers(li)
             torch.ge(cache.slot_of[li][ids.long()], 0, out=hit)
-        else:  # no cache yet (before vLLM's KV cache exists): everything is a miss
+        else:  # no cache yet (before vLLM's KV cache exists): everything is a miss, computed by the CPU tier
             ptrs = None
             hit.zero_()
         torch.where(hit, ids, torch.full_like(ids, -1), out=gpu_ids)
-        # 2. inputs to the host (one event), then the hits on the GPU while the host waits for the copy.
-        b.x32[:t].copy_(x)
-        b.h_x[:t].copy_(b.x32[:t], non_blocking=cuda)
+        # 1-2. inputs to the host (one event), then the hits on the GPU while the host waits for the copy.
+        x32 = b.x32[:t]
+        x32.copy_(x)
+        b.h_x[:t].copy_(x32, non_blocking=cuda)
         b.h_ids[:t].copy_(ids, non_blocking=cuda)
         b.h_w[:t].copy_(w, non_blocking=cuda)
         b.h_hit[:t].copy_(hit, non_blocking=cuda)
         if b.ready is not None:
             b.ready.record(torch.cuda.current_stream(self.device))
         if ptrs is not None:
-            kernel.forward(ptrs, x, gpu_ids, w, y)
+            kernel.forward(ptrs, x32, gpu_ids, w, y)
         else:
             y.zero_()
         tw = time.perf_counter()
@@ -421,27 +462,66 @@ class TieredRuntime:
             flat_ids = h_ids.reshape(-1)
             experts, counts = np.unique(flat_ids[miss], return_counts=True)
             assert self._rates is not None
-            lx = self._layers[layer]
-            plan = split_misses(experts, counts, _expert_bytes(lx), self._rates, self.tcfg.split,
-                                gpu_busy_seconds=n_hit * _expert_bytes(lx) / max(self._rates.gpu_bps, 1.0))  # fmt: skip
+            eb = _expert_bytes(self._layers[layer])
+            busy = np.unique(flat_ids[h_hit.reshape(-1)]).size * eb / max(self._rates.gpu_bps, 1.0)
+            plan = split_misses(experts, counts, eb, self._rates, self.tcfg.split, gpu_busy_seconds=busy)
             if plan.pcie.any():
                 on_pcie = np.isin(flat_ids[miss], experts[plan.pcie])
                 pcie_picks, cpu_picks = miss[on_pcie], miss[~on_pcie]
         if pcie_picks.size:
-            self._gpu_picks(b, 0, kernel, ptrs, x, w, t, pcie_picks)
-        # 4. the CPU share, with a deadline; what it misses is computed on the GPU.
+            self._gpu_picks(b, 0, kernel, ptrs, x32, w, t, pcie_picks)
+        p = _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, n_hit=n_hit, n_miss=int(miss.size),
+                     pcie_picks=pcie_picks, cpu_picks=cpu_picks)  # fmt: skip
+        # 4. the CPU share, submitted now (the workers start at once); waited for in finish().
         if cpu_picks.size:
-            self._cpu_share(layer, b, kernel, ptrs, x, w, t, k, cpu_picks)
+            n = cpu_picks.size
+            xr = b.h_xrows[:n].numpy()
+            np.take(b.h_x[:t].numpy(), cpu_picks // k, axis=0, out=xr)
+            experts_c = h_ids.reshape(-1)[cpu_picks].astype(np.int32)
+            weights = b.h_w[:t].numpy().reshape(-1)[cpu_picks].astype(np.float32)
+            picks_obj = self._picks_cls(np.arange(n, dtype=np.int32), experts_c, weights)
+            p.timeout = self._deadline(layer, np.unique(experts_c).size)
+            p.submitted = time.perf_counter()
+            p.job = self._tier.submit(layer, xr, picks_obj, out=b.h_cpu[:n].numpy())
+        return p
+
+    def _finish(self, p: _Pending, out: torch.Tensor) -> None:
+        cuda = self.device.type == "cuda"
+        b, t = p.b, p.t
+        assert b is not None
+        if p.job is not None:
+            n = p.cpu_picks.size
+            remaining = None if p.timeout is None else max(0.0, p.timeout - (time.perf_counter() - p.submitted))
+            missing = np.empty(0, np.int64)
+            if not p.job.wait(remaining):
+                missing = p.job.missing()  # cancels, waits for the workers to stop
+            else:
+                p.job.result()
+            dt = time.perf_counter() - p.submitted
+            self.stats.cpu_seconds += dt
+            self._m_cpu.forward(dt, picks=n - missing.size)
+            b.h_index[:n].numpy()[:] = p.cpu_picks
+            b.cpu_index[:n].copy_(b.h_index[:n], non_blocking=cuda)
+            b.cpu_rows[:n].copy_(b.h_cpu[:n], non_blocking=cuda)
+            b.y[:t].view(-1, b.hidden).index_copy_(0, b.cpu_index[:n], b.cpu_rows[:n])
+            if missing.size:
+                self.stats.deadline_misses += 1
+                self.stats.fallback_picks += int(missing.size)
+                metrics.cpu_deadline_miss(int(missing.size))
+                logger.warning("dsv41 tiered: MoE layer %d: the CPU tier missed its deadline (%.2f ms); %d of %d "
+                               "picks recomputed on the GPU from the host home", p.layer, 1e3 * (p.timeout or 0),
+                               missing.size, n)  # fmt: skip
+                self._gpu_picks(b, 1, p.kernel, p.ptrs, b.x32[:t], b.w[:t], t, p.cpu_picks[missing])
         # 5. fixed-order sum over the picks of each token.
-        torch.sum(y, dim=1, out=b.x32[:t])
+        torch.sum(b.y[:t], dim=1, out=b.x32[:t])
         out[:t].copy_(b.x32[:t])
         s = self.stats
-        s.hit_picks += n_hit
-        s.cpu_picks += int(cpu_picks.size)
-        s.pcie_picks += int(pcie_picks.size)
-        metrics.cache_lookups(n_hit, int(miss.size))
-        metrics.picks("gpu_cache", n_hit)
-        metrics.picks("pcie", int(pcie_picks.size))
+        s.hit_picks += p.n_hit
+        s.cpu_picks += int(p.cpu_picks.size)
+        s.pcie_picks += int(p.pcie_picks.size)
+        metrics.cache_lookups(p.n_hit, p.n_miss)
+        metrics.picks("gpu_cache", p.n_hit)
+        metrics.picks("pcie", int(p.pcie_picks.size))
 
     def _gpu_picks(self, b: _Buffers, use: int, kernel: Any, ptrs: Any, x: torch.Tensor, w: torch.Tensor, t: int,
                    picks: np.ndarray) -> None:  # fmt: skip
@@ -449,7 +529,7 @@ class TieredRuntime:
         there). ``use`` picks the staging pair (0: the PCIe share, 1: the deadline fallback), so the two never
         share a pinned buffer within a layer; the next layer writes them only after its own input event, which
         the stream orders after these copies."""
-        if ptrs is None:
+        if ptrs is None:  # cannot happen: PCIe picks and fallbacks need the table, which exists with the cache
             raise RuntimeError("tiered runtime: GPU picks before the expert cache exists")
         h = b.h_second[use, :t].numpy()
         h.fill(-1)
@@ -459,43 +539,6 @@ class TieredRuntime:
         y2 = b.y2[:t]
         kernel.forward(ptrs, x, ids2, w, y2)
         b.y[:t].add_(y2)
-
-    def _cpu_share(self, layer: int, b: _Buffers, kernel: Any, ptrs: Any, x: torch.Tensor, w: torch.Tensor,
-                   t: int, k: int, picks: np.ndarray) -> None:  # fmt: skip
-        cuda = self.device.type == "cuda"
-        n = picks.size
-        rows = picks // k
-        xr = b.h_xrows[:n].numpy()
-        np.take(b.h_x[:t].numpy(), rows, axis=0, out=xr)
-        experts = b.h_ids[:t].numpy().reshape(-1)[picks].astype(np.int32)
-        weights = b.h_w[:t].numpy().reshape(-1)[picks].astype(np.float32)
-        hout = b.h_cpu[:n].numpy()
-        picks_obj = self._picks_cls(np.arange(n, dtype=np.int32), experts, weights)
-        timeout = self._deadline(layer, np.unique(experts).size)
-        t0 = time.perf_counter()
-        job = self._tier.submit(layer, xr, picks_obj, out=hout)
-        done = job.wait(timeout)
-        missing = np.empty(0, np.int64)
-        if not done:
-            missing = job.missing()  # cancels, waits for the workers to stop
-        else:
-            job.result()
-        dt = time.perf_counter() - t0
-        self.stats.cpu_seconds += dt
-        self._m_cpu.forward(dt, picks=n - missing.size)
-        idx = b.h_index[:n].numpy()
-        idx[:] = picks
-        b.cpu_index[:n].copy_(b.h_index[:n], non_blocking=cuda)
-        b.cpu_rows[:n].copy_(b.h_cpu[:n], non_blocking=cuda)
-        b.y[:t].view(-1, b.hidden).index_copy_(0, b.cpu_index[:n], b.cpu_rows[:n])
-        if missing.size:
-            self.stats.deadline_misses += 1
-            self.stats.fallback_picks += int(missing.size)
-            metrics.cpu_deadline_miss(int(missing.size))
-            logger.warning("dsv41 tiered: MoE layer %d: the CPU tier missed its deadline (%.2f ms); %d of %d picks "
-                           "recomputed on the GPU from the host home", layer, 1e3 * (timeout or 0), missing.size,
-                           n)  # fmt: skip
-            self._gpu_picks(b, 1, kernel, ptrs, x, w, t, picks[missing])
 
     def _deadline(self, layer: int, experts: int) -> float | None:
         t = self.tcfg
@@ -510,6 +553,10 @@ class TieredRuntime:
         if self._closed:
             return
         self._closed = True
+        if self._pending is not None and self._pending.job is not None:
+            self._pending.job.cancel()
+            self._pending.job.wait()
+        self._pending = None
         if self._step_open:
             self._end_step()
         if self._recorder is not None:
