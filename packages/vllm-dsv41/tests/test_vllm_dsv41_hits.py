@@ -244,8 +244,11 @@ def test_make_hits(home: ExpertHome) -> None:
     lx = home.layer(0)
     assert isinstance(make_hits(lx, "cpu"), ReferenceHits)
     assert make_hits(lx, "cpu", "reference", swiglu_limit=10.0).geometry.swiglu_limit == 10.0  # type: ignore[attr-defined]
-    t = make_hits(lx, "cpu", "triton", max_tokens=4, top_k=2, block_n=64, split_k=2)
+    t = make_hits(lx, "cpu", "triton", max_tokens=4, top_k=2, block_n=64, block_k=64, split_k=2)
     assert isinstance(t, TritonHits) and t.scratch_bytes > 0 and t.splits(8, "gate_up") == (2, 2)
+    assert t.prefetch == 0  # the interpreter has no inline PTX
+    with pytest.raises(ValueError, match="prefetch must be >= 0"):
+        make_hits(lx, "cpu", "triton", prefetch=-1)
     with pytest.raises(ValueError, match="unknown backend 'cuda'"):
         make_hits(lx, "cpu", "cuda")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="apply to the 'triton' backend only"):
@@ -264,7 +267,7 @@ def test_triton_splits_fill_the_machine() -> None:
     for s in (6, 12, 24, 48, 192):
         for proj, kdim, nblocks in (("gate_up", 5120, 2 * 2304 // 128), ("down", 2304, 5120 // 128)):
             ks, per = th.splits(s, proj)  # type: ignore[arg-type]
-            assert ks * per >= kdim // 64 > (ks - 1) * per  # every k block in exactly one split
+            assert ks * per >= kdim // th.block_k > (ks - 1) * per  # every k block in exactly one split
             assert ks == 1 or s * nblocks * (ks - 1) < 4 * 132  # no more splits than the target asks for
     assert th.splits(6, "gate_up")[0] > 1 and th.splits(192, "gate_up")[0] == 1
 
@@ -348,3 +351,41 @@ def test_triton_kernels_in_the_interpreter() -> None:
     r = subprocess.run([sys.executable, "-c", INTERPRETER], env=env, capture_output=True, text=True, timeout=800)
     assert r.returncode == 0, f"seed {seed}\n{r.stdout}\n{r.stderr[-4000:]}"
     assert r.stdout.count("ok ") == 4, r.stdout
+
+
+# ------------------------------------------------------------------------------- compiled for the GPU, offline
+
+_TYPES = dict(IDS="*i32", ROWS="*i32", COUNT="*i32", S="i32", TOPK="i32", PTRS="*i64", E="i32", COL0="i32",
+              X="*fp32", stride_x="i32", A_HI="*fp16", A_LO="*fp16", A_INV="*fp32", P="*fp32", KS="i32", KPER="i32",
+              MULT="i32", ADD="i32", limit="fp32", W="*fp32", OUT="*fp32")  # fmt: skip
+
+
+def _compile(fn: object, arch: int, num_warps: int, **constexprs: object) -> str:
+    """PTX of ``fn`` compiled for ``sm_<arch>`` (through ptxas: a cubin is built), no GPU needed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {n: _TYPES.get(n, "constexpr") for n in fn.arg_names}  # type: ignore[attr-defined]
+    k = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", arch, 32),
+                       options=dict(num_warps=num_warps))  # fmt: skip
+    assert k.asm["cubin"], "ptxas built no cubin"
+    return str(k.asm["ptx"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [90, 86])  # the H200, the mission's RTX 3090
+def test_triton_kernels_compile_for_the_gpu(arch: int) -> None:
+    """The GPU-only code (inline PTX: funnel shift, dp4a, paired fp16 fma, L2 prefetch; libdevice) is compiled
+    by Triton and assembled by ptxas for real targets, without a GPU; its numbers are the gpu tests'."""
+    pytest.importorskip("triton.backends.nvidia")
+    from vllm_dsv41 import hits_kernels as hk
+
+    geo = dict(KDIM=4096, N=2048, BM=16, BN=128, ASM=True)
+    for k2, mul1, bk, pf in ((6, True, 32, 8), (5, True, 64, 0), (8, False, 32, 4)):
+        ptx = _compile(hk.gemv_kernel, arch, 8, **geo, NPROJ=2, K2=k2, MUL1=mul1, BK=bk, PREFETCH=pf, PF_LINES=16)
+        assert ("shf.l.clamp.b32" in ptx) and (("dp4a" in ptx) == mul1) and (("fma.rn.f16x2" in ptx) == mul1)
+        assert ("prefetch.global.L2" in ptx) == (pf > 0)
+    assert "ex2" in _compile(hk.mid_kernel, arch, 1, I=2048, HAS_LIMIT=True, LIBDEVICE=True)
+    _compile(hk.prep_kernel, arch, 1, H=4096, S_BLOCK=64)
+    _compile(hk.out_kernel, arch, 1, H=4096)

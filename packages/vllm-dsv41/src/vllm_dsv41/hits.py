@@ -471,14 +471,15 @@ class TritonHits:
     block_n, block_k : the weight block a program decodes per step (``block_k`` divides 128).
     num_warps : per program.
     split_k : K splits per projection (None: enough programs for ``programs_per_sm`` per multiprocessor).
+    prefetch : blocks ahead whose trellis lines each program requests into L2 (CUDA only; 0: none).
     """
 
     name = "triton"
     graph_safe = True
 
     def __init__(self, geometry: HitGeometry, device: torch.device | str, *, max_tokens: int = 0, top_k: int = 0,
-                 block_n: int = 128, block_k: int = 64, num_warps: int = 4, split_k: int | None = None,
-                 programs_per_sm: int = 4) -> None:  # fmt: skip
+                 block_n: int = 128, block_k: int = 32, num_warps: int = 8, split_k: int | None = None,
+                 programs_per_sm: int = 4, prefetch: int = 8) -> None:  # fmt: skip
         self.geometry = geometry
         self.device = torch.device(device)
         h, i = geometry.hidden, geometry.intermediate
@@ -489,10 +490,16 @@ class TritonHits:
         if split_k is not None and split_k < 1:
             raise ValueError(f"TritonHits: split_k must be >= 1, got {split_k}")
         self.block_n, self.block_k, self.num_warps = block_n, block_k, num_warps
+        if prefetch < 0:
+            raise ValueError(f"TritonHits: prefetch must be >= 0, got {prefetch}")
         self.split_k = split_k
+        self.prefetch = prefetch if self.device.type == "cuda" else 0  # the interpreter has no inline PTX
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
         self._target = max(1, programs_per_sm * sms)
         self._cap = 0
+        # 128-byte lines one run of block_n/16 tiles can touch (the larger bits of gate/up and down), plus one
+        words = max(4 * int(round(2 * b)) for b in geometry.bits) * (block_n // 16)
+        self._pf_lines = _next_pow2(-(-words // 32) + 1)
         if max_tokens and top_k:
             self._reserve(max_tokens * top_k)
 
@@ -557,6 +564,7 @@ class TritonHits:
         asm = self.device.type == "cuda"
         bn, bk, nw = self.block_n, self.block_k, self.num_warps
         bm = 16 if t <= 16 else 32  # rows of one dot; an expert with more picks loops (re-decoding its blocks)
+        pf = dict(PREFETCH=self.prefetch, PF_LINES=self._pf_lines) if self.prefetch else {}
         ids1 = ids.view(-1)
         hk.prep_kernel[(s, h // 128)](
             x, x.stride(0), ids1, s, k, ptrs, e, self.rows, self.count, self.a_gu_hi, self.a_gu_lo, self.a_gu_inv,
@@ -571,7 +579,7 @@ class TritonHits:
                 self.a_gu_hi[first * s * h :], self.a_gu_lo[first * s * h :], self.a_gu_inv[first * s * h // 128 :],
                 self.p_gu[first * ks_gu * s * i :], ks_gu, per_gu, mult, add,
                 KDIM=h, N=i, NPROJ=nproj, K2=int(round(2 * g.bits[first])), MUL1=g.codebooks[first] == "mul1",
-                BM=bm, BN=bn, BK=bk, ASM=asm, num_warps=nw,
+                BM=bm, BN=bn, BK=bk, ASM=asm, num_warps=nw, **pf,
             )  # fmt: skip
         lim = g.swiglu_limit
         hk.mid_kernel[(s, i // 128)](
@@ -583,7 +591,7 @@ class TritonHits:
         hk.gemv_kernel[(s, h // bn, ks_d)](
             ids1, self.rows, self.count, s, ptrs, e, 6, self.a_d_hi, self.a_d_lo, self.a_d_inv, self.p_d, ks_d, per_d,
             mult, add, KDIM=i, N=h, NPROJ=1, K2=int(round(2 * g.bits[2])), MUL1=g.codebooks[2] == "mul1",
-            BM=bm, BN=bn, BK=bk, ASM=asm, num_warps=nw,
+            BM=bm, BN=bn, BK=bk, ASM=asm, num_warps=nw, **pf,
         )  # fmt: skip
         hk.out_kernel[(s, h // 128)](ids1, weights.view(-1), s, ptrs, e, self.p_d, ks_d, out, H=h, num_warps=1)
 

@@ -24,15 +24,16 @@ alone (graph-safe; the routing is read on the device only):
 
 from __future__ import annotations
 
+import numpy as np
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from cpu_tier.exl3 import MUL1_BIAS, MUL1_SCALE
 from dma_prefill.triton_kernels import (
     _LOP3_AND_I32,
     _LOP3_XOR,
     _MUL1_BIAS,
-    _MUL1_BIAS_2P23,
     _MUL1_SCALE,
     _bytesum,
     _fwht128,
@@ -72,21 +73,50 @@ def _block_offsets(BK: tl.constexpr, BN: tl.constexpr, TN: tl.constexpr, K2: tl.
     return tile + i0, tile + i1, start % 32
 
 
-@triton.jit
-def _decode(words, off0, off1, sh, MULT, ADD, MUL1: tl.constexpr, ASM: tl.constexpr):
-    """fp16 ``W_inner`` values of a block (bit-exact): the state window, then the codebook (``cpu_tier.exl3``).
+def _f16x2(v: float) -> str:
+    """The PTX immediate of ``v`` (exact in fp16) in both halves of a 32-bit register."""
+    b = int(np.array(v, dtype=np.float16).view(np.uint16))
+    assert float(np.array(b, dtype=np.uint16).view(np.float16)) == v, v
+    return f"0x{b:04X}{b:04X}"
 
-    The second word is loaded only where the window crosses into it (``sh > 16``)."""
-    a = tl.load(words + off0).to(tl.uint32, bitcast=True)
-    b = tl.load(words + off1, mask=sh > 16, other=0).to(tl.uint32, bitcast=True)
-    state = _window16(a, b, sh.to(tl.uint32), ASM)
+
+# (1024 + bs) * MUL1_SCALE + MUL1_BIAS for two byte sums: the fp16 bits of 1024 + bs are 0x6400 | bs (bs <= 1020)
+_MUL1_PAIR_ASM = tl.constexpr(
+    "{ .reg .b32 t, m, c; prmt.b32 t, $1, $2, 0x5410; or.b32 t, t, 0x64006400; "
+    f"mov.b32 m, {_f16x2(MUL1_SCALE)}; mov.b32 c, {_f16x2(MUL1_BIAS)}; fma.rn.f16x2 $0, t, m, c; }}"
+)
+
+
+@triton.jit
+def _mul1_pair(bs):
+    """MUL1 values of byte sums, two per instruction (``_MUL1_PAIR_ASM``): one ``fma.rn.f16x2`` rounds each
+    exactly once, as exllamav3's hfma (``cpu_tier.exl3.MUL1_SCALE`` / ``MUL1_BIAS``)."""
+    return tl.inline_asm_elementwise(_MUL1_PAIR_ASM, "=r,r,r", [bs], dtype=tl.float16, is_pure=True, pack=2)
+
+
+@triton.jit
+def _opaque(ptr, ASM: tl.constexpr):
+    """``ptr`` through a register move the compiler cannot see into: offsets added to it afterwards stay 32-bit
+    (one wide multiply-add per address) instead of being merged into 64-bit index math."""
+    if ASM:
+        ptr = tl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [ptr.to(tl.int64)], dtype=tl.int64,
+                                        is_pure=True, pack=1).to(ptr.dtype)  # fmt: skip
+    return ptr
+
+
+@triton.jit
+def _decode(base, off0, off1, sh, MULT, ADD, MUL1: tl.constexpr, ASM: tl.constexpr):
+    """fp16 ``W_inner`` values of a block (bit-exact): the 16-bit state window from the words at ``base + off0``
+    and ``base + off1`` (the second matters only where ``sh > 16``), then the codebook (``cpu_tier.exl3``)."""
+    a = tl.load(base + off0).to(tl.uint32, bitcast=True)
+    b = tl.load(base + off1).to(tl.uint32, bitcast=True)
+    state = _window16(a, b, sh, ASM)
     p = state.to(tl.int32, bitcast=True) * MULT + ADD  # wraps modulo 2^32
     if MUL1:
         bs = _bytesum(p.to(tl.uint32, bitcast=True), ASM)
-        if ASM:  # (1024 + bs) * MUL1_SCALE + MUL1_BIAS exactly, in one fma; one rounding to fp16 (the hfma)
-            f = (bs + 0x4B000000).to(tl.float32, bitcast=True)
-            v = tl.fma(f, _MUL1_SCALE, _MUL1_BIAS_2P23).to(tl.float16)
-        else:  # the interpreter's fma rounds twice; this form is exact without one
+        if ASM:
+            v = _mul1_pair(bs)
+        else:  # (1024 + bs) * MUL1_SCALE + MUL1_BIAS is exact in fp32: one rounding to fp16
             v = ((bs + 1024).to(tl.float32) * _MUL1_SCALE + _MUL1_BIAS).to(tl.float16)
     else:
         x = (p & _LOP3_AND_I32) ^ _LOP3_XOR  # LOP3
@@ -94,6 +124,15 @@ def _decode(words, off0, off1, sh, MULT, ADD, MUL1: tl.constexpr, ASM: tl.conste
         hi = ((x >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         v = (lo + hi).to(tl.float16)  # both halves in [0.125, 2): exact fp32 sum, one rounding
     return v
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the lines at ``ptrs`` (PTX ``prefetch.global.L2``: no fault, no register written)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs.to(tl.int64)], dtype=tl.int32, is_pure=False,
+        pack=1,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -179,9 +218,15 @@ def gemv_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     ASM: tl.constexpr,  # PTX funnel shift + dp4a (GPU); plain integer ops (interpreter)
+    PREFETCH: tl.constexpr = 0,  # BK blocks ahead whose trellis lines are requested into L2 (0: none; GPU only)
+    PF_LINES: tl.constexpr = 1,  # a power of two >= the 128-byte lines of one run of BN/16 tiles, plus one
 ):
     """``P[proj, ks, rows, n-block] = A[proj, rows, k-split] @ W_inner[e]`` for the rows of all picks of expert
-    ``e``, in the program of its first pick; the other programs return without a load beyond ``COUNT``."""
+    ``e``, in the program of its first pick; the other programs return without a load beyond ``COUNT``.
+
+    A block's trellis is ``BK/16`` runs of ``BN/16`` consecutive tiles; with ``PREFETCH`` the program asks L2 for
+    the runs ``PREFETCH`` blocks ahead (one request per 128-byte line), so that its decode waits on L2 rather
+    than on memory (or on PCIe, for mapped host memory)."""
     pid = tl.program_id(0)
     NB: tl.constexpr = N // BN
     proj = tl.program_id(1) // NB
@@ -194,12 +239,21 @@ def gemv_kernel(
         NWORDS: tl.constexpr = 4 * K2
         words = tl.load(PTRS + (COL0 + 3 * proj) * E + e).to(tl.pointer_type(tl.int32)) + (n0 // 16) * NWORDS
         off0, off1, sh = _block_offsets(BK, BN, TN, K2)
+        sh = sh.to(tl.uint32)
+        STEP: tl.constexpr = (BK // 16) * TN * NWORDS  # words between consecutive k blocks
         NKB: tl.constexpr = KDIM // BK
         kb0 = ks * KPER
         kb1 = tl.minimum(kb0 + KPER, NKB)
         r = tl.arange(0, BM)
         kc = tl.arange(0, BK)
         nc = n0 + tl.arange(0, BN)
+        if PREFETCH > 0:
+            RUN: tl.constexpr = (BN // 16) * NWORDS  # words of one run of tiles
+            # one word in each 128-byte line a run can touch (and its last word)
+            line = tl.minimum(tl.arange(0, PF_LINES) * 32, RUN - 1)
+            pf = (tl.arange(0, BK // 16) * (TN * NWORDS))[:, None] + line[None, :]
+            for kb in range(kb0, tl.minimum(kb0 + PREFETCH, kb1)):
+                _prefetch_l2(words + kb * STEP + pf)
         for m0 in range(0, cnt, BM):
             rmask = m0 + r < cnt
             rows = tl.load(ROWS + pid.to(tl.int64) * S + m0 + r, mask=rmask, other=0).to(tl.int64)
@@ -207,7 +261,10 @@ def gemv_kernel(
             acc = tl.zeros([BM, BN], dtype=tl.float32)
             for kb in range(kb0, kb1):
                 k0 = kb * BK
-                w = _decode(words + (k0 // 16) * (TN * NWORDS), off0, off1, sh, MULT, ADD, MUL1, ASM)
+                if PREFETCH > 0:
+                    if kb + PREFETCH < kb1:
+                        _prefetch_l2(words + (kb + PREFETCH) * STEP + pf)
+                w = _decode(_opaque(words + kb * STEP, ASM), off0, off1, sh, MULT, ADD, MUL1, ASM)
                 a_off = arow[:, None] * KDIM + k0 + kc[None, :]
                 a_hi = tl.load(A_HI + a_off, mask=rmask[:, None], other=0.0)
                 a_lo = tl.load(A_LO + a_off, mask=rmask[:, None], other=0.0)
