@@ -8,6 +8,10 @@
 #   fidelity  python -m vllm_dsv41.fidelity: cpu vs all-in-vram, PIECEWISE CUDA graphs, VRAM capped at 24 GiB
 #   fast      the same with the CPU tier's fast precision
 #   eager     the same without CUDA graphs (greedy tokens compared with the PIECEWISE run)
+#   tiered    fidelity of the tiered runtime (VRAM cache of ~1/3 of the experts, misses split auto, then all over
+#             PCIe) vs all-in-vram, PIECEWISE graphs, VRAM capped at 24 GiB; its routing trace under $OUT
+#   tbench    benches/bench_tiered.py: decode through the tiered runtime at Flash layer sizes (TB_LAYERS real-size
+#             layers synthesized in /tmp, default 2) vs the roofline measured in the same run
 #   bench     benches/bench_dense_exl3.py (exllamav3 vs ours, every V4.1 dense shape)
 #   serve     the server on the pack, driven by the openai client (scripts/gpu_serve_check.py)
 #   flash     load time and RSS of a Flash-shaped pack with real-size layers (scripts/gpu_flash_load.py)
@@ -68,6 +72,17 @@ a = json.load(open(f"{sys.argv[1]}/fidelity_piecewise.json")); b = json.load(ope
 same = a["greedy_runtime"] == b["greedy_runtime"]
 print(f"greedy tokens, cpu runtime, PIECEWISE graphs vs eager: {'IDENTICAL' if same else 'DIFFER'}")
 PY
+fi
+if step tiered; then
+    fid tiered --runtime tiered --tiered "{\"cache_gib\": 0.006, \"replan_every\": 4, \"trace_path\": \"$OUT/trace_tiered.npz\"}"
+    fid tiered_pcie --runtime tiered --tiered '{"cache_gib": 0.006, "replan_every": 4, "split": "pcie"}'
+fi
+if step tbench; then
+    log "tbench"
+    timeout 560 python3 packages/vllm-dsv41/benches/bench_tiered.py --layers "${TB_LAYERS:-2}" --root /tmp/dsv41/flash \
+        --streams 1,2,4 --splits cpu,auto,pcie --cpu-threads 8 --warmup 48 --steps 48 --json "$OUT/bench_tiered.json" \
+        2>&1 | tee "$OUT/bench_tiered.log" | grep -v "INFO\|DEBUG" | tail -20
+    r=${PIPESTATUS[0]}; log "tbench rc=$r"; rc=$((rc || r))
 fi
 if step bench; then
     log "bench"

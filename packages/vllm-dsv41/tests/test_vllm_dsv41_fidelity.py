@@ -47,3 +47,27 @@ def test_fidelity_tool_on_the_demo_pack(demo_pack: Path, tmp_path: Path) -> None
     floor = res["noise_floor"]  # the oracle's experts with float64 sums, against the oracle
     assert floor["runtime"] == "all-in-vram-f64" and floor["positions"] == 512 and floor["top1_agreement"] == 1.0
     assert "noise floor" in r.stdout
+
+
+@pytest.mark.slow
+def test_tiered_runtime_served_by_vllm_equals_the_oracle(demo_pack: Path, tmp_path: Path) -> None:
+    """The tiered runtime inside vLLM's CPU build: a cache of a few slots (hits, CPU misses, replans every 2 steps,
+    the routing trace), against the all-in-VRAM oracle."""
+    out, trace = tmp_path / "fidelity.json", tmp_path / "trace.npz"
+    tiered = {"cache_gib": 0.0005, "replan_every": 2, "split": "cpu", "trace_path": str(trace)}
+    cmd = [sys.executable, "-m", "vllm_dsv41.fidelity", str(demo_pack), "--runtime", "tiered", "--against",
+           "all-in-vram", "--positions", "256", "--length", "64", "--greedy-prompts", "2", "--greedy-tokens", "8",
+           "--cpu-threads", "2", "--json", str(out), "--min-top1", "0.999", "--max-kl-mean", "1e-4",
+           "--tiered", json.dumps(tiered)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["runtime"] == "tiered" and res["positions"] == 256 and res["top1_agreement"] == 1.0
+    assert res["greedy_match"]
+    st = res["runtime_stats"]  # the cache was created, hit, and the misses went to the CPU tier
+    assert st["cache_slots"] > 0 and st["hit_picks"] > 0 and st["cpu_picks"] + st["fallback_picks"] > 0
+    assert st["pcie_picks"] == 0 and st["steps"] > 0 and "runtime counters" in r.stdout
+    from expert_cache import load_trace
+
+    t = load_trace(trace)
+    assert t.num_steps > 0 and t.num_layers == 2

@@ -62,6 +62,9 @@ class FidelityResult:
     #: positions whose reference margin is below that: flips that only happen at near-ties are rounding, not error
     flip_margin_max: float = 0.0
     near_tie_share: float = 0.0
+    #: the tested runtime's own counters at the end of its run (the tiered runtime's picks per path, steps, cache
+    #: slots), empty for runtimes without them
+    runtime_stats: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def table(self) -> str:
         rows = [
@@ -75,6 +78,8 @@ class FidelityResult:
             ("top-1 flips", f"at reference margins <= {self.flip_margin_max:.3g} (logits; {self.near_tie_share:.2%} "
                             "of all positions have a margin that small)"),
         ]  # fmt: skip
+        if self.runtime_stats.get("describe"):
+            rows.append(("runtime counters", str(self.runtime_stats["describe"])))
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
@@ -180,6 +185,19 @@ def _switch(model: torch.nn.Module, runtime: str) -> str:
     return runtime
 
 
+def _runtime_stats(model: torch.nn.Module) -> dict[str, Any]:
+    """The current runtime's counters (``stats``, a dataclass) and cache size, where it has them."""
+    rt, _ = _exl3_config(model).expert_runtime()
+    stats = getattr(rt, "stats", None)
+    if stats is None or not dataclasses.is_dataclass(stats) or isinstance(stats, type):
+        return {}
+    out: dict[str, Any] = dataclasses.asdict(stats)
+    out["describe"] = stats.describe() if hasattr(stats, "describe") else ""
+    cache = getattr(rt, "cache", None)
+    out["cache_slots"] = int(cache.num_slots) if cache is not None else 0
+    return out
+
+
 def _swiglu_limits(model: torch.nn.Module) -> dict[int, float | None]:
     from .methods import Exl3HostExpertsMethod
 
@@ -253,6 +271,8 @@ def run_fidelity(
         outs = llm.generate([{"prompt_token_ids": p[:64]} for p in prompts[:greedy_prompts]], greedy, use_tqdm=False)
         results[name] = (logits, [list(o.outputs[0].token_ids) for o in outs])
         seconds[name] = time.perf_counter() - t0
+    stats = llm.apply_model(_runtime_stats)[0]
+    llm.apply_model(functools.partial(_switch, runtime=against))  # closes the tested runtime (its trace is written)
     ref_logits, ref_greedy = results[against]
     test_logits, test_greedy = results[runtime]
     ref_all = np.concatenate(ref_logits)
@@ -267,7 +287,7 @@ def run_fidelity(
         kl_mean=float(kl.mean()), kl_max=float(kl.max()), greedy_prompts=len(ref_greedy),
         greedy_tokens=greedy_tokens, greedy_match=all(f is None for f in first), greedy_first_divergence=first,
         seconds=seconds, greedy_reference=ref_greedy, greedy_runtime=test_greedy, flip_margin_max=flip_margin,
-        near_tie_share=float((margin <= flip_margin).mean()) if flip_margin else 0.0,
+        near_tie_share=float((margin <= flip_margin).mean()) if flip_margin else 0.0, runtime_stats=stats,
     )  # fmt: skip
 
 

@@ -343,10 +343,10 @@ class TieredRuntime:
         if self.tcfg.stats_every and self.stats.steps % self.tcfg.stats_every == 0:
             logger.info("dsv41 tiered: %s", self.stats.describe())
 
-    def _end_step(self) -> None:
+    def _end_step(self, replan: bool = True) -> None:
         self._step_open = False
-        if self._cache is not None:
-            self._cache.after_step()
+        if self._cache is not None and replan:  # (the cache's tensors may be inference tensors: replans run in
+            self._cache.after_step()  # the model's forward, never at close)
         if self._step_ids:
             self._record_step()
         self._step_ids.clear()
@@ -558,7 +558,7 @@ class TieredRuntime:
             self._pending.job.wait()
         self._pending = None
         if self._step_open:
-            self._end_step()
+            self._end_step(replan=False)
         if self._recorder is not None:
             path = Path(self.tcfg.trace_path)
             self._recorder.trace().save(path)
