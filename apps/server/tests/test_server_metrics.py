@@ -107,6 +107,7 @@ def test_metrics_on_the_server_are_documented_present_and_move(demo_server: Any,
         temperature=0.0,
     )  # fmt: skip
     after = _scrape(demo_server)
+
     def moved(name: str) -> float:
         return after[name, 'tier="cpu"'] - before[name, 'tier="cpu"']
 

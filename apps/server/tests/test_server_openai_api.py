@@ -170,7 +170,9 @@ def test_malformed_http_requests(demo_server: Any, client: Any) -> None:
         assert 400 <= http.post(url, content=b"{not json", headers=headers).status_code < 500
         assert 400 <= http.post(url, json={"model": MODEL}, headers=headers).status_code < 500
         assert http.post(url, json={"model": MODEL, "messages": USER}).status_code == 401  # no API key
-        assert http.get(demo_server.base_url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert (
+            http.get(demo_server.base_url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        )
     assert demo_server.alive()
     assert _chat(client, max_tokens=2).choices[0].finish_reason in ("length", "stop")
 
@@ -178,6 +180,8 @@ def test_malformed_http_requests(demo_server: Any, client: Any) -> None:
 def test_plugin_settings_reach_the_expert_runtime(demo_server: Any, client: Any) -> None:
     """--cpu-threads 1 (a flag) and precision 'exact' (the pack's config.json) arrive in the engine's runtime."""
     assert _chat(client, max_tokens=1).usage.completion_tokens == 1
-    lines = [ln for ln in demo_server.log_path.read_text(errors="replace").splitlines() if "dsv41: routed experts" in ln]
+    lines = [
+        ln for ln in demo_server.log_path.read_text(errors="replace").splitlines() if "dsv41: routed experts" in ln
+    ]
     assert len(lines) == 1, demo_server.log_tail()
     assert "1 threads" in lines[0] and "exact" in lines[0] and "'cpu' expert runtime" in lines[0]

@@ -93,9 +93,15 @@ def test_flags_map_onto_the_configs(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("argv", "needle"),
-    [(["--spin-us", "-1"], "spin_us"), (["--port", "70000"], "port"), (["--max-num-seqs", "0"], "max_num_seqs"),
-     (["--cpu-amx-min-tokens", "0"], "amx_min_tokens"), (["--cpu-prefetch-blocks", "7"], "prefetch_blocks"),
-     (["--cache-gib", "-2"], "cache_gib"), (["--tier-stats-every", "-1"], "stats_every")],
+    [
+        (["--spin-us", "-1"], "spin_us"),
+        (["--port", "70000"], "port"),
+        (["--max-num-seqs", "0"], "max_num_seqs"),
+        (["--cpu-amx-min-tokens", "0"], "amx_min_tokens"),
+        (["--cpu-prefetch-blocks", "7"], "prefetch_blocks"),
+        (["--cache-gib", "-2"], "cache_gib"),
+        (["--tier-stats-every", "-1"], "stats_every"),
+    ],
 )
 def test_bad_flag_values_name_the_setting(argv: list[str], needle: str) -> None:
     with pytest.raises(ServerError, match=needle):
@@ -258,6 +264,19 @@ def test_demo_cache_is_reused_and_repaired(demo_pack: Path, tmp_path: Path) -> N
         f.seek(-64, os.SEEK_END)
         f.write(b"\xff" * 64)
     assert ensure_demo_pack(cache) == cache and check_pack(cache) == ([], [])
+    # a demo built by an older version: it verifies, but its plugin settings have an old shape -> rebuilt
+    from pack_tools.manifest import hash_file
+
+    cfg = json.loads((cache / "config.json").read_text())
+    cfg["dsv41"] = {"precision": "exact"}
+    (cache / "config.json").write_text(json.dumps(cfg))
+    manifest = json.loads((cache / "manifest.json").read_text())
+    manifest["files"]["config.json"].update(sha256=hash_file(cache / "config.json"),
+                                            size=(cache / "config.json").stat().st_size)  # fmt: skip
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    assert check_pack(cache)[0] == []  # (it verifies)
+    assert ensure_demo_pack(cache) == cache
+    assert json.loads((cache / "config.json").read_text())["dsv41"] == {"cpu": {"precision": "exact"}}
     other = tmp_path / "not-a-pack"
     other.mkdir()
     (other / "notes.txt").write_text("mine")

@@ -50,7 +50,9 @@ def test_every_route_but_health_answers_401_without_or_with_a_wrong_key(demo_ser
                 assert _openai_error(r, 401)["type"] == "AuthenticationError"
         assert http.get("/health").status_code == 200
         assert http.get("/version", headers=_auth(demo_server)).status_code == 200
-        assert http.post("/tokenize", headers=_auth(demo_server), json={"model": MODEL, "prompt": "hi"}).status_code == 200
+        assert (
+            http.post("/tokenize", headers=_auth(demo_server), json={"model": MODEL, "prompt": "hi"}).status_code == 200
+        )
         assert http.get("/metrics", headers={"x-api-key": demo_server.api_key}).status_code == 200
 
 

@@ -44,8 +44,13 @@ DEMO = PackKind(
     max_model_len=2048,
     tool_call_parser="hermes",
     reasoning_parser="qwen3",
-    extra_vllm_args=("--enforce-eager", "--load-format", "dsv41",
-                     "--default-chat-template-kwargs", json.dumps({"enable_thinking": False})),
+    extra_vllm_args=(
+        "--enforce-eager",
+        "--load-format",
+        "dsv41",
+        "--default-chat-template-kwargs",
+        json.dumps({"enable_thinking": False}),
+    ),
 )
 
 #: DeepSeek-V4.1-Flash EXL3 packs: vLLM's own V4.1 model (the plugin's subclass under its name), tokenizer mode and
@@ -60,9 +65,16 @@ V41 = PackKind(
     max_model_len=65536,
     tool_call_parser="deepseek_v41",
     reasoning_parser="deepseek_v41",
-    extra_vllm_args=("--tokenizer-mode", "deepseek_v41", "--load-format", "dsv41",
-                     "--limit-mm-per-prompt", json.dumps({"image": 0}),
-                     "--compilation-config", json.dumps({"cudagraph_mode": "PIECEWISE"})),
+    extra_vllm_args=(
+        "--tokenizer-mode",
+        "deepseek_v41",
+        "--load-format",
+        "dsv41",
+        "--limit-mm-per-prompt",
+        json.dumps({"image": 0}),
+        "--compilation-config",
+        json.dumps({"cudagraph_mode": "PIECEWISE"}),
+    ),
 )
 
 KINDS: tuple[PackKind, ...] = (DEMO, V41)
@@ -128,6 +140,19 @@ def _looks_like_demo(path: Path) -> bool:
         return False
 
 
+def _stale_settings(demo_dir: Path) -> list[str]:
+    """The cached demo's plugin settings (config.json ``dsv41``) as this version reads them: [] if they parse,
+    else the reason (a pack built by an older version keeps its old settings' shape)."""
+    from vllm_dsv41.config import CONFIG_KEY, Dsv41PluginConfig
+
+    try:
+        cfg = json.loads((demo_dir / "config.json").read_text())
+        Dsv41PluginConfig.from_mapping(cfg.get(CONFIG_KEY, {}), f"{demo_dir / 'config.json'} {CONFIG_KEY!r}")
+    except (OSError, ValueError) as e:
+        return [str(e)]
+    return []
+
+
 def ensure_demo_pack(demo_dir: Path, seed: int = 0) -> Path:
     """Reuse the tiny-demo pack in ``demo_dir`` if it verifies, else (re)build it there.
 
@@ -140,15 +165,14 @@ def ensure_demo_pack(demo_dir: Path, seed: int = 0) -> Path:
         if demo_dir.is_dir() and not any(demo_dir.iterdir()):
             demo_dir.rmdir()
         elif not _looks_like_demo(demo_dir):
-            raise ServerError(
-                f"{demo_dir}: exists and is not a tiny-demo pack; pass another --demo-dir or remove it"
-            )
+            raise ServerError(f"{demo_dir}: exists and is not a tiny-demo pack; pass another --demo-dir or remove it")
         else:
-            problems = verify_pack(demo_dir)
+            problems = verify_pack(demo_dir) or _stale_settings(demo_dir)
             if not problems:
                 log.info("reusing the tiny-demo pack in %s", demo_dir)
                 return demo_dir
-            log.warning("the cached tiny-demo pack is damaged (%s); rebuilding it", problems[0])
+            log.warning("the cached tiny-demo pack is damaged or from an older version (%s); rebuilding it",
+                        problems[0])  # fmt: skip
             shutil.rmtree(demo_dir)
     log.info("building the tiny-demo pack in %s", demo_dir)
     return synth_tiny_demo(demo_dir, seed=seed)

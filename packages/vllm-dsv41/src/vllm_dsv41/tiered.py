@@ -500,6 +500,8 @@ class TieredRuntime:
             dt = time.perf_counter() - p.submitted
             self.stats.cpu_seconds += dt
             self._m_cpu.forward(dt, picks=n - missing.size)
+            if missing.size:  # their rows were never written (stale bytes): zeros, then the GPU's values added
+                b.h_cpu[:n].numpy()[missing] = 0.0
             b.h_index[:n].numpy()[:] = p.cpu_picks
             b.cpu_index[:n].copy_(b.h_index[:n], non_blocking=cuda)
             b.cpu_rows[:n].copy_(b.h_cpu[:n], non_blocking=cuda)
