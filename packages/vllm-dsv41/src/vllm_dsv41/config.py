@@ -21,16 +21,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cpu_tier import CpuTierConfig
+from engram_mmap import TableConfig
 
 #: The key under which the plugin's settings live in ``config.json`` and in vLLM's ``additional_config``.
 CONFIG_KEY = "dsv41"
 
 Runtime = Literal["cpu", "all-in-vram"]
 DenseKernel = Literal["auto", "exllamav3", "triton"]
+EngramMode = Literal["mmap", "upstream"]
 RUNTIMES: tuple[str, ...] = ("cpu", "all-in-vram")
 DENSE_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton")
+ENGRAM_MODES: tuple[str, ...] = ("mmap", "upstream")
+#: Nested objects merged field by field (``merge_settings``): cpu-tier's and engram-mmap's own configs.
+_NESTED = ("cpu", "engram_table")
 
-__all__ = ["CONFIG_KEY", "DENSE_KERNELS", "RUNTIMES", "Dsv41PluginConfig", "merge_settings", "vllm_env_for_pack"]
+__all__ = ["CONFIG_KEY", "DENSE_KERNELS", "ENGRAM_MODES", "RUNTIMES", "Dsv41PluginConfig", "merge_settings",
+           "vllm_env_for_pack"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,12 +58,21 @@ class Dsv41PluginConfig:
         ours. On the CPU the dense linears are dequantized once at load (the demo) and this is ignored.
     register_host_memory : page-lock the host home of the experts with CUDA (``cudaHostRegister``) when a GPU
         is present, so that copies from it are DMA and the GPU can read it in place.
+    engram : where V4.1's Engram tables live while serving. "mmap": in the pack's files, memory-mapped by
+        engram-mmap (never read whole, never pinned; host RAM holds what the page cache keeps), each step's rows
+        gathered on the host and copied to the GPU (``vllm_dsv41.engram``). "upstream": vLLM's own, read through
+        its weight loader and pinned whole in host memory (189 GiB for V4.1-Flash; for comparisons).
+    engram_table : engram-mmap's ``TableConfig`` for the mapped tables (gather threads, readahead, and
+        ``resident_scales``: the scale tensors copied to RAM, 2.9 GiB per Flash table, so a cold row is one page
+        read instead of two). Ignored with ``engram="upstream"``.
     """
 
     cpu: CpuTierConfig = dataclasses.field(default_factory=CpuTierConfig)
     runtime: Runtime = "cpu"
     dense_kernel: DenseKernel = "auto"
     register_host_memory: bool = True
+    engram: EngramMode = "mmap"
+    engram_table: TableConfig = dataclasses.field(default_factory=TableConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.cpu, CpuTierConfig):
@@ -68,6 +83,10 @@ class Dsv41PluginConfig:
             raise ValueError(f"dense_kernel: expected one of {DENSE_KERNELS}, got {self.dense_kernel!r}")
         if not isinstance(self.register_host_memory, bool):
             raise ValueError(f"register_host_memory: expected true or false, got {self.register_host_memory!r}")
+        if self.engram not in ENGRAM_MODES:
+            raise ValueError(f"engram: expected one of {ENGRAM_MODES}, got {self.engram!r}")
+        if not isinstance(self.engram_table, TableConfig):
+            raise ValueError(f"engram_table: expected an engram-mmap TableConfig, got {type(self.engram_table).__name__}")
 
     @property
     def effective_threads(self) -> int:
@@ -80,6 +99,8 @@ class Dsv41PluginConfig:
         kwargs = _known_fields(cls, values, source, "plugin settings")
         if "cpu" in kwargs:
             kwargs["cpu"] = _cpu_config(kwargs["cpu"], f"{source}: cpu")
+        if "engram_table" in kwargs:
+            kwargs["engram_table"] = _table_config(kwargs["engram_table"], f"{source}: engram_table")
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as e:
@@ -90,7 +111,8 @@ class Dsv41PluginConfig:
         cpu = dataclasses.asdict(self.cpu)
         cpu["cpus"] = list(self.cpu.cpus)
         return {"cpu": cpu, "runtime": self.runtime, "dense_kernel": self.dense_kernel,
-                "register_host_memory": self.register_host_memory}  # fmt: skip
+                "register_host_memory": self.register_host_memory, "engram": self.engram,
+                "engram_table": dataclasses.asdict(self.engram_table)}  # fmt: skip
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> Dsv41PluginConfig:
@@ -134,12 +156,23 @@ def _cpu_config(value: Any, source: str) -> CpuTierConfig:
         raise ValueError(f"{source}: {e}") from None
 
 
+def _table_config(value: Any, source: str) -> TableConfig:
+    if isinstance(value, TableConfig):
+        return value
+    kwargs = _known_fields(TableConfig, value, source, "engram-mmap table settings")
+    try:
+        return TableConfig(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
 def merge_settings(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` updated by ``override`` field by field, one level into the nested ``cpu`` object."""
+    """``base`` updated by ``override`` field by field, one level into the nested ``cpu`` and ``engram_table``
+    objects."""
     out = dict(base)
     for k, v in override.items():
-        if k == "cpu" and isinstance(v, Mapping) and isinstance(out.get("cpu"), Mapping):
-            out["cpu"] = {**out["cpu"], **v}
+        if k in _NESTED and isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = {**out[k], **v}
         else:
             out[k] = v
     return out
