@@ -271,9 +271,12 @@ def test_batch_of_requests_equals_the_reference_per_request(small) -> None:
             for i, layer in enumerate(cfg.layer_ids):
                 ref = _ref_row_ids(s, live, token_map, cfg.pad_token_id, layer, args)[a:]
                 np.testing.assert_array_equal(mine[:, i], ref)
-            per_request = hasher.row_ids_all(s[a:], lookback=s[max(0, a - k) : a] if a else None,
-                                             mask=live[a:] if with_masks else None,
-                                             lookback_mask=live[max(0, a - k) : a] if a and with_masks else None)
+            per_request = hasher.row_ids_all(
+                s[a:],
+                lookback=s[max(0, a - k) : a] if a else None,
+                mask=live[a:] if with_masks else None,
+                lookback_mask=live[max(0, a - k) : a] if a and with_masks else None,
+            )
             np.testing.assert_array_equal(mine.transpose(1, 0, 2), per_request)  # fmt: skip
     # Every request starting its sequence: no lookback at all.
     tokens = rng.integers(0, token_map.size, size=12)

@@ -26,7 +26,15 @@ from .safetensors_header import (
     parse_header,
     read_header,
 )
-from .table import TABLE_TENSOR_RE, EngramTable, GatherHandle, PrefetchHandle, TableConfig, table_prefix, table_tensor_layer
+from .table import (
+    TABLE_TENSOR_RE,
+    EngramTable,
+    GatherHandle,
+    PrefetchHandle,
+    TableConfig,
+    table_prefix,
+    table_tensor_layer,
+)
 
 __version__ = _version("engram-mmap")
 __all__ = [

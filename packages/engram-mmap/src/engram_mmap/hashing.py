@@ -306,13 +306,16 @@ class EngramHasher:
                                  f"before the sequence start, which can only come first (oldest first)")  # fmt: skip
             vocab = self.token_map.size
             if (raw >= vocab).any():
-                raise ValueError(f"lookback: token id {int(raw[raw >= vocab][0])} is outside the tokenizer's {vocab} ids")
+                bad = int(raw[raw >= vocab][0])
+                raise ValueError(f"lookback: token id {bad} is outside the tokenizer's {vocab} ids")
             prev = np.where(known, self.token_map[np.where(known, raw, 0)], self.pad_class)
             prev_live = known
             if lookback_mask is not None:
                 lm = np.asarray(lookback_mask)
                 if lm.dtype != np.bool_ or lm.shape != (r, k):
-                    raise ValueError(f"lookback_mask: expected a bool array of shape {(r, k)}, got {lm.dtype} {lm.shape}")
+                    raise ValueError(
+                        f"lookback_mask: expected a bool array of shape {(r, k)}, got {lm.dtype} {lm.shape}"
+                    )
                 prev_live = prev_live & lm
         if t == 0:
             return np.empty((0, len(cfg.layer_ids), cfg.n_cols), np.int64)

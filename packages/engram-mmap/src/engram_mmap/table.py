@@ -14,8 +14,15 @@ from . import _native
 from .config import EngramConfig
 from .safetensors_header import EngramFormatError, TensorInfo, read_header, resolve_tensor_files
 
-__all__ = ["TABLE_TENSOR_RE", "EngramTable", "GatherHandle", "PrefetchHandle", "TableConfig", "table_prefix",
-           "table_tensor_layer"]
+__all__ = [
+    "TABLE_TENSOR_RE",
+    "EngramTable",
+    "GatherHandle",
+    "PrefetchHandle",
+    "TableConfig",
+    "table_prefix",
+    "table_tensor_layer",
+]
 
 WEIGHT_DTYPES = ("F8_E4M3", "U8")
 SCALE_DTYPES = ("F8_E8M0", "U8")

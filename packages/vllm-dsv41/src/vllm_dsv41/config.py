@@ -86,7 +86,8 @@ class Dsv41PluginConfig:
         if self.engram not in ENGRAM_MODES:
             raise ValueError(f"engram: expected one of {ENGRAM_MODES}, got {self.engram!r}")
         if not isinstance(self.engram_table, TableConfig):
-            raise ValueError(f"engram_table: expected an engram-mmap TableConfig, got {type(self.engram_table).__name__}")
+            got = type(self.engram_table).__name__
+            raise ValueError(f"engram_table: expected an engram-mmap TableConfig, got {got}")
 
     @property
     def effective_threads(self) -> int:

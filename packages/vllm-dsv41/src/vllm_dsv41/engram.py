@@ -217,10 +217,11 @@ class EngramRowGather:
         self.dim = table.head_dim
         self.scale_cols = table.scale_cols
         self.cuda = self.device.type == "cuda"
-        host = {"device": "cpu", "pin_memory": self.cuda}
-        self._ids_host = torch.empty((max_tokens, n_cols), dtype=torch.int32, **host)  # type: ignore[arg-type]
-        self._rows_host = torch.empty((max_tokens, n_cols, self.dim), dtype=torch.uint8, **host)  # type: ignore[arg-type]
-        self._scales_host = torch.empty((max_tokens, n_cols, self.scale_cols), dtype=torch.uint8, **host)  # type: ignore[arg-type]
+        pin = self.cuda  # model construction may run inside a CUDA device context: name the host explicitly
+        self._ids_host = torch.empty((max_tokens, n_cols), dtype=torch.int32, device="cpu", pin_memory=pin)
+        self._rows_host = torch.empty((max_tokens, n_cols, self.dim), dtype=torch.uint8, device="cpu", pin_memory=pin)
+        self._scales_host = torch.empty((max_tokens, n_cols, self.scale_cols), dtype=torch.uint8, device="cpu",
+                                        pin_memory=pin)  # fmt: skip
         if self.cuda:
             self._rows_dev = torch.empty_like(self._rows_host, device=self.device)
             self._scales_dev = torch.empty_like(self._scales_host, device=self.device)
@@ -230,10 +231,8 @@ class EngramRowGather:
         else:
             self._rows_dev, self._scales_dev, self._arange = self._rows_host, self._scales_host, None
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"dsv41-engram-{name.replace(' ', '')}",
-            initializer=torch.cuda.set_device if self.cuda else None,
-            initargs=(self.device,) if self.cuda else (),
-        )  # fmt: skip
+            max_workers=1, thread_name_prefix=f"dsv41-engram-{name.replace(' ', '')}", initializer=self._init_worker
+        )
         self._pending: tuple[int, torch.Tensor, concurrent.futures.Future[GatherStep] | None, GatherStep | None,
                              tuple[Any, ...]] | None = None  # fmt: skip
         #: The last finished step; ``trace`` (a list) collects every step when set, ``trace_events`` adds CUDA
@@ -241,6 +240,10 @@ class EngramRowGather:
         self.last: GatherStep | None = None
         self.trace: list[GatherStep] | None = None
         self.trace_events = False
+
+    def _init_worker(self) -> None:
+        if self.cuda:  # the CUDA current device is per thread
+            torch.cuda.set_device(self.device)
 
     @property
     def host_bytes(self) -> int:
@@ -425,7 +428,7 @@ def mmap_engram_class() -> type:
     if breakable in _ENGRAM_CLASSES:
         return _ENGRAM_CLASSES[breakable]
 
-    class MmapEngram(Engram):  # type: ignore[misc, valid-type]
+    class MmapEngram(Engram):
         """vLLM's V4.1 ``Engram`` whose rows come from the pack's files (``vllm_dsv41.engram``)."""
 
         def _create_embedding(self, layout: Any, layer_hash_index: int) -> MmapEngramEmbedding:
