@@ -10,6 +10,7 @@ import pytest
 from cpu_tier import CpuTierConfig
 from engram_mmap import TableConfig
 from vllm_dsv41 import Dsv41PluginConfig
+from vllm_dsv41.config import TieredConfig
 
 
 def test_defaults_and_frozen() -> None:
@@ -43,6 +44,16 @@ def test_defaults_and_frozen() -> None:
         ({"engram_table": {"num_threads": 0}}, "num_threads"),
         ({"engram_table": {"bogus": 1}}, "engram_table: unknown field 'bogus'"),
         ({"engram_table": 4}, "engram_table"),
+        ({"tiered": {"cache_gib": -1}}, "cache_gib"),
+        ({"tiered": {"policy": "fifo"}}, "policy"),
+        ({"tiered": {"split": "gpu"}}, "split"),
+        ({"tiered": {"hit_kernel": "cublas"}}, "hit_kernel"),
+        ({"tiered": {"replan_every": 0}}, "replan_every"),
+        ({"tiered": {"admit_limit": 1.5}}, "admit_limit"),
+        ({"tiered": {"deadline_factor": True}}, "deadline_factor"),
+        ({"tiered": {"trace_path": 3}}, "trace_path"),
+        ({"tiered": {"bogus": 1}}, "bogus"),
+        ({"tiered": 3}, "tiered"),
     ],
 )
 def test_bad_values_name_the_field_and_the_source(values: dict, field: str) -> None:
@@ -55,9 +66,13 @@ def test_mapping_round_trip_reaches_every_cpu_tier_field() -> None:
     cpu = CpuTierConfig(threads=4, isa="amx", precision="fast", spin_us=0, amx_min_tokens=8, prefetch_blocks=2,
                         slab_blocks=3)  # fmt: skip
     table = TableConfig(num_threads=8, dedup=False, readahead_max_rows=0, random_access=False, resident_scales=True)
+    tiered = TieredConfig(cache_gib=3.5, cache_margin_gib=0.5, policy="decayed", replan_every=8, admit_limit=16,
+                          split="pcie", hit_kernel="triton", cpu_gbps=40.0, pcie_gbps=20.0, deadline_factor=0.0,
+                          deadline_floor_ms=1.0, trace_path="/tmp/t.npz", stats_every=0)  # fmt: skip
     cfg = Dsv41PluginConfig(cpu=cpu, runtime="all-in-vram", dense_kernel="triton", register_host_memory=False,
-                            engram="upstream", engram_table=table)  # fmt: skip
+                            tiered=tiered, engram="upstream", engram_table=table)  # fmt: skip
     assert Dsv41PluginConfig.from_mapping(cfg.to_mapping()) == cfg
+    assert set(cfg.to_mapping()["tiered"]) == {f.name for f in dataclasses.fields(TieredConfig)}
     assert cfg.effective_threads == 4
     # every CpuTierConfig and TableConfig field travels (nothing mirrored, nothing dropped), and every own field
     assert set(cfg.to_mapping()["cpu"]) == {f.name for f in dataclasses.fields(CpuTierConfig)}
@@ -79,6 +94,10 @@ def test_from_vllm_config_merges_pack_defaults_and_overrides_field_by_field() ->
         )  # fmt: skip
     )
     assert (cfg.cpu.precision, cfg.cpu.spin_us, cfg.dense_kernel, cfg.runtime) == ("fast", 0, "triton", "all-in-vram")
+    tiered = Dsv41PluginConfig.from_vllm_config(
+        _vllm_config({"tiered": {"cache_gib": 4, "split": "cpu"}}, {"dsv41": {"tiered": {"split": "auto"}}})
+    ).tiered
+    assert (tiered.cache_gib, tiered.split, tiered.policy) == (4, "auto", "hybrid")  # merged field by field
     # engram-mmap's table settings merge field by field too
     cfg = Dsv41PluginConfig.from_vllm_config(
         _vllm_config(

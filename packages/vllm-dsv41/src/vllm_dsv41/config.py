@@ -26,17 +26,104 @@ from engram_mmap import TableConfig
 #: The key under which the plugin's settings live in ``config.json`` and in vLLM's ``additional_config``.
 CONFIG_KEY = "dsv41"
 
-Runtime = Literal["cpu", "all-in-vram"]
+Runtime = Literal["cpu", "all-in-vram", "tiered"]
 DenseKernel = Literal["auto", "exllamav3", "triton"]
 EngramMode = Literal["mmap", "upstream"]
-RUNTIMES: tuple[str, ...] = ("cpu", "all-in-vram")
+Split = Literal["auto", "cpu", "pcie"]
+HitKernelName = Literal["auto", "exllamav3", "triton", "reference"]
+RUNTIMES: tuple[str, ...] = ("cpu", "all-in-vram", "tiered")
 DENSE_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton")
+SPLITS: tuple[str, ...] = ("auto", "cpu", "pcie")
+HIT_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton", "reference")
 ENGRAM_MODES: tuple[str, ...] = ("mmap", "upstream")
-#: Nested objects merged field by field (``merge_settings``): cpu-tier's and engram-mmap's own configs.
-_NESTED = ("cpu", "engram_table")
+#: The nested settings objects of the plugin config (merged field by field, one level deep): cpu-tier's, the
+#: tiered runtime's and engram-mmap's table config.
+_NESTED = ("cpu", "tiered", "engram_table")
 
-__all__ = ["CONFIG_KEY", "DENSE_KERNELS", "ENGRAM_MODES", "RUNTIMES", "Dsv41PluginConfig", "merge_settings",
-           "vllm_env_for_pack"]  # fmt: skip
+__all__ = [
+    "CONFIG_KEY",
+    "DENSE_KERNELS",
+    "ENGRAM_MODES",
+    "HIT_KERNELS",
+    "RUNTIMES",
+    "SPLITS",
+    "Dsv41PluginConfig",
+    "TieredConfig",
+    "merge_settings",
+    "vllm_env_for_pack",
+]
+
+
+def _number(name: str, value: Any, lo: float, hi: float = float("inf")) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ValueError(f"{name}: expected a number in [{lo}, {hi}], got {value!r}")
+
+
+def _integer(name: str, value: Any, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name}: expected an integer >= {lo}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TieredConfig:
+    """The tiered expert runtime (``runtime="tiered"``): the hottest experts in an elastic VRAM cache computed on
+    the GPU, the misses on the CPU tier or read over PCIe by the GPU, one combined result.
+
+    Attributes
+    ----------
+    cache_gib : VRAM for the expert cache. 0 (auto): what vLLM leaves free once its KV cache is allocated, minus
+        ``cache_margin_gib`` (vLLM's share is ``gpu_memory_utilization``).
+    cache_margin_gib : VRAM left free beside the cache (CUDA graphs, the allocator's slack, other processes).
+    policy : the cache policy (``expert_cache.POLICIES``; "hybrid" by default, "decayed" = the reference's).
+    replan_every : decode steps between two replans of the cache.
+    admit_limit : most experts admitted into the cache per replan (bounds the copy traffic).
+    split : where misses go. "auto": the cost model (measured rates) splits them between the CPU tier and the
+        GPU reading the host home over PCIe so both finish together; "cpu" / "pcie": all of them there.
+    hit_kernel : the GPU kernel of the cached experts (``vllm_dsv41.hits``); "auto" picks the fastest available.
+    cpu_gbps, pcie_gbps : the cost model's rates (expert bytes per second, in GB/s) of the CPU tier and of the
+        GPU's PCIe reads of the host home; 0 = measured at startup.
+    deadline_factor, deadline_floor_ms : the CPU tier's deadline per layer, ``factor * predicted + floor``; picks
+        it has not computed by then are computed by the GPU from the host home (counted, never dropped).
+        ``deadline_factor = 0``: no deadline.
+    trace_path : record the served routing (``expert_cache.trace`` format, ``.npz``) to this path at exit; the
+        policies can then be replayed on it with ``python -m expert_cache.sim``. Empty: no recording.
+    stats_every : log the tier's statistics every this many decode steps (0: never).
+    """
+
+    cache_gib: float = 0.0
+    cache_margin_gib: float = 1.0
+    policy: str = "hybrid"
+    replan_every: int = 16
+    admit_limit: int = 48
+    split: Split = "auto"
+    hit_kernel: HitKernelName = "auto"
+    cpu_gbps: float = 0.0
+    pcie_gbps: float = 0.0
+    deadline_factor: float = 4.0
+    deadline_floor_ms: float = 2.0
+    trace_path: str = ""
+    stats_every: int = 256
+
+    def __post_init__(self) -> None:
+        from expert_cache.config import POLICIES
+
+        _number("cache_gib", self.cache_gib, 0.0)
+        _number("cache_margin_gib", self.cache_margin_gib, 0.0)
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {tuple(POLICIES)}, got {self.policy!r}")
+        _integer("replan_every", self.replan_every, 1)
+        _integer("admit_limit", self.admit_limit, 1)
+        if self.split not in SPLITS:
+            raise ValueError(f"split: expected one of {SPLITS}, got {self.split!r}")
+        if self.hit_kernel not in HIT_KERNELS:
+            raise ValueError(f"hit_kernel: expected one of {HIT_KERNELS}, got {self.hit_kernel!r}")
+        _number("cpu_gbps", self.cpu_gbps, 0.0)
+        _number("pcie_gbps", self.pcie_gbps, 0.0)
+        _number("deadline_factor", self.deadline_factor, 0.0)
+        _number("deadline_floor_ms", self.deadline_floor_ms, 0.0)
+        if not isinstance(self.trace_path, str):
+            raise ValueError(f"trace_path: expected a path string, got {self.trace_path!r}")
+        _integer("stats_every", self.stats_every, 0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,6 +145,8 @@ class Dsv41PluginConfig:
         ours. On the CPU the dense linears are dequantized once at load (the demo) and this is ignored.
     register_host_memory : page-lock the host home of the experts with CUDA (``cudaHostRegister``) when a GPU
         is present, so that copies from it are DMA and the GPU can read it in place.
+    tiered : the tiered runtime's settings (``TieredConfig``; used when ``runtime="tiered"``: VRAM cache hits on
+        the GPU, misses on the CPU tier or over PCIe).
     engram : where V4.1's Engram tables live while serving. "mmap": in the pack's files, memory-mapped by
         engram-mmap (never read whole, never pinned; host RAM holds what the page cache keeps), each step's rows
         gathered on the host and copied to the GPU (``vllm_dsv41.engram``). "upstream": vLLM's own, read through
@@ -71,12 +160,15 @@ class Dsv41PluginConfig:
     runtime: Runtime = "cpu"
     dense_kernel: DenseKernel = "auto"
     register_host_memory: bool = True
+    tiered: TieredConfig = dataclasses.field(default_factory=TieredConfig)
     engram: EngramMode = "mmap"
     engram_table: TableConfig = dataclasses.field(default_factory=TableConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.cpu, CpuTierConfig):
             raise ValueError(f"cpu: expected a CpuTierConfig, got {type(self.cpu).__name__}")
+        if not isinstance(self.tiered, TieredConfig):
+            raise ValueError(f"tiered: expected a TieredConfig, got {type(self.tiered).__name__}")
         if self.runtime not in RUNTIMES:
             raise ValueError(f"runtime: expected one of {RUNTIMES}, got {self.runtime!r}")
         if self.dense_kernel not in DENSE_KERNELS:
@@ -100,6 +192,8 @@ class Dsv41PluginConfig:
         kwargs = _known_fields(cls, values, source, "plugin settings")
         if "cpu" in kwargs:
             kwargs["cpu"] = _cpu_config(kwargs["cpu"], f"{source}: cpu")
+        if "tiered" in kwargs:
+            kwargs["tiered"] = _tiered_config(kwargs["tiered"], f"{source}: tiered")
         if "engram_table" in kwargs:
             kwargs["engram_table"] = _table_config(kwargs["engram_table"], f"{source}: engram_table")
         try:
@@ -112,7 +206,8 @@ class Dsv41PluginConfig:
         cpu = dataclasses.asdict(self.cpu)
         cpu["cpus"] = list(self.cpu.cpus)
         return {"cpu": cpu, "runtime": self.runtime, "dense_kernel": self.dense_kernel,
-                "register_host_memory": self.register_host_memory, "engram": self.engram,
+                "register_host_memory": self.register_host_memory,
+                "tiered": dataclasses.asdict(self.tiered), "engram": self.engram,
                 "engram_table": dataclasses.asdict(self.engram_table)}  # fmt: skip
 
     @classmethod
@@ -157,6 +252,16 @@ def _cpu_config(value: Any, source: str) -> CpuTierConfig:
         raise ValueError(f"{source}: {e}") from None
 
 
+def _tiered_config(value: Any, source: str) -> TieredConfig:
+    if isinstance(value, TieredConfig):
+        return value
+    kwargs = _known_fields(TieredConfig, value, source, "tiered-runtime settings")
+    try:
+        return TieredConfig(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
 def _table_config(value: Any, source: str) -> TableConfig:
     if isinstance(value, TableConfig):
         return value
@@ -168,8 +273,8 @@ def _table_config(value: Any, source: str) -> TableConfig:
 
 
 def merge_settings(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` updated by ``override`` field by field, one level into the nested ``cpu`` and ``engram_table``
-    objects."""
+    """``base`` updated by ``override`` field by field, one level into the nested ``cpu``, ``tiered`` and
+    ``engram_table`` objects."""
     out = dict(base)
     for k, v in override.items():
         if k in _NESTED and isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
