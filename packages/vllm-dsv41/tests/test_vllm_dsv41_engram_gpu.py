@@ -154,3 +154,90 @@ def test_steps_back_to_back_while_the_gpu_lags(v41_pack: Path, tp1: None) -> Non
     finally:
         for t in tables.values():
             t.close()
+
+
+def test_the_hooks_under_breakable_cuda_graphs(v41_pack: Path, tp1: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The two hooks of the model's Engram layer as vLLM runs them with breakable CUDA graphs (PIECEWISE +
+    VLLM_USE_BREAKABLE_CUDAGRAPH=1): captured once (both hooks are eager breaks; the gather runs inline during the
+    capture, over the hash buffer's stale contents), then replayed with new row ids. Every replay re-runs the breaks:
+    the worker gathers the new rows while the captured segment between the breaks runs, the segment after the wait
+    reads them. A FULL graph (a plain capture) is refused with a message saying how to serve."""
+    import types
+
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    from vllm.compilation.breakable_cudagraph import BreakableCUDAGraphCapture, is_breakable_cudagraph_enabled
+
+    from vllm_dsv41.engram import MmapEngramEmbedding, mmap_engram_class, open_engram_tables
+
+    assert is_breakable_cudagraph_enabled()
+    cls = mmap_engram_class()
+    upstream = _upstream_tables(v41_pack)
+    tables = open_engram_tables(v41_pack)
+    rng = np.random.default_rng(2)
+    tokens = 16
+    try:
+        emb = MmapEngramEmbedding(tables[1], 24, 64, "cuda", layer=1)
+        layer = types.SimpleNamespace(_prefetch_stream=torch.cuda.Stream(), embed_tokens=emb)
+        step_ids = torch.zeros(tokens, 24, dtype=torch.int32, device="cuda")  # the step's input (static)
+        hashes = torch.empty_like(step_ids)
+        rows = torch.empty(tokens, 24, 256, dtype=torch.bfloat16, device="cuda")
+        used = torch.empty(tokens, 24, 256, dtype=torch.float32, device="cuda")
+
+        def forward() -> None:
+            hashes.copy_(step_ids)  # "the hash kernel" (captured)
+            cls._start_prefetch(layer, hashes, rows)  # eager break
+            torch.cuda._sleep(1_000_000)  # "the layers before the Engram layer" (captured)
+            cls._finish_prefetch(layer, None)  # eager break
+            used.copy_(rows.float() * 2)  # "the Engram layer" (captured)
+
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step_ids.copy_(_hashes(v41_pack, rng, tokens)[:, 0])
+            forward()  # eager warm-up (Triton compiles)
+            capture = BreakableCUDAGraphCapture()
+            with capture:
+                forward()
+            assert capture.num_eager_breaks == 2 and capture.num_graphs == 3
+            for _ in range(5):
+                ids = _hashes(v41_pack, rng, tokens)[:, 0].contiguous()
+                step_ids.copy_(ids)
+                capture.replay()
+                torch.cuda.current_stream().synchronize()
+                want = torch.empty(tokens, 24, 256, dtype=torch.bfloat16, device="cuda")
+                upstream[1].lookup(ids, want)
+                assert torch.equal(rows.view(torch.int16), want.view(torch.int16))
+                assert torch.equal(used, want.float() * 2)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, stream=s), pytest.raises(RuntimeError, match="PIECEWISE"):
+                emb.rows.start(hashes, rows, s)
+        emb.rows.close()
+    finally:
+        for t in tables.values():
+            t.close()
+
+
+def test_served_logits_equal_the_all_in_vram_oracle(v41_pack: Path, tmp_path: Path) -> None:
+    """The served path (CPU expert tier, Engram rows from the pack's files, PIECEWISE graphs) against the all-in-VRAM
+    oracle with upstream's own Engram tables (read by vLLM's weight loader): two runs of the fidelity tool."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    ref = tmp_path / "oracle.npz"
+    common = ["--positions", "512", "--length", "128", "--greedy-prompts", "2", "--greedy-tokens", "16",
+              "--gpu-memory-gib", "24", "--cpu-threads", "8"]  # fmt: skip
+    env = {**os.environ, "VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}
+    r = subprocess.run([sys.executable, "-m", "vllm_dsv41.fidelity", str(v41_pack), "--against", "all-in-vram",
+                        "--engram", "upstream", "--save-reference", str(ref), *common], capture_output=True,
+                       text=True, timeout=560, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = tmp_path / "served.json"
+    r = subprocess.run([sys.executable, "-m", "vllm_dsv41.fidelity", str(v41_pack), "--runtime", "cpu", "--engram",
+                        "mmap", "--reference", str(ref), "--json", str(out), *common], capture_output=True, text=True,
+                       timeout=560, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "served from the pack's files" in r.stdout + r.stderr  # the mapped tables, not upstream's
+    res = json.loads(out.read_text())
+    assert res["positions"] == 512 and res["top1_agreement"] >= 0.999 and res["kl_mean"] <= 1e-4, res
