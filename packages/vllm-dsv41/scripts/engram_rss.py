@@ -12,8 +12,9 @@ copy to the GPU), with a mix of decode steps (1-64 tokens) and prefill chunks (u
 
 The process's ``RssAnon`` (its own memory: staging buffers, Python) and ``RssFile`` (page-cache pages it has
 mapped; the kernel reclaims them under pressure) are sampled every ``--every`` steps. Printed per case: both at
-start and at the end, their growth over the second half of the run (flat = no growth with steps), and the bytes
-of rows read. Exit status 1 when ``RssAnon`` grows by more than ``--max-anon-growth-mib`` over the second half.
+start and at the end, and their growth: the largest sample of the second half of the run minus the largest of
+the first half (the allocator's high-water churn with prefill-size temporaries is bounded; a leak grows with
+steps). Exit status 1 when ``RssAnon`` grows by more than ``--max-anon-growth-mib``.
 """
 
 from __future__ import annotations
@@ -83,11 +84,15 @@ def serve(path: str, cfg: Any, steps: int, every: int, prefill: int, seed: int, 
             g.close()
         for tb in tables:
             tb.close()
-    half = [s for s in samples if s["step"] >= steps // 2]
+    first = [s for s in samples if s["step"] < steps // 2]
+    second = [s for s in samples if s["step"] >= steps // 2]
+
+    def growth(key: str) -> int:
+        return max(s[key] for s in second) - max(s[key] for s in first)
+
     return {"samples": samples, "rows": rows, "row_bytes": rows * (cfg.head_dim + cfg.scale_cols),
             "seconds": time.perf_counter() - t0,
-            "anon_growth_second_half": half[-1]["RssAnon"] - half[0]["RssAnon"],
-            "file_growth_second_half": half[-1]["RssFile"] - half[0]["RssFile"],
+            "anon_growth": growth("RssAnon"), "file_growth": growth("RssFile"),
             "staging_bytes": sum(g.host_bytes for g in gathers)}  # fmt: skip
 
 
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         r.update(file_bytes=st.st_size, disk_bytes=st.st_blocks * 512)
         results[name] = r
         s0, s1 = r["samples"][0], r["samples"][-1]
-        ga, gf = r["anon_growth_second_half"], r["file_growth_second_half"]
+        ga, gf = r["anon_growth"], r["file_growth"]
         anon = f"{s0['RssAnon'] / MiB:.0f} -> {s1['RssAnon'] / MiB:.0f}"
         file = f"{s0['RssFile'] / MiB:.0f} -> {s1['RssFile'] / MiB:.0f}"
         print(f"{name:<14}{st.st_size / (1 << 30):>10.1f}{st.st_blocks * 512 / (1 << 30):>12.2f}{a.steps:>7}"
@@ -140,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         bad |= ga > a.max_anon_growth_mib * MiB
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
-    print("RssAnon flat over the second half of every case" if not bad else
-          f"RssAnon GREW by more than {a.max_anon_growth_mib} MiB over the second half", flush=True)  # fmt: skip
+    print("RssAnon flat in every case (second half's peak <= first half's + the margin)" if not bad else
+          f"RssAnon GREW: the second half's peak exceeds the first half's by > {a.max_anon_growth_mib} MiB",
+          flush=True)  # fmt: skip
     return 1 if bad else 0
 
 
