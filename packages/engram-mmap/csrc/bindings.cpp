@@ -139,18 +139,20 @@ NB_MODULE(_native, m) {
       .def_prop_ro("resident_scales", &Table::resident_scales)
       .def(
           "gather",
-          [](Table& t, nb::ndarray<> ids, nb::ndarray<> out_weight, nb::ndarray<> out_scale) {
+          [](Table& t, nb::ndarray<> ids, nb::ndarray<> out_weight, nb::ndarray<> out_scale, bool zero_invalid) {
             size_t n = 0;
             const int64_t* p = ids_view(ids, &n);
             uint8_t* w = out_view(out_weight, "out_rows", n, t.weight_row_bytes());
             uint8_t* s = out_view(out_scale, "out_scales", n, t.scale_row_bytes());
             nb::gil_scoped_release release;
-            return t.gather(p, n, w, s);
+            return t.gather(p, n, w, s, zero_invalid);
           },
-          "row_ids"_a, "out_rows"_a, "out_scales"_a, "Gather rows; returns the number of distinct rows read.")
+          "row_ids"_a, "out_rows"_a, "out_scales"_a, "zero_invalid"_a = false,
+          "Gather rows; returns the number of distinct rows read. zero_invalid: ids outside the table give zero "
+          "bytes instead of an error.")
       .def(
           "gather_async",
-          [](Table& t, nb::ndarray<> ids, nb::ndarray<> out_weight, nb::ndarray<> out_scale) {
+          [](Table& t, nb::ndarray<> ids, nb::ndarray<> out_weight, nb::ndarray<> out_scale, bool zero_invalid) {
             size_t n = 0;
             const int64_t* p = ids_view(ids, &n);
             uint8_t* w = out_view(out_weight, "out_rows", n, t.weight_row_bytes());
@@ -158,14 +160,14 @@ NB_MODULE(_native, m) {
             auto pending = new PendingGather{nullptr, ids, out_weight, out_scale};
             try {
               nb::gil_scoped_release release;
-              pending->work = t.gather_async(p, n, w, s);
+              pending->work = t.gather_async(p, n, w, s, zero_invalid);
             } catch (...) {
               delete pending;
               throw;
             }
             return pending;
           },
-          "row_ids"_a, "out_rows"_a, "out_scales"_a, nb::rv_policy::take_ownership)
+          "row_ids"_a, "out_rows"_a, "out_scales"_a, "zero_invalid"_a = false, nb::rv_policy::take_ownership)
       .def(
           "prefetch",
           [](Table& t, nb::ndarray<> ids) {

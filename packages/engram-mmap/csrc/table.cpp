@@ -208,13 +208,13 @@ size_t Table::dedup(const int64_t* ids, size_t n, int32_t* first) {
   return unique.load();
 }
 
-size_t Table::gather(const int64_t* ids, size_t n, uint8_t* out_weight, uint8_t* out_scale) {
+size_t Table::gather(const int64_t* ids, size_t n, uint8_t* out_weight, uint8_t* out_scale, bool zero_invalid) {
   std::shared_lock<std::shared_mutex> in_use(use_mutex_);
   check_open();
   if (n == 0) return 0;
   if (n > (size_t)std::numeric_limits<int32_t>::max())
     throw std::invalid_argument("at most 2^31 - 1 row ids per gather, got " + std::to_string(n));
-  check_ids(ids, n);
+  if (!zero_invalid) check_ids(ids, n);
   check_files();
 
   std::vector<int32_t> first;
@@ -229,6 +229,11 @@ size_t Table::gather(const int64_t* ids, size_t n, uint8_t* out_weight, uint8_t*
   auto copy_rows = [&](size_t begin, size_t end) {
     for (size_t i = begin; i < end; ++i) {
       if (!is_first(i)) continue;
+      if (!valid(ids[i])) {  // only reached with zero_invalid (ids were checked otherwise)
+        std::memset(out_weight + i * wb, 0, wb);
+        std::memset(out_scale + i * sb, 0, sb);
+        continue;
+      }
       const uint64_t row = (uint64_t)ids[i];
       std::memcpy(out_weight + i * wb, weight_base_ + row * wb, wb);
       std::memcpy(out_scale + i * sb, scale_base_ + row * sb, sb);
@@ -241,7 +246,7 @@ size_t Table::gather(const int64_t* ids, size_t n, uint8_t* out_weight, uint8_t*
     // Few rows (a decode step): submit every read, then copy; the copy waits about one device
     // latency in all, and no pool thread needs waking.
     for (size_t i = 0; i < n; ++i)
-      if (is_first(i)) advise_row(ids[i]);
+      if (is_first(i) && valid(ids[i])) advise_row(ids[i]);
     copy_rows(0, n);
   } else if (sample_resident(ids, n)) {
     // Cached rows: the copy is CPU bound, one task per core (more threads only add switches).
@@ -258,7 +263,7 @@ size_t Table::gather(const int64_t* ids, size_t n, uint8_t* out_weight, uint8_t*
     pool_.parallel_for(k, [&](size_t t) {
       const size_t end = std::min(n, (t + 1) * per);
       for (size_t i = t * per; i < end; ++i)
-        if (is_first(i)) advise_row(ids[i]);
+        if (is_first(i) && valid(ids[i])) advise_row(ids[i]);
     });
     pool_.parallel_for(tasks, [&](size_t t) { copy_rows(t * chunk, std::min(n, (t + 1) * chunk)); });
   }
@@ -287,7 +292,9 @@ bool Table::sample_resident(const int64_t* ids, size_t n) const {
   const size_t samples = std::min<size_t>(32, n);
   const uint8_t* base = weight_.mapping->data();
   for (size_t k = 0; k < samples; ++k) {
-    const uint64_t off = weight_.offset + (uint64_t)ids[k * n / samples] * weight_.row_bytes;
+    const int64_t id = ids[k * n / samples];
+    if (!valid(id)) continue;
+    const uint64_t off = weight_.offset + (uint64_t)id * weight_.row_bytes;
     unsigned char vec = 0;
     if (::mincore(const_cast<uint8_t*>(base) + off / kPage * kPage, 1, &vec) != 0 || !(vec & 1)) return false;
   }
@@ -337,12 +344,15 @@ std::shared_ptr<Work> Table::submit(std::shared_ptr<Work> work, std::function<si
   return work;
 }
 
-std::shared_ptr<Work> Table::gather_async(const int64_t* ids, size_t n, uint8_t* out_weight, uint8_t* out_scale) {
+std::shared_ptr<Work> Table::gather_async(const int64_t* ids, size_t n, uint8_t* out_weight, uint8_t* out_scale,
+                                          bool zero_invalid) {
   check_open();
   // Validate now, so a bad id raises at the call and not at wait().
-  check_ids(ids, n);
+  if (!zero_invalid) check_ids(ids, n);
   auto work = std::make_shared<Work>();
-  return submit(work, [this, ids, n, out_weight, out_scale] { return gather(ids, n, out_weight, out_scale); });
+  return submit(work, [this, ids, n, out_weight, out_scale, zero_invalid] {
+    return gather(ids, n, out_weight, out_scale, zero_invalid);
+  });
 }
 
 std::shared_ptr<Work> Table::prefetch_async(std::vector<int64_t> ids) {

@@ -65,15 +65,18 @@ class Table {
   void check_ids(const int64_t* ids, size_t n) const;
 
   // Copies row ids[i] to out_weight[i] and out_scale[i]; returns the number of distinct rows read
-  // from the mapping. Validates ids first, so an error leaves the outputs untouched.
-  size_t gather(const int64_t* ids, size_t n, uint8_t* out_weight, uint8_t* out_scale);
+  // from the mapping. Validates ids first, so an error leaves the outputs untouched. With
+  // zero_invalid, an id outside [0, rows) is not an error: its output row and scales are zero bytes
+  // (what vLLM's Engram lookup writes for an id it does not own, e.g. a dead token's -1).
+  size_t gather(const int64_t* ids, size_t n, uint8_t* out_weight, uint8_t* out_scale, bool zero_invalid = false);
 
   // Starts reading the rows into the page cache (POSIX_FADV_WILLNEED); returns once the reads are
   // submitted, which may itself wait when the device queue is full.
   void prefetch(const int64_t* ids, size_t n);
 
   // The same two operations on the table's driver thread, in submission order.
-  std::shared_ptr<Work> gather_async(const int64_t* ids, size_t n, uint8_t* out_weight, uint8_t* out_scale);
+  std::shared_ptr<Work> gather_async(const int64_t* ids, size_t n, uint8_t* out_weight, uint8_t* out_scale,
+                                     bool zero_invalid = false);
   std::shared_ptr<Work> prefetch_async(std::vector<int64_t> ids);
 
   // Waits for queued asynchronous work, stops the threads. Further calls raise.
@@ -87,6 +90,7 @@ class Table {
   size_t chunk_size(size_t n) const;
   void advise_row(int64_t row) const;
   bool sample_resident(const int64_t* ids, size_t n) const;
+  bool valid(int64_t id) const { return id >= 0 && (uint64_t)id < rows_; }
   std::shared_ptr<Work> submit(std::shared_ptr<Work> work, std::function<size_t()> fn);
   void driver_loop();
 

@@ -223,6 +223,95 @@ def test_row_ids_input_errors(small) -> None:
     assert hasher.row_ids(np.zeros(0, np.int64), layer).shape == (0, cfg.n_cols)
 
 
+def _random_batch(rng, token_map, cfg, requests: int, with_masks: bool):
+    """A vLLM-like step: R requests, each a whole sequence of which the chunk is a suffix. Returns
+    (sequences, live masks, chunk starts) per request."""
+    seqs, lives, starts = [], [], []
+    for _ in range(requests):
+        length = int(rng.integers(0, 40))
+        start = int(rng.integers(0, length + 1)) if rng.random() < 0.7 else 0
+        seqs.append(rng.integers(0, token_map.size, size=length))
+        lives.append(rng.random(length) > (0.2 if with_masks else -1.0))
+        starts.append(start)
+    return seqs, lives, starts
+
+
+def _as_batch(seqs, lives, starts, k):
+    """The flattened step, vLLM style: chunk tokens, query_start_loc, lookback [R, k] oldest first (-1 before
+    the sequence start), their masks."""
+    chunks = [s[a:] for s, a in zip(seqs, starts, strict=True)]
+    qsl = np.concatenate([[0], np.cumsum([c.size for c in chunks])]).astype(np.int64)
+    lookback = np.full((len(seqs), k), -1, np.int64)
+    lookback_live = np.ones((len(seqs), k), bool)
+    for r, (s, live, a) in enumerate(zip(seqs, lives, starts, strict=True)):
+        n = min(k, a)
+        if n:
+            lookback[r, k - n :] = s[a - n : a]
+            lookback_live[r, k - n :] = live[a - n : a]
+    tokens = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+    mask = np.concatenate([live[a:] for live, a in zip(lives, starts, strict=True)]) if chunks else np.zeros(0, bool)
+    return tokens, qsl, lookback, lookback_live, mask
+
+
+def test_batch_of_requests_equals_the_reference_per_request(small) -> None:
+    """row_ids_batch (a whole step at once) == the plain-Python reference on each whole sequence, restricted to
+    the chunk, == row_ids_all per request with its lookback."""
+    cfg, args, token_map, hasher = small
+    k = cfg.max_ngram_size - 1
+    rng = np.random.default_rng(7)
+    for trial in range(8):
+        with_masks = trial % 2 == 1
+        seqs, lives, starts = _random_batch(rng, token_map, cfg, int(rng.integers(1, 9)), with_masks)
+        tokens, qsl, lookback, lookback_live, mask = _as_batch(seqs, lives, starts, k)
+        got = hasher.row_ids_batch(tokens, qsl, lookback=lookback, mask=mask if with_masks else None,
+                                   lookback_mask=lookback_live if with_masks else None)  # fmt: skip
+        assert got.dtype == np.int64 and got.shape == (tokens.size, len(cfg.layer_ids), cfg.n_cols)
+        for r, (s, live, a) in enumerate(zip(seqs, lives, starts, strict=True)):
+            mine = got[qsl[r] : qsl[r + 1]]
+            for i, layer in enumerate(cfg.layer_ids):
+                ref = _ref_row_ids(s, live, token_map, cfg.pad_token_id, layer, args)[a:]
+                np.testing.assert_array_equal(mine[:, i], ref)
+            per_request = hasher.row_ids_all(
+                s[a:],
+                lookback=s[max(0, a - k) : a] if a else None,
+                mask=live[a:] if with_masks else None,
+                lookback_mask=live[max(0, a - k) : a] if a and with_masks else None,
+            )
+            np.testing.assert_array_equal(mine.transpose(1, 0, 2), per_request)  # fmt: skip
+    # Every request starting its sequence: no lookback at all.
+    tokens = rng.integers(0, token_map.size, size=12)
+    qsl = np.array([0, 5, 5, 12])
+    got = hasher.row_ids_batch(tokens, qsl)
+    np.testing.assert_array_equal(got[:5].transpose(1, 0, 2), hasher.row_ids_all(tokens[:5]))
+    np.testing.assert_array_equal(got[5:].transpose(1, 0, 2), hasher.row_ids_all(tokens[5:]))
+    assert hasher.row_ids_batch(np.zeros(0, np.int64), [0]).shape == (0, len(cfg.layer_ids), cfg.n_cols)
+    assert hasher.row_ids_batch(np.zeros(0, np.int64), [0, 0, 0], np.full((2, k), -1)).shape[0] == 0
+
+
+def test_batch_input_errors(small) -> None:
+    cfg, _, token_map, hasher = small
+    k = cfg.max_ngram_size - 1
+    tokens = np.arange(6)
+    with pytest.raises(ValueError, match="query_start_loc: must start at 0, end at the 6 tokens"):
+        hasher.row_ids_batch(tokens, [0, 4])
+    with pytest.raises(ValueError, match="query_start_loc: must start at 0"):
+        hasher.row_ids_batch(tokens, [0, 4, 3, 6])
+    with pytest.raises(ValueError, match="query_start_loc: expected a 1-D integer array"):
+        hasher.row_ids_batch(tokens, [[0, 6]])
+    with pytest.raises(ValueError, match=r"lookback: expected integer ids of shape \(requests, max_ngram_size - 1\)"):
+        hasher.row_ids_batch(tokens, [0, 6], np.zeros((1, k + 1), np.int64))
+    with pytest.raises(ValueError, match="lookback: row 1 has an unknown id"):
+        hasher.row_ids_batch(tokens, [0, 2, 6], np.array([[-1, -1, 4], [3, -1, 5]]))
+    with pytest.raises(ValueError, match="lookback: token id 60 is outside"):
+        hasher.row_ids_batch(tokens, [0, 6], np.array([[1, 2, 60]]))
+    with pytest.raises(ValueError, match="lookback_mask given without lookback"):
+        hasher.row_ids_batch(tokens, [0, 6], lookback_mask=np.ones((1, k), bool))
+    with pytest.raises(ValueError, match="lookback_mask: expected a bool array"):
+        hasher.row_ids_batch(tokens, [0, 6], np.zeros((1, k), np.int64), lookback_mask=np.ones((1, k)))
+    with pytest.raises(ValueError, match="token id 60 is outside"):
+        hasher.row_ids_batch([1, 60], [0, 2])
+
+
 # ------------------------------------------------------------------------------ token map
 
 

@@ -152,6 +152,42 @@ def test_out_of_range_ids_raise_and_leave_outputs_untouched(single) -> None:
                 table.prefetch(bad, wait=True)
 
 
+def test_invalid_ids_give_zero_rows_when_asked(single) -> None:
+    """invalid="zero": ids outside the table (vLLM's -1 for dead tokens, garbage) give zero bytes, like vLLM's
+    own Engram lookup; the valid ids around them are read as usual, sync and async, deduplicated or not."""
+    path, w, s = single
+    rng = np.random.default_rng(3)
+    for config in (TableConfig(), TableConfig(num_threads=4, readahead_max_rows=0), TableConfig(dedup=False)):
+        with EngramTable.open(path, "layers.1.engram.embed", config=config) as table:
+            for n in (7, 5000):
+                ids = rng.integers(0, 3000, size=n)
+                bad = rng.random(n) < 0.3
+                ids[bad] = rng.choice([-1, -7, 3000, 2**40], size=int(bad.sum()))
+                want_r, want_s = w[np.where(bad, 0, ids)], s[np.where(bad, 0, ids)]
+                want_r[bad], want_s[bad] = 0, 0
+                out_r = np.full((n, D), 7, np.uint8)
+                out_s = np.full((n, S), 7, np.uint8)
+                table.gather(ids, out_r, out_s, invalid="zero")
+                np.testing.assert_array_equal(out_r, want_r)
+                np.testing.assert_array_equal(out_s, want_s)
+                rows, scales = table.gather_async(ids, invalid="zero").wait()
+                np.testing.assert_array_equal(rows, want_r)
+                np.testing.assert_array_equal(scales, want_s)
+            with pytest.raises(ValueError, match="invalid must be 'raise' or 'zero'"):
+                table.gather([1], invalid="clip")  # type: ignore[arg-type]
+
+
+def test_table_tensor_names() -> None:
+    from engram_mmap import table_prefix, table_tensor_layer
+
+    assert table_prefix(14) == "layers.14.engram.embed"
+    assert table_tensor_layer("layers.14.engram.embed.weight") == 14
+    assert table_tensor_layer("model.layers.1.engram.embed.scale") == 1
+    for other in ("layers.1.engram.wkv.weight", "layers.1.engram.embed.weight_scale_inv", "embed.weight",
+                  "mtp.0.engram.embed.weight"):  # fmt: skip
+        assert table_tensor_layer(other) is None
+
+
 def test_multi_shard_index(multi_shard) -> None:
     folder, arrays = multi_shard
     text = {"engram_layer_ids": [1, 14], "engram_max_ngram_size": 4, "engram_n_heads": 8, "engram_head_dim": 256,

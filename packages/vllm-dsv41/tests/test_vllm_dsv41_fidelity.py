@@ -71,3 +71,48 @@ def test_tiered_runtime_served_by_vllm_equals_the_oracle(demo_pack: Path, tmp_pa
 
     t = load_trace(trace)
     assert t.num_steps > 0 and t.num_layers == 2
+
+
+def test_reference_file_round_trip_and_bad_files(tmp_path: Path) -> None:
+    from vllm_dsv41.fidelity import Reference
+
+    rng = np.random.default_rng(0)
+    ref = Reference(runtime="all-in-vram", prompts=[[1, 2, 3], [4, 5]], greedy=[[7, 8, 9, 10]], greedy_tokens=4,
+                    logits=[rng.standard_normal((3, 11)).astype(np.float32),
+                            rng.standard_normal((2, 11)).astype(np.float32)],
+                    settings={"engram": "upstream"}, seconds=1.5)  # fmt: skip
+    path = tmp_path / "ref"  # no suffix: saved where asked, not at "ref.npz"
+    ref.save(path)
+    back = Reference.load(path)
+    assert (back.runtime, back.prompts, back.greedy, back.greedy_tokens, back.settings, back.seconds) == (
+        ref.runtime, ref.prompts, ref.greedy, ref.greedy_tokens, ref.settings, ref.seconds)  # fmt: skip
+    assert all(np.array_equal(a, b) for a, b in zip(back.logits, ref.logits, strict=True))
+    (tmp_path / "junk").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="junk: not a fidelity reference"):
+        Reference.load(tmp_path / "junk")
+
+
+@pytest.mark.slow
+def test_fidelity_against_a_saved_reference(demo_pack: Path, tmp_path: Path) -> None:
+    """``--save-reference`` then ``--reference``: the comparison across two runs (what ``--engram`` needs)."""
+    ref = tmp_path / "ref.npz"
+    common = ["--positions", "256", "--length", "128", "--greedy-prompts", "1", "--greedy-tokens", "8",
+              "--cpu-threads", "2"]  # fmt: skip
+    tool = [sys.executable, "-m", "vllm_dsv41.fidelity", str(demo_pack)]
+    r = subprocess.run([*tool, "--against", "all-in-vram", "--save-reference", str(ref), *common], capture_output=True,
+                       text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "reference all-in-vram" in r.stdout and ref.is_file()
+    out = tmp_path / "fidelity.json"
+    r = subprocess.run([sys.executable, "-m", "vllm_dsv41.fidelity", str(demo_pack), "--runtime", "cpu",
+                        "--reference", str(ref), "--json", str(out), "--min-top1", "0.999", "--max-kl-mean", "1e-4",
+                        *common], capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert (res["runtime"], res["against"], res["positions"]) == ("cpu", "all-in-vram", 256)
+    assert res["top1_agreement"] == 1.0 and res["kl_mean"] < 1e-8 and res["greedy_match"]
+    # other prompts than the reference's are refused
+    r = subprocess.run([sys.executable, "-m", "vllm_dsv41.fidelity", str(demo_pack), "--runtime", "cpu",
+                        "--reference", str(ref), *common[:3], "64", *common[4:]], capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert r.returncode != 0 and "recorded on other prompts" in r.stderr

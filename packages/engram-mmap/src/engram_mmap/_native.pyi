@@ -57,10 +57,12 @@ class Table:
     @property
     def resident_scales(self) -> bool: ...
 
-    def gather(self, row_ids: NDArray, out_rows: NDArray, out_scales: NDArray) -> int:
-        """Gather rows; returns the number of distinct rows read."""
+    def gather(self, row_ids: NDArray, out_rows: NDArray, out_scales: NDArray, zero_invalid: bool = False) -> int:
+        """
+        Gather rows; returns the number of distinct rows read. zero_invalid: ids outside the table give zero bytes instead of an error.
+        """
 
-    def gather_async(self, row_ids: NDArray, out_rows: NDArray, out_scales: NDArray) -> PendingGather: ...
+    def gather_async(self, row_ids: NDArray, out_rows: NDArray, out_scales: NDArray, zero_invalid: bool = False) -> PendingGather: ...
 
     def prefetch(self, row_ids: NDArray) -> None: ...
 

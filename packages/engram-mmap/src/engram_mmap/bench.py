@@ -106,6 +106,28 @@ def _env(path: str) -> dict[str, Any]:
             "loadavg": os.getloadavg()[0]}  # fmt: skip
 
 
+def random_read_ceiling(path: str, reads: int, threads: int, seed: int = 0, block: int = 4096) -> tuple[float, str]:
+    """The disk's random-read ceiling for a file: ``block``-byte reads per second at random block offsets of
+    ``path`` from ``threads`` threads (one read in flight per thread).
+
+    Reads bypass the page cache (O_DIRECT). On a filesystem without O_DIRECT (older tmpfs) the file is
+    evicted from the page cache (POSIX_FADV_DONTNEED) and read buffered instead. Returns
+    ``(reads per second, mode)`` with mode ``"O_DIRECT"`` or ``"buffered after eviction"``.
+    """
+    size = os.path.getsize(path)
+    try:
+        return reads / _native.random_read(path, 0, size, reads, threads, block, True, seed), "O_DIRECT"
+    except RuntimeError as e:
+        if "Invalid argument" not in str(e):
+            raise
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return reads / _native.random_read(path, 0, size, reads, threads, block, False, seed), "buffered after eviction"
+
+
 def _stats(seconds: list[float]) -> tuple[float, float, float]:
     return (statistics.median(seconds), float(np.percentile(seconds, 10)), float(np.percentile(seconds, 90)))
 
@@ -183,19 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                         pass
             how = "O_DIRECT" if cold else "buffered, cached"
             if cold:
-                try:
-                    ceiling = args.ceiling_reads / _native.random_read(
-                        path, 0, size, args.ceiling_reads, ceiling_threads, 4096, True, args.seed + 1
-                    )
-                except RuntimeError as e:  # a filesystem without O_DIRECT (older tmpfs): evict, then read
-                    if "Invalid argument" not in str(e):
-                        raise
-                    how = "buffered after eviction (no O_DIRECT on this filesystem)"
-                    for t in tables:
-                        t.evict()
-                    ceiling = args.ceiling_reads / _native.random_read(
-                        path, 0, size, args.ceiling_reads, ceiling_threads, 4096, False, args.seed + 1
-                    )
+                ceiling, how = random_read_ceiling(path, args.ceiling_reads, ceiling_threads, args.seed + 1)
                 best_threads = ceiling_threads
             else:
                 # Cached reads are CPU bound: more threads than cores only add switching, so take the

@@ -239,6 +239,101 @@ class EngramHasher:
         slots = self._slots(token_ids, lookback, mask, lookback_mask)
         return np.stack([self._hash(slots, i) for i in range(len(self.config.layer_ids))])
 
+    def row_ids_batch(
+        self,
+        token_ids: Any,
+        query_start_loc: Any,
+        lookback: Any = None,
+        mask: Any = None,
+        lookback_mask: Any = None,
+    ) -> np.ndarray:
+        """Row ids of every Engram layer for a batch of requests, flattened as vLLM schedules a step.
+
+        Equal to :meth:`row_ids_all` of each request's chunk with that request's lookback (the known ids
+        of its ``lookback`` row), concatenated over requests; computed for the whole batch at once.
+
+        Parameters
+        ----------
+        token_ids : array_like of int, shape [T]
+            Raw token ids of every request's chunk, request after request.
+        query_start_loc : array_like of int, shape [R + 1]
+            Where each request's chunk starts in ``token_ids`` (vLLM's ``query_start_loc``): 0 first,
+            T last, non-decreasing (an empty chunk is allowed).
+        lookback : array_like of int, shape [R, max_ngram_size - 1], optional
+            Per request, the raw ids of the tokens just before its chunk, **oldest first** (vLLM's
+            ``lookback_token_ids`` is newest first: reverse its columns). -1 marks a position before
+            the sequence start; such entries may only precede the known ids of a row. None means
+            every request starts its sequence with its chunk.
+        mask : array_like of bool, shape [T], optional
+            True for live tokens (False: dead, e.g. an image placeholder), as in :meth:`row_ids`.
+        lookback_mask : array_like of bool, shape [R, max_ngram_size - 1], optional
+            The same for ``lookback``.
+
+        Returns
+        -------
+        numpy.ndarray
+            int64 ``[T, n_layers, n_orders * n_heads]`` (token, layer, column: the layout of vLLM's
+            Engram hash ids), each in ``[0, config.table_rows(layer))``.
+        """
+        cfg = self.config
+        k = cfg.max_ngram_size - 1
+        cur, live = self._compressed(token_ids, mask, "token_ids")
+        t = cur.size
+        qsl = np.asarray(query_start_loc)
+        if qsl.ndim != 1 or qsl.size < 1 or (qsl.size and not np.issubdtype(qsl.dtype, np.integer)):
+            raise ValueError(f"query_start_loc: expected a 1-D integer array of R + 1 offsets, got {qsl.dtype} "
+                             f"{qsl.shape}")  # fmt: skip
+        qsl = qsl.astype(np.int64)
+        if qsl[0] != 0 or qsl[-1] != t or (np.diff(qsl) < 0).any():
+            raise ValueError(f"query_start_loc: must start at 0, end at the {t} tokens and never decrease, got "
+                             f"{qsl.tolist()[:8]}{'...' if qsl.size > 8 else ''}")  # fmt: skip
+        r = qsl.size - 1
+        if lookback is None:
+            if lookback_mask is not None:
+                raise ValueError("lookback_mask given without lookback")
+            prev = np.full((r, k), self.pad_class, np.int64)
+            prev_live = np.zeros((r, k), bool)
+        else:
+            raw = np.asarray(lookback)
+            if raw.shape != (r, k) or (raw.size and not np.issubdtype(raw.dtype, np.integer)):
+                raise ValueError(f"lookback: expected integer ids of shape (requests, max_ngram_size - 1) = "
+                                 f"{(r, k)}, got {raw.dtype} {raw.shape}")  # fmt: skip
+            raw = raw.astype(np.int64)
+            known = raw >= 0
+            if (known[:, :-1] & ~known[:, 1:]).any():
+                row = int(np.nonzero((known[:, :-1] & ~known[:, 1:]).any(axis=1))[0][0])
+                raise ValueError(f"lookback: row {row} has an unknown id (-1) after a known one; -1 marks positions "
+                                 f"before the sequence start, which can only come first (oldest first)")  # fmt: skip
+            vocab = self.token_map.size
+            if (raw >= vocab).any():
+                bad = int(raw[raw >= vocab][0])
+                raise ValueError(f"lookback: token id {bad} is outside the tokenizer's {vocab} ids")
+            prev = np.where(known, self.token_map[np.where(known, raw, 0)], self.pad_class)
+            prev_live = known
+            if lookback_mask is not None:
+                lm = np.asarray(lookback_mask)
+                if lm.dtype != np.bool_ or lm.shape != (r, k):
+                    raise ValueError(
+                        f"lookback_mask: expected a bool array of shape {(r, k)}, got {lm.dtype} {lm.shape}"
+                    )
+                prev_live = prev_live & lm
+        if t == 0:
+            return np.empty((0, len(cfg.layer_ids), cfg.n_cols), np.int64)
+        req = np.repeat(np.arange(r), np.diff(qsl))
+        index = np.arange(t)
+        pos = index - qsl[:-1][req]  # position in the request's chunk
+        slots = np.empty((t, k + 1), np.int64)
+        blocked = np.zeros(t, bool)
+        for shift in range(k + 1):
+            inside = pos >= shift
+            src = np.where(inside, index - shift, 0)
+            col = np.clip(k - (shift - pos), 0, k - 1)  # lookback column (oldest first) where not inside
+            value = np.where(inside, cur[src], prev[req, col])
+            alive = np.where(inside, live[src], prev_live[req, col])
+            blocked |= ~alive
+            slots[:, shift] = np.where(blocked, self.pad_class, value)
+        return np.stack([self._hash(slots, i) for i in range(len(cfg.layer_ids))], axis=1)
+
     def _hash(self, slots: np.ndarray, index: int) -> np.ndarray:
         cfg = self.config
         # Multipliers are bounded so that class * multiplier < 2^63: no int64 overflow.

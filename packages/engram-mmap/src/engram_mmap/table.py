@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -13,10 +14,32 @@ from . import _native
 from .config import EngramConfig
 from .safetensors_header import EngramFormatError, TensorInfo, read_header, resolve_tensor_files
 
-__all__ = ["EngramTable", "GatherHandle", "PrefetchHandle", "TableConfig"]
+__all__ = [
+    "TABLE_TENSOR_RE",
+    "EngramTable",
+    "GatherHandle",
+    "PrefetchHandle",
+    "TableConfig",
+    "table_prefix",
+    "table_tensor_layer",
+]
 
 WEIGHT_DTYPES = ("F8_E4M3", "U8")
 SCALE_DTYPES = ("F8_E8M0", "U8")
+#: The checkpoint names of the Engram table tensors (DeepSeek V4.1): ``layers.<N>.engram.embed.{weight,scale}``.
+TABLE_TENSOR_RE = re.compile(r"^(?:model\.)?layers\.(?P<layer>\d+)\.engram\.embed\.(?P<part>weight|scale)$")
+Invalid = Literal["raise", "zero"]
+
+
+def table_prefix(layer: int) -> str:
+    """The tensor name prefix of Engram layer ``layer``'s table: ``layers.<layer>.engram.embed``."""
+    return f"layers.{layer}.engram.embed"
+
+
+def table_tensor_layer(name: str) -> int | None:
+    """The Engram layer whose table tensor ``name`` is (``layers.N.engram.embed.weight|scale``), else None."""
+    m = TABLE_TENSOR_RE.match(name)
+    return None if m is None else int(m["layer"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +249,7 @@ class EngramTable:
         shape against ``engram.table_rows(layer)`` and ``engram.head_dim``."""
         return cls.open(
             source,
-            f"layers.{layer}.engram.embed",
+            table_prefix(layer),
             rows=engram.table_rows(layer),
             head_dim=engram.head_dim,
             quant_block=engram.quant_block,
@@ -235,7 +258,9 @@ class EngramTable:
 
     # ------------------------------------------------------------------------------ gather
 
-    def _prepare(self, row_ids: Any, out_rows: Any, out_scales: Any) -> tuple[np.ndarray, Any, Any]:
+    def _prepare(self, row_ids: Any, out_rows: Any, out_scales: Any, invalid: str) -> tuple[np.ndarray, Any, Any]:
+        if invalid not in ("raise", "zero"):
+            raise ValueError(f"invalid must be 'raise' or 'zero', got {invalid!r}")
         ids = np.asarray(row_ids)
         if ids.size and not np.issubdtype(ids.dtype, np.integer):
             raise TypeError(f"row_ids must be integers, got {ids.dtype}")
@@ -249,36 +274,45 @@ class EngramTable:
                 raise ValueError(f"{name} is read-only")
         return ids, out_rows, out_scales
 
-    def gather(self, row_ids: Any, out_rows: Any = None, out_scales: Any = None) -> tuple[Any, Any]:
+    def gather(
+        self, row_ids: Any, out_rows: Any = None, out_scales: Any = None, *, invalid: Invalid = "raise"
+    ) -> tuple[Any, Any]:
         """Copy rows out of the mapped table (parallel, GIL released).
 
         Parameters
         ----------
         row_ids : array_like of int, any shape ``S``
-            Rows to read, each in ``[0, rows)`` (else IndexError, outputs untouched).
+            Rows to read, each in ``[0, rows)`` (else IndexError, outputs untouched; see ``invalid``).
         out_rows : buffer, optional
             Host buffer of 1-byte elements, C-contiguous, ``S + (head_dim,)`` (or any shape with that
             size and last dim): numpy array or (pinned) torch CPU tensor. Allocated when None.
         out_scales : buffer, optional
             The same for the scales, last dim ``scale_cols``.
+        invalid : {"raise", "zero"}
+            What an id outside ``[0, rows)`` does: raise IndexError (nothing written), or give a row and
+            scales of zero bytes (fp8 +0 x scale byte 0), which is what vLLM's V4.1 Engram lookup yields for
+            ids it does not own, such as the -1 of dead tokens.
 
         Returns
         -------
         (out_rows, out_scales)
             The filled buffers: raw fp8 e4m3 bytes and raw e8m0 bytes (see :func:`dequantize`).
         """
-        ids, out_rows, out_scales = self._prepare(row_ids, out_rows, out_scales)
-        self.last_unique_rows = int(self._native.gather(ids, out_rows, out_scales))
+        ids, out_rows, out_scales = self._prepare(row_ids, out_rows, out_scales, invalid)
+        self.last_unique_rows = int(self._native.gather(ids, out_rows, out_scales, invalid == "zero"))
         return out_rows, out_scales
 
-    def gather_async(self, row_ids: Any, out_rows: Any = None, out_scales: Any = None) -> GatherHandle:
+    def gather_async(
+        self, row_ids: Any, out_rows: Any = None, out_scales: Any = None, *, invalid: Invalid = "raise"
+    ) -> GatherHandle:
         """:meth:`gather` on the table's driver thread; returns at once with a handle to ``wait()``.
 
         Row ids are validated before returning. The buffers must not be touched until ``wait()``.
         Asynchronous gathers and prefetches of one table run in submission order.
         """
-        ids, out_rows, out_scales = self._prepare(row_ids, out_rows, out_scales)
-        return GatherHandle(self._native.gather_async(ids, out_rows, out_scales), out_rows, out_scales)
+        ids, out_rows, out_scales = self._prepare(row_ids, out_rows, out_scales, invalid)
+        return GatherHandle(self._native.gather_async(ids, out_rows, out_scales, invalid == "zero"), out_rows,
+                            out_scales)  # fmt: skip
 
     def prefetch(self, row_ids: Any, wait: bool = False) -> PrefetchHandle | None:
         """Start reading rows into the page cache (POSIX_FADV_WILLNEED), e.g. as soon as the token

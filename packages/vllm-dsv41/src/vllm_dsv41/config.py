@@ -21,24 +21,29 @@ from pathlib import Path
 from typing import Any, Literal
 
 from cpu_tier import CpuTierConfig
+from engram_mmap import TableConfig
 
 #: The key under which the plugin's settings live in ``config.json`` and in vLLM's ``additional_config``.
 CONFIG_KEY = "dsv41"
 
 Runtime = Literal["cpu", "all-in-vram", "tiered"]
 DenseKernel = Literal["auto", "exllamav3", "triton"]
+EngramMode = Literal["mmap", "upstream"]
 Split = Literal["auto", "cpu", "pcie"]
 HitKernelName = Literal["auto", "exllamav3", "triton", "reference"]
 RUNTIMES: tuple[str, ...] = ("cpu", "all-in-vram", "tiered")
 DENSE_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton")
 SPLITS: tuple[str, ...] = ("auto", "cpu", "pcie")
 HIT_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton", "reference")
-#: The nested settings objects of the plugin config (merged field by field, one level deep).
-_NESTED = ("cpu", "tiered")
+ENGRAM_MODES: tuple[str, ...] = ("mmap", "upstream")
+#: The nested settings objects of the plugin config (merged field by field, one level deep): cpu-tier's, the
+#: tiered runtime's and engram-mmap's table config.
+_NESTED = ("cpu", "tiered", "engram_table")
 
 __all__ = [
     "CONFIG_KEY",
     "DENSE_KERNELS",
+    "ENGRAM_MODES",
     "HIT_KERNELS",
     "RUNTIMES",
     "SPLITS",
@@ -142,6 +147,13 @@ class Dsv41PluginConfig:
         is present, so that copies from it are DMA and the GPU can read it in place.
     tiered : the tiered runtime's settings (``TieredConfig``; used when ``runtime="tiered"``: VRAM cache hits on
         the GPU, misses on the CPU tier or over PCIe).
+    engram : where V4.1's Engram tables live while serving. "mmap": in the pack's files, memory-mapped by
+        engram-mmap (never read whole, never pinned; host RAM holds what the page cache keeps), each step's rows
+        gathered on the host and copied to the GPU (``vllm_dsv41.engram``). "upstream": vLLM's own, read through
+        its weight loader and pinned whole in host memory (189 GiB for V4.1-Flash; for comparisons).
+    engram_table : engram-mmap's ``TableConfig`` for the mapped tables (gather threads, readahead, and
+        ``resident_scales``: the scale tensors copied to RAM, 2.9 GiB per Flash table, so a cold row is one page
+        read instead of two). Ignored with ``engram="upstream"``.
     """
 
     cpu: CpuTierConfig = dataclasses.field(default_factory=CpuTierConfig)
@@ -149,6 +161,8 @@ class Dsv41PluginConfig:
     dense_kernel: DenseKernel = "auto"
     register_host_memory: bool = True
     tiered: TieredConfig = dataclasses.field(default_factory=TieredConfig)
+    engram: EngramMode = "mmap"
+    engram_table: TableConfig = dataclasses.field(default_factory=TableConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.cpu, CpuTierConfig):
@@ -161,6 +175,11 @@ class Dsv41PluginConfig:
             raise ValueError(f"dense_kernel: expected one of {DENSE_KERNELS}, got {self.dense_kernel!r}")
         if not isinstance(self.register_host_memory, bool):
             raise ValueError(f"register_host_memory: expected true or false, got {self.register_host_memory!r}")
+        if self.engram not in ENGRAM_MODES:
+            raise ValueError(f"engram: expected one of {ENGRAM_MODES}, got {self.engram!r}")
+        if not isinstance(self.engram_table, TableConfig):
+            got = type(self.engram_table).__name__
+            raise ValueError(f"engram_table: expected an engram-mmap TableConfig, got {got}")
 
     @property
     def effective_threads(self) -> int:
@@ -175,6 +194,8 @@ class Dsv41PluginConfig:
             kwargs["cpu"] = _cpu_config(kwargs["cpu"], f"{source}: cpu")
         if "tiered" in kwargs:
             kwargs["tiered"] = _tiered_config(kwargs["tiered"], f"{source}: tiered")
+        if "engram_table" in kwargs:
+            kwargs["engram_table"] = _table_config(kwargs["engram_table"], f"{source}: engram_table")
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as e:
@@ -186,7 +207,8 @@ class Dsv41PluginConfig:
         cpu["cpus"] = list(self.cpu.cpus)
         return {"cpu": cpu, "runtime": self.runtime, "dense_kernel": self.dense_kernel,
                 "register_host_memory": self.register_host_memory,
-                "tiered": dataclasses.asdict(self.tiered)}  # fmt: skip
+                "tiered": dataclasses.asdict(self.tiered), "engram": self.engram,
+                "engram_table": dataclasses.asdict(self.engram_table)}  # fmt: skip
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> Dsv41PluginConfig:
@@ -240,8 +262,19 @@ def _tiered_config(value: Any, source: str) -> TieredConfig:
         raise ValueError(f"{source}: {e}") from None
 
 
+def _table_config(value: Any, source: str) -> TableConfig:
+    if isinstance(value, TableConfig):
+        return value
+    kwargs = _known_fields(TableConfig, value, source, "engram-mmap table settings")
+    try:
+        return TableConfig(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
 def merge_settings(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` updated by ``override`` field by field, one level into the nested ``cpu`` and ``tiered`` objects."""
+    """``base`` updated by ``override`` field by field, one level into the nested ``cpu``, ``tiered`` and
+    ``engram_table`` objects."""
     out = dict(base)
     for k, v in override.items():
         if k in _NESTED and isinstance(v, Mapping) and isinstance(out.get(k), Mapping):

@@ -10,6 +10,14 @@ too), everything else identical. At every prompt position the full next-token di
 
 The logits are read where vLLM computes them (the model's ``compute_logits``), so nothing is rounded to the
 logprobs API's top-k. Prefix caching is off (both runtimes must compute every position).
+
+What cannot be switched in place (where the Engram tables live, ``--engram``, fixed when the model is built) is
+compared across two runs: ``--save-reference FILE`` runs only the reference and saves its logits and greedy
+tokens; a later run with ``--reference FILE`` compares its ``--runtime`` against them (same pack, prompts and
+settings; the prompts are checked). E.g. the served Engram path against the all-in-VRAM oracle::
+
+    python -m vllm_dsv41.fidelity PACK --against all-in-vram --engram upstream --save-reference ref.npz
+    python -m vllm_dsv41.fidelity PACK --runtime cpu --engram mmap --reference ref.npz --min-top1 0.999
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["FidelityResult", "compare_logits", "main", "run_fidelity"]
+__all__ = ["FidelityResult", "Reference", "compare_logits", "main", "record_reference", "run_fidelity"]
 
 #: The diagnostic runtime ``--noise-floor`` compares with the oracle: the same dequantized experts, float64 sums.
 NOISE_FLOOR_RUNTIME = "all-in-vram-f64"
@@ -212,6 +220,70 @@ def _swiglu_limits(model: torch.nn.Module) -> dict[int, float | None]:
 # ------------------------------------------------------------------------------------------ driver
 
 
+@dataclasses.dataclass
+class Reference:
+    """One runtime's recorded outputs: the logits at every position of each prompt and the greedy tokens."""
+
+    runtime: str
+    prompts: list[list[int]]
+    logits: list[np.ndarray]
+    greedy: list[list[int]]
+    greedy_tokens: int
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    seconds: float = 0.0
+
+    def save(self, path: str | Path) -> None:
+        """Write as ``.npz`` (logits float32, prompts and greedy tokens int64, the rest as JSON)."""
+        meta = {"runtime": self.runtime, "greedy_tokens": self.greedy_tokens, "settings": self.settings,
+                "prompt_lengths": [len(p) for p in self.prompts], "greedy_lengths": [len(g) for g in self.greedy],
+                "seconds": self.seconds}  # fmt: skip
+        with open(path, "wb") as f:  # a file object: numpy would append ".npz" to a path without it
+            np.savez(f, meta=np.array(json.dumps(meta)), logits=np.concatenate(self.logits).astype(np.float32),
+                     prompts=np.array([t for p in self.prompts for t in p], np.int64),
+                     greedy=np.array([t for g in self.greedy for t in g], np.int64))  # fmt: skip
+
+    @classmethod
+    def load(cls, path: str | Path) -> Reference:
+        """Read what :meth:`save` wrote; a file of another shape raises ValueError naming it."""
+        try:
+            with np.load(path) as z:
+                meta = json.loads(str(z["meta"]))
+                logits, prompts, greedy = z["logits"], z["prompts"], z["greedy"]
+            lengths, glengths = meta["prompt_lengths"], meta["greedy_lengths"]
+            if sum(lengths) != prompts.size or sum(lengths) != logits.shape[0] or sum(glengths) != greedy.size:
+                raise ValueError("its arrays do not match its prompt and greedy lengths")
+        except (OSError, KeyError, ValueError) as e:
+            raise ValueError(f"{path}: not a fidelity reference ({e})") from None
+        cuts = np.cumsum(lengths)[:-1]
+        gcuts = np.cumsum(glengths)[:-1]
+        return cls(runtime=meta["runtime"], prompts=[p.tolist() for p in np.split(prompts, cuts)],
+                   logits=list(np.split(logits, cuts)), greedy=[g.tolist() for g in np.split(greedy, gcuts)],
+                   greedy_tokens=int(meta["greedy_tokens"]), settings=dict(meta.get("settings", {})),
+                   seconds=float(meta.get("seconds", 0.0)))  # fmt: skip
+
+
+def _prompts(llm: Any, positions: int, length: int) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    return make_prompts(tok, positions, length, getattr(tok, "bos_token_id", None))
+
+
+def record_reference(llm: Any, runtime: str, *, positions: int = 2048, length: int = 256, greedy_prompts: int = 4,
+                     greedy_tokens: int = 32, settings: dict[str, Any] | None = None) -> Reference:  # fmt: skip
+    """Run ``runtime`` on the fixed prompts of an already built ``LLM``: its logits and greedy tokens."""
+    from vllm import SamplingParams
+
+    llm.apply_model(_install)
+    prompts = _prompts(llm, positions, length)
+    greedy = SamplingParams(max_tokens=greedy_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.apply_model(functools.partial(_switch, runtime=runtime))
+    logits = [_logits_of(llm, p) for p in prompts]
+    outs = llm.generate([{"prompt_token_ids": p[:64]} for p in prompts[:greedy_prompts]], greedy, use_tqdm=False)
+    return Reference(runtime=runtime, prompts=prompts, logits=logits,
+                     greedy=[list(o.outputs[0].token_ids) for o in outs], greedy_tokens=greedy_tokens,
+                     settings=dict(settings or {}), seconds=time.perf_counter() - t0)  # fmt: skip
+
+
 def _logits_of(llm: Any, ids: list[int]) -> np.ndarray:
     """The next-token logits at every position of ``ids`` (``[len(ids), V]``)."""
     from vllm import SamplingParams
@@ -249,32 +321,37 @@ def run_fidelity(
     length: int = 256,
     greedy_prompts: int = 4,
     greedy_tokens: int = 32,
+    reference: Reference | None = None,
 ) -> FidelityResult:
     """Compare ``runtime`` against ``against`` on an already built ``LLM`` of a dsv41 pack.
 
-    The engine must run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as ``main`` sets) or accept
-    pickled callables: the comparison reaches into the model with ``LLM.apply_model``.
+    ``reference``: ``against``'s outputs recorded before (``record_reference``, possibly by another run with other
+    build settings); its prompts must be this run's. The engine must run in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, as ``main`` sets) or accept pickled callables: the comparison reaches
+    into the model with ``LLM.apply_model``.
     """
-    from vllm import SamplingParams
-
-    llm.apply_model(_install)
-    tok = llm.get_tokenizer()
-    bos = getattr(tok, "bos_token_id", None)
-    prompts = make_prompts(tok, positions, length, bos)
-    greedy = SamplingParams(max_tokens=greedy_tokens, temperature=0.0, ignore_eos=True)
-    seconds: dict[str, float] = {}
-    results: dict[str, tuple[list[np.ndarray], list[list[int]]]] = {}
-    for name in (against, runtime):
-        t0 = time.perf_counter()
-        llm.apply_model(functools.partial(_switch, runtime=name))
-        logits = [_logits_of(llm, p) for p in prompts]
-        outs = llm.generate([{"prompt_token_ids": p[:64]} for p in prompts[:greedy_prompts]], greedy, use_tqdm=False)
-        results[name] = (logits, [list(o.outputs[0].token_ids) for o in outs])
-        seconds[name] = time.perf_counter() - t0
+    kw: dict[str, Any] = dict(positions=positions, length=length, greedy_prompts=greedy_prompts,
+                              greedy_tokens=greedy_tokens)  # fmt: skip
+    in_process = reference is None
+    if reference is None:
+        reference = record_reference(llm, against, **kw)
+    else:
+        if reference.prompts != _prompts(llm, positions, length):
+            raise ValueError("the reference was recorded on other prompts (another pack, tokenizer, --positions "
+                             "or --length)")  # fmt: skip
+        want = min(greedy_prompts, len(reference.prompts))
+        if reference.greedy_tokens != greedy_tokens or len(reference.greedy) != want:
+            raise ValueError(f"the reference has {len(reference.greedy)} greedy continuations of "
+                             f"{reference.greedy_tokens} tokens, this run asks for {greedy_prompts} x "
+                             f"{greedy_tokens}")  # fmt: skip
+        against = reference.runtime
+    tested = record_reference(llm, runtime, **kw)
     stats = llm.apply_model(_runtime_stats)[0]
-    llm.apply_model(functools.partial(_switch, runtime=against))  # closes the tested runtime (its trace is written)
-    ref_logits, ref_greedy = results[against]
-    test_logits, test_greedy = results[runtime]
+    if in_process:  # back to the reference runtime: closes the tested one (a tiered runtime writes its trace)
+        llm.apply_model(functools.partial(_switch, runtime=against))
+    seconds = {against: reference.seconds, runtime: tested.seconds}
+    ref_logits, ref_greedy = reference.logits, reference.greedy
+    test_logits, test_greedy = tested.logits, tested.greedy
     ref_all = np.concatenate(ref_logits)
     agree, kl = compare_logits(ref_all, np.concatenate(test_logits))
     top2 = np.sort(ref_all.astype(np.float64), axis=1)[:, -2:]
@@ -294,9 +371,10 @@ def run_fidelity(
 def build_llm(pack: str | Path, *, runtime: str = "all-in-vram", eager: bool = False, max_model_len: int = 1024,
               gpu_memory_gib: float | None = None, cpu_threads: int = 0, precision: str = "exact",
               dtype: str | None = None, extra: dict[str, Any] | None = None,
-              tiered: dict[str, Any] | None = None) -> Any:  # fmt: skip
+              tiered: dict[str, Any] | None = None, engram: str | None = None) -> Any:  # fmt: skip
     """An ``LLM`` of a dsv41 pack, set up the way the server runs it (loader, text-only, PIECEWISE graphs);
-    ``tiered``: the tiered runtime's settings (``TieredConfig`` fields)."""
+    ``tiered``: the tiered runtime's settings (``TieredConfig`` fields); ``engram``: where V4.1's Engram tables
+    live (``Dsv41PluginConfig.engram``; None: the pack's setting)."""
     from vllm import LLM
 
     pack = Path(pack)
@@ -313,6 +391,8 @@ def build_llm(pack: str | Path, *, runtime: str = "all-in-vram", eager: bool = F
     }
     if tiered:
         kw["additional_config"]["dsv41"]["tiered"] = dict(tiered)
+    if engram is not None:
+        kw["additional_config"]["dsv41"]["engram"] = engram
     kw["dtype"] = dtype or ("bfloat16" if cuda else "float32")
     if v41:
         kw["limit_mm_per_prompt"] = {"image": 0}
@@ -350,6 +430,12 @@ def main(argv: list[str] | None = None) -> int:
                          "what last-bit differences in the experts' output alone do to this model")  # fmt: skip
     ap.add_argument("--tiered", type=json.loads, default=None, metavar="JSON",
                     help='the tiered runtime\'s settings, e.g. \'{"cache_gib": 2, "split": "auto"}\'')  # fmt: skip
+    ap.add_argument("--engram", choices=("mmap", "upstream"), default=None,
+                    help="where V4.1's Engram tables live (Dsv41PluginConfig.engram; default: the pack's)")  # fmt: skip
+    ap.add_argument("--save-reference", type=Path, metavar="FILE",
+                    help="run only the reference (--against); save its logits and greedy tokens to FILE")  # fmt: skip
+    ap.add_argument("--reference", type=Path, metavar="FILE",
+                    help="compare --runtime against a reference saved by --save-reference (not --against)")  # fmt: skip
     ap.add_argument("--json", type=Path, help="also write the result as JSON")
     ap.add_argument("--min-top1", type=float, default=None, help="exit 1 when top-1 agreement is below this")
     ap.add_argument("--max-kl-mean", type=float, default=None, help="exit 1 when the mean KL is above this")
@@ -358,11 +444,26 @@ def main(argv: list[str] | None = None) -> int:
 
     for k, v in vllm_env_for_pack(a.pack, cuda_graphs=not a.eager).items():
         os.environ.setdefault(k, v)  # before vLLM is imported (see vllm_env_for_pack)
-    llm = build_llm(a.pack, runtime=a.against, eager=a.eager, max_model_len=a.max_model_len,
-                    gpu_memory_gib=a.gpu_memory_gib, cpu_threads=a.cpu_threads, precision=a.precision,
-                    tiered=a.tiered)  # fmt: skip
-    res = run_fidelity(llm, a.runtime, a.against, positions=a.positions, length=a.length,
-                       greedy_prompts=a.greedy_prompts, greedy_tokens=a.greedy_tokens)  # fmt: skip
+    if a.save_reference and a.reference:
+        ap.error("--save-reference and --reference exclude each other")
+    reference = Reference.load(a.reference) if a.reference else None
+    # the model is built with the runtime that runs first (the reference's, unless it comes from a file)
+    llm = build_llm(a.pack, runtime=a.runtime if reference else a.against, eager=a.eager,
+                    max_model_len=a.max_model_len, gpu_memory_gib=a.gpu_memory_gib, cpu_threads=a.cpu_threads,
+                    precision=a.precision, tiered=a.tiered, engram=a.engram)  # fmt: skip
+    kw: dict[str, Any] = dict(positions=a.positions, length=a.length, greedy_prompts=a.greedy_prompts,
+                              greedy_tokens=a.greedy_tokens)  # fmt: skip
+    if a.save_reference:
+        settings = {"pack": str(a.pack), "engram": a.engram, "eager": a.eager, "precision": a.precision}
+        ref = record_reference(llm, a.against, settings=settings, **kw)
+        ref.save(a.save_reference)
+        print(f"reference {a.against} ({settings}): {sum(x.shape[0] for x in ref.logits)} positions, "
+              f"{len(ref.greedy)} greedy continuations -> {a.save_reference}", flush=True)  # fmt: skip
+        return 0
+    res = run_fidelity(llm, a.runtime, a.against, reference=reference, **kw)
+    if reference is not None:
+        print(f"reference from {a.reference}: {reference.runtime} ({reference.settings}); tested: {a.runtime} "
+              f"(engram {a.engram or 'as the pack says'})", flush=True)  # fmt: skip
     print(res.table(), flush=True)
     doc: dict[str, Any] = dataclasses.asdict(res)
     if a.noise_floor:

@@ -18,6 +18,7 @@ For an EXL3 pack it adds what upstream lacks:
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable
 from typing import Any
@@ -85,7 +86,9 @@ class Dsv41ForCausalLM(DeepseekV41ForCausalLM):
         if isinstance(quant, Exl3Config):
             configure_exl3_names(quant, vllm_config.model_config.hf_config)
             _check_serving_config(vllm_config, quant)
-        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        with _engram_hook(vllm_config, quant) as engram_on_disk:  # dsv41 Engram (see the block at the end)
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._dsv41_engram_on_disk = engram_on_disk
         if not isinstance(quant, Exl3Config):
             return  # not an EXL3 pack: upstream's model, unchanged
         cfg = self.config
@@ -105,6 +108,8 @@ class Dsv41ForCausalLM(DeepseekV41ForCausalLM):
         ``<moe>.gate.bias_vl`` routes image tokens; without a vision tower upstream creates no parameter for it.
         ``hc_head_*`` is V4's learned output mix, which V4.1 does not have (upstream has no parameter for it).
         """
+        if _engram_table_on_disk(self, name):  # dsv41 Engram: the tables are read from the pack's files
+            return True
         if name.startswith("hc_head"):  # V4's learned head mix; V4.1 collapses with the last pre-mix instead
             return True
         m = _COMPRESSOR_RE.match(name)
@@ -166,3 +171,26 @@ def _check_serving_config(vllm_config: Any, quant: Exl3Config) -> None:
             "expert runtime's host work into the graph: serve with compilation_config={'cudagraph_mode': "
             "'PIECEWISE'} (the expert op becomes an eager break; the server does this) or enforce_eager=True"
         )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# dsv41 Engram (vllm_dsv41.engram): with ``Dsv41PluginConfig.engram == "mmap"`` (the default) the Engram tables of
+# an EXL3 pack stay in the pack's files; upstream's pinned copies are never made and vLLM never reads the tables.
+
+
+def _engram_hook(vllm_config: Any, quant: Any) -> contextlib.AbstractContextManager[bool]:
+    """While upstream's model is built: its ``Engram`` bound to the mapped-table subclass (EXL3 packs, "mmap")."""
+    if not isinstance(quant, Exl3Config):
+        return contextlib.nullcontext(False)
+    from .engram import engram_construction
+
+    return engram_construction(vllm_config, quant.plugin_config().engram)
+
+
+def _engram_table_on_disk(model: Any, name: str) -> bool:
+    """Whether checkpoint tensor ``name`` is an Engram table this model serves from the pack's files."""
+    if not getattr(model, "_dsv41_engram_on_disk", False):
+        return False
+    from .engram import is_engram_table_tensor
+
+    return is_engram_table_tensor(name)
