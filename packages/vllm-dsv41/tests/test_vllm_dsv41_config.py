@@ -14,7 +14,7 @@ from vllm_dsv41 import Dsv41PluginConfig
 def test_defaults_and_frozen() -> None:
     cfg = Dsv41PluginConfig()
     assert cfg.cpu == CpuTierConfig()
-    assert (cfg.runtime, cfg.dense_kernel, cfg.register_host_memory) == ("cpu", "auto", True)
+    assert (cfg.runtime, cfg.dense_kernel, cfg.register_host_memory, cfg.attention) == ("cpu", "auto", True, "auto")
     assert cfg.effective_threads >= 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.runtime = "all-in-vram"  # type: ignore[misc]
@@ -36,6 +36,7 @@ def test_defaults_and_frozen() -> None:
         ({"runtime": "gpu"}, "runtime"),
         ({"dense_kernel": "cutlass"}, "dense_kernel"),
         ({"register_host_memory": "yes"}, "register_host_memory"),
+        ({"attention": "flashmla"}, "attention"),
         ({"cpu_threads": 4}, "cpu_threads"),  # the old flat names are gone: the cpu-tier config is nested
     ],
 )
@@ -48,7 +49,8 @@ def test_bad_values_name_the_field_and_the_source(values: dict, field: str) -> N
 def test_mapping_round_trip_reaches_every_cpu_tier_field() -> None:
     cpu = CpuTierConfig(threads=4, isa="amx", precision="fast", spin_us=0, amx_min_tokens=8, prefetch_blocks=2,
                         slab_blocks=3)  # fmt: skip
-    cfg = Dsv41PluginConfig(cpu=cpu, runtime="all-in-vram", dense_kernel="triton", register_host_memory=False)
+    cfg = Dsv41PluginConfig(cpu=cpu, runtime="all-in-vram", dense_kernel="triton", register_host_memory=False,
+                            attention="triton")  # fmt: skip
     assert Dsv41PluginConfig.from_mapping(cfg.to_mapping()) == cfg
     assert cfg.effective_threads == 4
     # every CpuTierConfig field travels (nothing mirrored, nothing dropped)
@@ -65,10 +67,11 @@ def test_from_vllm_config_merges_pack_defaults_and_overrides_field_by_field() ->
     cfg = Dsv41PluginConfig.from_vllm_config(
         _vllm_config(
             {"cpu": {"precision": "fast", "spin_us": 10}, "dense_kernel": "triton"},
-            {"dsv41": {"cpu": {"spin_us": 0}, "runtime": "all-in-vram"}},
+            {"dsv41": {"cpu": {"spin_us": 0}, "runtime": "all-in-vram", "attention": "upstream"}},
         )  # fmt: skip
     )
     assert (cfg.cpu.precision, cfg.cpu.spin_us, cfg.dense_kernel, cfg.runtime) == ("fast", 0, "triton", "all-in-vram")
+    assert cfg.attention == "upstream"
     with pytest.raises(ValueError, match="config.json 'dsv41': unknown field 'bogus'"):
         Dsv41PluginConfig.from_vllm_config(_vllm_config({"bogus": 1}, None))
     with pytest.raises(ValueError, match="additional_config 'dsv41': cpu: isa"):

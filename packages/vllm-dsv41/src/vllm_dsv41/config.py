@@ -27,10 +27,13 @@ CONFIG_KEY = "dsv41"
 
 Runtime = Literal["cpu", "all-in-vram"]
 DenseKernel = Literal["auto", "exllamav3", "triton"]
+Attention = Literal["auto", "upstream", "triton"]
 RUNTIMES: tuple[str, ...] = ("cpu", "all-in-vram")
 DENSE_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton")
+ATTENTIONS: tuple[str, ...] = ("auto", "upstream", "triton")
 
-__all__ = ["CONFIG_KEY", "DENSE_KERNELS", "RUNTIMES", "Dsv41PluginConfig", "merge_settings", "vllm_env_for_pack"]
+__all__ = ["ATTENTIONS", "CONFIG_KEY", "DENSE_KERNELS", "RUNTIMES", "Dsv41PluginConfig", "merge_settings",
+           "vllm_env_for_pack"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,12 +55,17 @@ class Dsv41PluginConfig:
         ours. On the CPU the dense linears are dequantized once at load (the demo) and this is ignored.
     register_host_memory : page-lock the host home of the experts with CUDA (``cudaHostRegister``) when a GPU
         is present, so that copies from it are DMA and the GPU can read it in place.
+    attention : the DeepSeek-V4.1 attention kernels. "upstream": vLLM's own (FlashMLA, DeepGEMM: compute
+        capability 9.0 and up); "triton": the plugin's Triton path for any GPU from sm_80 (``vllm_dsv41.ampere``:
+        bf16 KV rows, no Hopper instruction); "auto": ours below compute capability 9.0 (RTX 3090, A100),
+        upstream's from Hopper on. Applies to every V4.1 pack, EXL3 or not.
     """
 
     cpu: CpuTierConfig = dataclasses.field(default_factory=CpuTierConfig)
     runtime: Runtime = "cpu"
     dense_kernel: DenseKernel = "auto"
     register_host_memory: bool = True
+    attention: Attention = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.cpu, CpuTierConfig):
@@ -68,6 +76,8 @@ class Dsv41PluginConfig:
             raise ValueError(f"dense_kernel: expected one of {DENSE_KERNELS}, got {self.dense_kernel!r}")
         if not isinstance(self.register_host_memory, bool):
             raise ValueError(f"register_host_memory: expected true or false, got {self.register_host_memory!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention: expected one of {ATTENTIONS}, got {self.attention!r}")
 
     @property
     def effective_threads(self) -> int:
@@ -90,7 +100,7 @@ class Dsv41PluginConfig:
         cpu = dataclasses.asdict(self.cpu)
         cpu["cpus"] = list(self.cpu.cpus)
         return {"cpu": cpu, "runtime": self.runtime, "dense_kernel": self.dense_kernel,
-                "register_host_memory": self.register_host_memory}  # fmt: skip
+                "register_host_memory": self.register_host_memory, "attention": self.attention}  # fmt: skip
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> Dsv41PluginConfig:
