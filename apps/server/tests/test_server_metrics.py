@@ -50,7 +50,7 @@ def test_metrics_cross_processes_through_the_multiprocess_directory(tmp_path: Pa
     for _ in range(2):  # two processes (an engine restarted, or the engine and the API server): values add up
         proc = subprocess.run([sys.executable, "-c", RECORD], env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
-        assert "tier: expected one of ('cpu', 'gpu', 'gpu_cache', 'streamed'), got 'tpu'" in proc.stdout
+        assert "tier: expected one of ('cpu', 'gpu', 'gpu_cache', 'pcie', 'streamed'), got 'tpu'" in proc.stdout
     v = _collect(tmp_path)
     assert v["dsv41_expert_forward_seconds_count", (("tier", "cpu"),)] == 4
     assert v["dsv41_expert_forward_seconds_sum", (("tier", "cpu"),)] == pytest.approx(0.010)
@@ -99,7 +99,7 @@ def test_metrics_on_the_server_are_documented_present_and_move(demo_server: Any,
                  "dsv41_cpu_recomputed_picks", "dsv41_engram_gather_seconds"):  # fmt: skip
         assert f"# HELP {name} " in text or f"# HELP {name}_total " in text, name  # counters: with _total
     before = _scrape(demo_server)
-    for tier in ("cpu", "gpu", "gpu_cache", "streamed"):
+    for tier in ("cpu", "gpu", "gpu_cache", "pcie", "streamed"):
         assert ("dsv41_expert_picks_total", f'tier="{tier}"') in before
     nonce = secrets.token_hex(8)  # a prompt no earlier request shares a prefix-cache block with: all of it is computed
     r = client.chat.completions.create(
@@ -118,6 +118,6 @@ def test_metrics_on_the_server_are_documented_present_and_move(demo_server: Any,
     assert calls == 2 * r.usage.completion_tokens, (calls, r.usage)
     assert picks == 2 * 2 * tokens, (picks, r.usage)
     assert 0 < seconds < 60
-    for tier in ("gpu", "gpu_cache", "streamed"):  # the CPU runtime computes every pick
+    for tier in ("gpu", "gpu_cache", "pcie", "streamed"):  # the CPU runtime computes every pick
         assert after["dsv41_expert_picks_total", f'tier="{tier}"'] == 0
     assert httpx.get(demo_server.base_url + "/metrics", timeout=30).status_code == 401

@@ -82,12 +82,20 @@ def test_flags_map_onto_the_configs(tmp_path: Path) -> None:
     cfg, _ = parse_args(["--expert-runtime", "all-in-vram", "--dense-kernel", "triton", "--cpu-prefetch-blocks", "2"])
     assert dict(cfg.plugin_overrides) == {"cpu": {"prefetch_blocks": 2}, "runtime": "all-in-vram",
                                           "dense_kernel": "triton"}  # fmt: skip
+    cfg, _ = parse_args(["--expert-runtime", "tiered", "--cache-gib", "6.5", "--cache-margin-gib", "0.5",
+                         "--cache-policy", "decayed", "--miss-split", "pcie", "--hit-kernel", "triton",
+                         "--cpu-gbps", "40", "--pcie-gbps", "20", "--record-routing", str(tmp_path / "r.npz"),
+                         "--tier-stats-every", "0"])  # fmt: skip
+    assert dict(cfg.plugin_overrides) == {"runtime": "tiered", "tiered": {
+        "cache_gib": 6.5, "cache_margin_gib": 0.5, "policy": "decayed", "split": "pcie", "hit_kernel": "triton",
+        "cpu_gbps": 40.0, "pcie_gbps": 20.0, "trace_path": str(tmp_path / "r.npz"), "stats_every": 0}}  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [(["--spin-us", "-1"], "spin_us"), (["--port", "70000"], "port"), (["--max-num-seqs", "0"], "max_num_seqs"),
-     (["--cpu-amx-min-tokens", "0"], "amx_min_tokens"), (["--cpu-prefetch-blocks", "7"], "prefetch_blocks")],
+     (["--cpu-amx-min-tokens", "0"], "amx_min_tokens"), (["--cpu-prefetch-blocks", "7"], "prefetch_blocks"),
+     (["--cache-gib", "-2"], "cache_gib"), (["--tier-stats-every", "-1"], "stats_every")],
 )
 def test_bad_flag_values_name_the_setting(argv: list[str], needle: str) -> None:
     with pytest.raises(ServerError, match=needle):

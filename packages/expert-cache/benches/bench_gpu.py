@@ -5,17 +5,26 @@ Geometry is DeepSeek-V4.1-Flash EXL3 3 bpw (40 MoE layers x 384 experts, 13,271,
 pinned host memory at one layer's worth (5.1 GB instead of 204 GB), every layer's home points at the same pinned
 ``[384, ...]`` tensors; the copies are real pinned-to-device copies of 12.66 MiB experts.
 
-    python benches/bench_gpu.py [--vram-gb 24] [--steps 1500] [--json out.json]
+The served model's form is measured too (``--no-mapped`` skips it): one layer's experts as the nine EXL3 columns
+the served model uses (gate/up/down x trellis/suh/svh, 13.32 MB per expert) laid out expert after expert in a file,
+the file mapped read-only and registered with CUDA (read-only, mapped) like vllm-dsv41's ``ExpertHome``, and the
+cache given an address-based home (``ExpertRows``) over it; its ceiling is a 1 GiB copy out of the same mapping.
+
+    python benches/bench_gpu.py [--vram-gb 24] [--steps 1500] [--no-mapped] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
+import os
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,12 +37,83 @@ from expert_cache import (  # noqa: E402
     DSV41_FLASH_EXL3_3BPW,
     ExpertCache,
     ExpertCacheConfig,
+    ExpertRows,
+    ProjectionSpec,
     SyntheticTraceConfig,
     generate,
     policy_config,
 )
 
 EXPERT = V41_FLASH.expert_trellis_bytes  # bytes of one V4.1-Flash expert (13,271,040)
+H, I = V41_FLASH.hidden, V41_FLASH.intermediate
+#: The served model's columns (vllm-dsv41's EXPERT_COLUMNS): per role, the trellis and the two sign vectors.
+SERVED_COLUMNS = tuple(
+    spec
+    for role, (k, n) in (("gate", (H, I)), ("up", (H, I)), ("down", (I, H)))
+    for spec in (
+        ProjectionSpec(f"{role}.trellis", V41_FLASH.trellis_shape(role), "int16"),  # type: ignore[arg-type]
+        ProjectionSpec(f"{role}.suh", (k,), "float16"),
+        ProjectionSpec(f"{role}.svh", (n,), "float16"),
+    )
+)
+
+
+class MappedHome:
+    """``num_experts`` experts of ``SERVED_COLUMNS`` written expert after expert (8-byte aligned, as safetensors
+    aligns) to a file, mapped read-only, optionally registered with CUDA; ``rows(num_layers)`` addresses it for
+    every layer."""
+
+    def __init__(self, path: Path, num_experts: int, register: bool) -> None:
+        self.num_experts = num_experts
+        self.col_off, pos = [], 0
+        for spec in SERVED_COLUMNS:
+            self.col_off.append(pos)
+            pos += spec.nbytes + -spec.nbytes % 8
+        self.stride = pos
+        self.length = num_experts * self.stride + -(num_experts * self.stride) % mmap.PAGESIZE
+        blob = np.random.default_rng(0).integers(0, 256, self.stride, dtype=np.uint8)
+        with open(path, "wb") as f:
+            for e in range(num_experts):
+                blob[:8] = np.frombuffer(np.int64(e).tobytes(), np.uint8)
+                f.write(blob.tobytes())
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self._libc = libc
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            base = libc.mmap(None, self.length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        finally:
+            os.close(fd)
+        if base in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"{path}: mmap failed")
+        self.base: int = base
+        self.device_base = base
+        self.registered = False
+        if register:
+            from dma_prefill import _cudart
+
+            self._cudart = _cudart
+            flags = _cudart.HOST_REGISTER_PORTABLE | _cudart.HOST_REGISTER_MAPPED | 8  # 8: cudaHostRegisterReadOnly
+            _cudart.host_register(base, self.length, flags)
+            self.registered = True
+            self.device_base, _ = _cudart.device_pointer(base)
+        self.buffer = torch.frombuffer((ctypes.c_uint8 * self.length).from_address(base), dtype=torch.uint8)
+
+    def rows(self, num_layers: int) -> ExpertRows:
+        E, P = self.num_experts, len(SERVED_COLUMNS)
+        off = np.arange(E, dtype=np.int64)[None, :] * self.stride + np.array(self.col_off, np.int64)[:, None]
+        off = np.ascontiguousarray(np.broadcast_to(off, (num_layers, P, E)))
+        return ExpertRows((self.buffer,), np.zeros((num_layers, P, E), np.int32), off, (self.device_base,), self)
+
+    def close(self) -> None:
+        if self.registered:
+            self._cudart.host_unregister(self.base)
+            self.registered = False
+        if self.base:
+            self._libc.munmap(self.base, self.length)
+            self.base = 0
 
 
 def git_rev() -> str:
@@ -66,6 +146,27 @@ def time_copies(
     return rates[1:]  # first is warm-up
 
 
+def rewarm_rates(cache: ExpertCache, reps: int, expert_bytes: int = EXPERT) -> tuple[list[float], int, float]:
+    """GB/s of full re-warms of the pool (release, then rewarm: call to the side stream's last byte), per
+    repetition after one warm-up; the number of experts; the host time of the last rewarm call."""
+    rates = []
+    n, t_host = 0, 0.0
+    for _ in range(reps + 1):
+        cache.release()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record(cache._side)
+        t0 = time.perf_counter()
+        cache.rewarm()
+        t_host = time.perf_counter() - t0
+        e1.record(cache._side)
+        e1.synchronize()
+        n = len(cache.resident())
+        rates.append(n * expert_bytes / (e0.elapsed_time(e1) * 1e-3) / 1e9)
+        cache.synchronize()
+    return rates[1:], n, t_host
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vram-gb", type=float, default=24.0, help="cap usable VRAM like a 24 GB card")
@@ -74,6 +175,7 @@ def main() -> int:
         "--steps", type=int, default=1500, help="decode steps of the synthetic trace driven through the cache"
     )
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-mapped", action="store_true", help="skip the registered-file-mapping home (served form)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -153,9 +255,11 @@ def main() -> int:
     ids_gpu = torch.from_numpy(tr.ids.astype(np.int64)).to(dev)
 
     results = {}
-    for name, policy, kw in [
-        ("decayed (reference: every 16, admit 48)", "decayed", {}),
-        ("hybrid (every step, admit 4, hyst 1.2)", "hybrid", dict(replan_every=1, admit_limit=4, hysteresis=1.2)),
+    hybrid = dict(replan_every=1, admit_limit=4, hysteresis=1.2)
+    for name, tag, policy, kw in [
+        ("decayed (reference: every 16, admit 48)", "decayed", "decayed", {}),
+        ("hybrid (every step, admit 4, hyst 1.2)", "hybrid", "hybrid", hybrid),
+        ("hybrid, async_observe (no wait for the GPU)", "hybrid async", "hybrid", dict(hybrid, async_observe=True)),
     ]:
         cache = make(policy, **kw)
         step_us: list[float] = []
@@ -177,34 +281,18 @@ def main() -> int:
         cache.synchronize()
         st = cache.stats()
         results[name] = st.as_dict()
-        row(f"{policy}: 40 x observe per step (host)", "us", obs_us[10:])
+        row(f"{tag}: 40 x observe per step (host)", "us", obs_us[10:])
         if step_us:
-            row(f"{policy}: before+after_step, no replan (host)", "us", step_us[10:])
+            row(f"{tag}: before+after_step, no replan (host)", "us", step_us[10:])
         row(
-            f"{policy}: after_step with replan (host)",
+            f"{tag}: after_step with replan (host)",
             "ms",
             replan_ms[2:],
             f"hit_rate {st.hit_rate:.4f} admits/step {st.admits / max(1, st.decode_steps):.2f}",
         )
 
-        # slot fills: full re-warm of the pool
-        rates = []
-        for _ in range(a.reps + 1):
-            cache.release()
-            torch.cuda.synchronize()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record(cache._side)
-            t0 = time.perf_counter()
-            cache.rewarm()
-            t_host = time.perf_counter() - t0
-            e1.record(cache._side)
-            e1.synchronize()
-            n = len(cache.resident())
-            rates.append(n * EXPERT / (e0.elapsed_time(e1) * 1e-3) / 1e9)
-            cache.synchronize()
-        row(
-            f"{policy}: rewarm fill {n} experts (side stream)", "GB/s", rates[1:], f"host enqueue {t_host * 1e3:.1f} ms"
-        )
+        rates, n, t_host = rewarm_rates(cache, a.reps)
+        row(f"{tag}: rewarm fill {n} experts (side stream)", "GB/s", rates, f"host enqueue {t_host * 1e3:.1f} ms")
         del cache
         torch.cuda.empty_cache()
 
@@ -221,6 +309,47 @@ def main() -> int:
     row("decayed: observe_all (40 layers) per step (host)", "us", all_us[10:])
     del cache
     torch.cuda.empty_cache()
+
+    # ---- the served form: nine columns in a registered read-only file mapping ----------------------------------
+    if not a.no_mapped:
+        del w13, w2, host_rows, big_src
+        torch.cuda.empty_cache()
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            home = MappedHome(Path(tmp) / "experts.bin", E, register=True)
+            try:
+                took = time.perf_counter() - t0
+                print(f"# mapped home: {home.length / 1e9:.2f} GB written, mapped, registered in {took:.1f} s; "
+                      f"{home.stride} B per expert in {len(SERVED_COLUMNS)} columns")  # fmt: skip
+                big_dst = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+                r = []
+                for _ in range(a.reps + 1):
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    with torch.cuda.stream(side):
+                        e0.record()
+                        big_dst.copy_(home.buffer[: 1 << 30], non_blocking=True)
+                        e1.record()
+                    e1.synchronize()
+                    r.append((1 << 30) / (e0.elapsed_time(e1) * 1e-3) / 1e9)
+                row("ceiling: registered mapping H2D 1 x 1 GiB", "GB/s", r[1:])
+                del big_dst
+                torch.cuda.empty_cache()
+                cfg = ExpertCacheConfig(num_layers=V41_FLASH.num_layers, num_experts=E, projections=SERVED_COLUMNS,
+                                        num_slots=a.slots)  # fmt: skip
+                cache = ExpertCache(cfg, home.rows(V41_FLASH.num_layers), dev)
+                for s in dec[:400]:  # fill the pool through replans
+                    cache.before_step(int(tr.tokens_per_step[s]))
+                    cache.observe_all(ids_gpu[off[s] : off[s + 1]].permute(1, 0, 2))
+                    cache.after_step()
+                cache.synchronize()
+                rates, n, t_host = rewarm_rates(cache, a.reps, cfg.expert_bytes)
+                row(f"served form: rewarm fill {n} experts, 9 columns", "GB/s", rates,
+                    f"host enqueue {t_host * 1e3:.1f} ms (registered file mapping)")  # fmt: skip
+                del cache
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            finally:
+                home.close()
 
     print(f"# peak VRAM {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB (cap {a.vram_gb} GB)")
     if a.json:

@@ -40,16 +40,23 @@ def small_cfg(**kw: object) -> ExpertCacheConfig:
 
 
 def test_geometry_and_initial_tables(make_home, check_tables) -> None:
-    cfg = small_cfg(slot_alignment=64)
-    assert cfg.projection_offsets == (0, 64, 128)
-    assert cfg.slot_stride == 192 and cfg.expert_bytes == 60 + 28 + 3
+    cfg = small_cfg(slot_alignment=128)
+    assert cfg.projection_offsets == (0, 128, 256)
+    assert cfg.slot_stride == 384 and cfg.expert_bytes == 60 + 28 + 3
     home = make_home(cfg)
     cache = ExpertCache(cfg, home)
-    assert cache.pointer_table.shape == (3, 8, 3) and cache.pointer_table.dtype == torch.int64
+    assert cache.pointer_table.shape == (3, 3, 8) and cache.pointer_table.dtype == torch.int64
     assert cache.slot_of.shape == (3, 8) and cache.slot_of.dtype == torch.int32
-    assert cache.pool is not None and tuple(cache.pool.shape) == (5, 192)
+    assert cache.pool is not None and tuple(cache.pool.shape) == (5, 384)
+    assert cache.pool.data_ptr() % 128 == 0 and cache.pool.is_contiguous()
     assert check_tables(cache, home) == 0
-    assert torch.equal(cache.layer_pointers(1), cache.pointer_table[1])
+    # Projection-major: one contiguous [E] address array per (layer, projection), what pointer-table kernels take.
+    lp = cache.layer_pointers(1)
+    assert lp.shape == (3, 8) and lp.is_contiguous() and lp[2].is_contiguous()
+    assert lp.data_ptr() == cache.pointer_table.data_ptr() + 1 * 3 * 8 * 8  # a view, not a copy
+    for p, spec in enumerate(PROJ):
+        want = home[1][p].data_ptr() + np.arange(8) * spec.nbytes  # stacked home: consecutive rows
+        assert lp[p].tolist() == want.tolist()
 
 
 def test_check_tables_detects_corruption(make_home, check_tables) -> None:
@@ -68,7 +75,7 @@ def test_check_tables_detects_corruption(make_home, check_tables) -> None:
         check_tables(cache, home)
     cache.pool[slot, 0] ^= 0xFF  # type: ignore[index]
     check_tables(cache, home)
-    cache.pointer_table[2, 3, 1] = cache.pointer_table[2, 4, 1]
+    cache.pointer_table[2, 1, 3] = cache.pointer_table[2, 1, 4]
     with pytest.raises(AssertionError, match=r"ptr\[2,3,w2\]"):
         check_tables(cache, home)
 
@@ -255,13 +262,26 @@ def test_home_validation(make_home) -> None:
 
 
 def test_budget_derived_slot_count(make_home) -> None:
-    cfg = small_cfg(num_slots=0, vram_budget_bytes=4_000, margin_bytes=1_000, slot_alignment=64)
-    assert cfg.resolve_num_slots() == 3000 // 192 == 15
+    cfg = small_cfg(num_slots=0, vram_budget_bytes=4_000, margin_bytes=1_000, slot_alignment=128)
+    assert cfg.resolve_num_slots() == 3000 // 384 == 7
     assert small_cfg(num_slots=0, vram_budget_bytes=10**9).resolve_num_slots() == 24  # never more than L * E
     assert small_cfg(num_slots=0, vram_budget_bytes=500, margin_bytes=1_000).resolve_num_slots() == 0
-    cfg = small_cfg(num_slots=0, vram_budget_bytes=10_000, margin_bytes=1_000, slot_alignment=64, max_slots=7)
+    cfg = small_cfg(num_slots=0, vram_budget_bytes=10_000, margin_bytes=1_000, slot_alignment=128, max_slots=5)
     cache = ExpertCache(cfg, make_home(cfg))
-    assert cache.num_slots == 7 and tuple(cache.pool.shape) == (7, 192)  # type: ignore[union-attr]
+    assert cache.num_slots == 5 and tuple(cache.pool.shape) == (5, 384)  # type: ignore[union-attr]
+
+
+def test_free_bytes_minus_margin(make_home) -> None:
+    """What a server does: measure the memory left after weights, KV cache and buffers, pass it in; the pool takes
+    it minus ``margin_bytes`` (``free_bytes`` wins over nothing, loses to an explicit budget or count)."""
+    cfg = small_cfg(num_slots=0, margin_bytes=1_000, slot_alignment=128)
+    cache = ExpertCache(cfg, make_home(cfg), free_bytes=1_000 + 6 * 384 + 383)
+    assert cache.num_slots == 6 and cache.stats().num_slots == 6
+    assert ExpertCache(cfg, make_home(cfg), free_bytes=999).num_slots == 0  # less than the margin: no pool
+    budget = dataclasses.replace(cfg, vram_budget_bytes=1_000 + 2 * 384)
+    assert ExpertCache(budget, make_home(cfg), free_bytes=10**9).num_slots == 2
+    with pytest.raises(ValueError, match="num_slots: is 0 and vram_budget_bytes is 0"):
+        ExpertCache(cfg, make_home(cfg))  # a CPU device has no free memory to ask
 
 
 def test_step_protocol_errors(make_home) -> None:

@@ -1,9 +1,15 @@
 """CUDA tests (run on the GPU machine: scripts/device_run.sh). A Triton kernel reads through the pointer tables,
-so these check what a real MoE kernel would see, including while swaps are in flight."""
+one contiguous ``[num_experts]`` address array per (layer, projection) as pointer-table MoE kernels take them, so
+these check what a real MoE kernel would see, including while swaps are in flight, from pinned stacked homes and
+from read-only file mappings registered with CUDA (the served model's home)."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +18,7 @@ import torch
 from expert_cache import (
     ExpertCache,
     ExpertCacheConfig,
+    ExpertRows,
     ProjectionSpec,
     SyntheticTraceConfig,
     generate,
@@ -29,9 +36,10 @@ import triton.language as tl  # noqa: E402
 
 
 @triton.jit
-def _read_through(table, out, n_entries, table_stride, nbytes, out_stride, BLOCK: tl.constexpr):
+def _read_through(table, out, nbytes, out_stride, BLOCK: tl.constexpr):
+    """Expert ``i`` of one (layer, projection): ``table`` is that contiguous ``[num_experts]`` int64 array."""
     i = tl.program_id(0)
-    addr = tl.load(table + i * table_stride)
+    addr = tl.load(table + i)
     src = addr.to(tl.pointer_type(tl.uint8))
     for off in range(0, nbytes, BLOCK):
         o = off + tl.arange(0, BLOCK)
@@ -40,16 +48,18 @@ def _read_through(table, out, n_entries, table_stride, nbytes, out_stride, BLOCK
 
 
 def read_all(cache: ExpertCache, stream: torch.cuda.Stream) -> list[torch.Tensor]:
-    """Per projection, uint8 ``[L*E, nbytes]``: the bytes a kernel on ``stream`` reads through the tables now."""
+    """Per projection, uint8 ``[L*E, nbytes]``: the bytes a kernel on ``stream`` reads through the tables now (one
+    launch per layer and projection, given ``cache.layer_pointers(layer)[p]``)."""
     cfg = cache.config
+    E = cfg.num_experts
     outs = []
     with torch.cuda.stream(stream):
         for p, spec in enumerate(cfg.projection_specs):
             out = torch.full((cfg.num_keys, spec.nbytes), 0xAB, dtype=torch.uint8, device=cache.device)
-            tab = cache.pointer_table.view(-1)[p:]
-            _read_through[(cfg.num_keys,)](
-                tab, out, cfg.num_keys, len(cfg.projection_specs), spec.nbytes, spec.nbytes, BLOCK=1024
-            )
+            for layer in range(cfg.num_layers):
+                tab = cache.layer_pointers(layer)[p]
+                assert tab.is_contiguous() and tab.shape == (E,)
+                _read_through[(E,)](tab, out[layer * E :], spec.nbytes, spec.nbytes, BLOCK=1024)
             outs.append(out)
     return outs
 
@@ -226,6 +236,42 @@ def test_observe_and_decode_steps_never_sync(make_home) -> None:
     assert cache.stats().picks == 7 * 4 * 24
 
 
+@pytest.mark.parametrize("policy", ["decayed", "hybrid"])
+def test_replans_never_sync_with_async_observe(make_home, policy: str) -> None:
+    """Replans off the critical path: with ``async_observe`` (and ``async_fill``) a replan, its admissions and
+    evictions (table writes on the compute stream, fills on the side stream) and the activation of finished fills
+    never make the host wait for the device, step after step."""
+    cfg = ExpertCacheConfig(
+        num_layers=4,
+        num_experts=32,
+        slot_bytes=1 << 16,
+        num_slots=20,
+        replan_every=1,
+        admit_limit=4,
+        policy=policy_config(policy),
+        async_observe=True,
+    )
+    cache = ExpertCache(cfg, make_home(cfg, pin=True), "cuda")
+    rng = np.random.default_rng(2)
+    steps = [torch.from_numpy(rng.integers(0, 32, (4, 2, 6))).cuda() for _ in range(40)]
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for ids in steps:
+            cache.before_step(2)
+            cache.observe_all(ids)
+            cache.after_step()
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode("default")
+    cache.synchronize()
+    st = cache.stats()
+    assert st.replans == 40 and st.admits >= 20 and st.evicts > 0, st
+
+
 def test_observe_in_a_cuda_graph(make_home) -> None:
     """A decode step's observe calls captured once and replayed give the same counters and residents as eager
     calls with the same ids."""
@@ -306,3 +352,137 @@ def test_home_must_be_pinned_on_cuda(make_home) -> None:
     cfg = ExpertCacheConfig(num_layers=1, num_experts=4, slot_bytes=64, num_slots=2)
     with pytest.raises(ValueError, match=r"home\[0\]\[0\] \(weights\): must be pinned"):
         ExpertCache(cfg, make_home(cfg), "cuda")
+
+
+# ------------------------------------------------------------------- the served model's home: registered mappings
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_READ_ONLY = 8  # cudaHostRegisterReadOnly
+
+
+class MappedRows:
+    """``rows``' buffers written to a file (each at a page boundary + its own misalignment), the file mapped
+    read-only (``MAP_SHARED``, ``PROT_READ``), optionally registered with CUDA (read-only, mapped, portable) through
+    dma-prefill's ``_cudart`` like vllm-dsv41's ``ExpertHome``; ``self.rows`` addresses the mapping."""
+
+    def __init__(self, rows: ExpertRows, path: Path, register: bool) -> None:
+        from dma_prefill import _cudart
+
+        self._cudart = _cudart
+        page = mmap.PAGESIZE
+        starts, pos = [], 0
+        with open(path, "wb") as f:
+            for t in rows.buffers:
+                lead = t.data_ptr() % page  # keep the buffer's misalignment
+                pos += -pos % page + lead
+                starts.append(pos)
+                f.seek(pos)
+                f.write(t.numpy().tobytes())
+                pos += t.numel()
+            f.write(b"\0" * 16)
+        self.length = pos + -pos % page
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            base = _libc.mmap(None, self.length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        finally:
+            os.close(fd)
+        assert base not in (None, ctypes.c_void_p(-1).value), f"mmap failed: errno {ctypes.get_errno()}"
+        self.base: int = base
+        self.registered = False
+        dev = base
+        if register:
+            flags = _cudart.HOST_REGISTER_PORTABLE | _cudart.HOST_REGISTER_MAPPED | _READ_ONLY
+            _cudart.host_register(base, self.length, flags)
+            self.registered = True
+            dev, _ = _cudart.device_pointer(base)
+        views = tuple(
+            torch.frombuffer((ctypes.c_uint8 * t.numel()).from_address(base + s), dtype=torch.uint8)
+            for t, s in zip(rows.buffers, starts, strict=True)
+        )
+        self.rows = ExpertRows(views, rows.buffer, rows.offset, tuple(dev + s for s in starts), self)
+
+    def close(self) -> None:
+        if self.registered:
+            self._cudart.host_unregister(self.base)
+            self.registered = False
+        if self.base:
+            _libc.munmap(self.base, self.length)
+            self.base = 0
+
+
+@pytest.mark.parametrize("async_fill", [True, False])
+@pytest.mark.parametrize("policy", ["decayed", "hybrid"])
+def test_kernel_reads_right_bytes_from_a_registered_mapping(
+    make_home, make_rows, tmp_path: Path, policy: str, async_fill: bool
+) -> None:
+    """The address home as the served model has it: rows scattered in a read-only file mapping, CUDA-registered,
+    the table holding GPU-mapped addresses. A kernel reads every expert right (from the mapping when not resident,
+    from the slot when resident) after every operation, with fills copying from the mapping."""
+    cfg = ExpertCacheConfig(
+        num_layers=3,
+        num_experts=16,
+        projections=PROJ,
+        num_slots=9,
+        replan_every=2,
+        admit_limit=4,
+        policy=policy_config(policy),
+        elastic=True,
+        prefill_tokens=6,
+        rewarm_after=2,
+        async_fill=async_fill,
+    )
+    home = make_home(cfg, 3)
+    mapped = MappedRows(make_rows(cfg, home, 3), tmp_path / "rows.bin", register=True)
+    try:
+        cache = ExpertCache(cfg, mapped.rows, "cuda")
+        assert (cache.pointer_table.cpu().numpy() == mapped.rows.kernel_addresses()).all()
+        want = [w.cuda() for w in expected(home, cfg)]
+        rng = np.random.default_rng(1)
+        checks = []
+        for _ in range(60):
+            op = rng.integers(10)
+            if op < 7:
+                tokens = int(rng.choice([1, 2, 9])) if rng.random() < 0.9 else 20
+                cache.before_step(tokens)
+                for layer in range(3):
+                    ids = np.stack(
+                        [rng.choice(5 if rng.random() < 0.7 else 16, 2, replace=False) for _ in range(min(tokens, 4))]
+                    )
+                    cache.observe(layer, torch.from_numpy(ids).cuda())
+                cache.after_step()
+            else:
+                (cache.replan, cache.release, cache.rewarm)[op - 7]()
+            checks.append(read_all(cache, cache._compute))
+        torch.cuda.synchronize()
+        for i, outs in enumerate(checks):
+            for p, (got, w) in enumerate(zip(outs, want, strict=True)):
+                bad = (got != w).any(dim=1).nonzero().flatten().tolist()
+                assert not bad, f"after op {i}: projection {p} keys {bad} read wrong bytes"
+        cache.synchronize()
+        st = cache.stats()
+        assert st.admits > 0 and st.evicts > 0 and st.releases > 0
+        del cache
+        torch.cuda.synchronize()
+    finally:
+        mapped.close()
+
+
+def test_unregistered_mapping_is_refused(make_home, make_rows, tmp_path: Path) -> None:
+    """A file mapping the GPU cannot read (not registered) is refused, naming the buffer; registered, accepted."""
+    cfg = ExpertCacheConfig(num_layers=2, num_experts=8, projections=PROJ, num_slots=3)
+    rows = make_rows(cfg, make_home(cfg))
+    plain = MappedRows(rows, tmp_path / "plain.bin", register=False)
+    try:
+        with pytest.raises(ValueError, match=r"rows\.buffers\[0\]: must be page-locked"):
+            ExpertCache(cfg, plain.rows, "cuda")
+    finally:
+        plain.close()
+    pinned = MappedRows(rows, tmp_path / "pinned.bin", register=True)
+    try:
+        assert all(t.is_pinned() for t in pinned.rows.buffers)
+        assert ExpertCache(cfg, pinned.rows, "cuda").num_slots == 3
+    finally:
+        pinned.close()

@@ -268,6 +268,24 @@ def test_release_and_rewarm_sets() -> None:
     assert [s.new_key for s in c2.rewarm()] == [4, 0, 1]  # "top": current priorities (pending 50 counts)
 
 
+def test_rewarm_limit_bounds_the_refill() -> None:
+    """``rewarm_limit``: the re-warm admits the best kept keys only; the following replans fill the free slots,
+    each at most ``admit_limit``, best first."""
+    c = ctl_for(8, 5, policy=DecayedConfig(), elastic=True, prefill_tokens=10, rewarm_after=0, admit_limit=2,
+                rewarm_limit=3, replan_every=1)  # fmt: skip
+    step(c, {0: 9, 1: 8, 2: 7, 3: 6, 4: 5})
+    c.plan()
+    c.plan()
+    c.plan()
+    assert res(c) == {0, 1, 2, 3, 4}
+    c.begin_step(11)
+    c.release()
+    assert c.begin_step(1) == ("decode", "rewarm")
+    assert [s.new_key for s in c.rewarm()] == [0, 1, 2]  # the best 3 of the 5 kept
+    assert [s.new_key for s in c.plan()] == [3, 4]  # the next replan fills free slots (admit_limit 2)
+    assert res(c) == {0, 1, 2, 3, 4} and c.counters()["admits"] == 5 + 5
+
+
 def test_hybrid_policy_rejects_a_wrong_profile_size() -> None:
     with pytest.raises(ValueError, match="profile_path: profile has 3 keys"):
         HybridPolicy(4, 1, profile=np.ones(3))

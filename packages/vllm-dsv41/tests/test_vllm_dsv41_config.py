@@ -9,6 +9,7 @@ import pytest
 
 from cpu_tier import CpuTierConfig
 from vllm_dsv41 import Dsv41PluginConfig
+from vllm_dsv41.config import TieredConfig
 
 
 def test_defaults_and_frozen() -> None:
@@ -38,6 +39,16 @@ def test_defaults_and_frozen() -> None:
         ({"register_host_memory": "yes"}, "register_host_memory"),
         ({"attention": "flashmla"}, "attention"),
         ({"cpu_threads": 4}, "cpu_threads"),  # the old flat names are gone: the cpu-tier config is nested
+        ({"tiered": {"cache_gib": -1}}, "cache_gib"),
+        ({"tiered": {"policy": "fifo"}}, "policy"),
+        ({"tiered": {"split": "gpu"}}, "split"),
+        ({"tiered": {"hit_kernel": "cublas"}}, "hit_kernel"),
+        ({"tiered": {"replan_every": 0}}, "replan_every"),
+        ({"tiered": {"admit_limit": 1.5}}, "admit_limit"),
+        ({"tiered": {"deadline_factor": True}}, "deadline_factor"),
+        ({"tiered": {"trace_path": 3}}, "trace_path"),
+        ({"tiered": {"bogus": 1}}, "bogus"),
+        ({"tiered": 3}, "tiered"),
     ],
 )
 def test_bad_values_name_the_field_and_the_source(values: dict, field: str) -> None:
@@ -49,9 +60,13 @@ def test_bad_values_name_the_field_and_the_source(values: dict, field: str) -> N
 def test_mapping_round_trip_reaches_every_cpu_tier_field() -> None:
     cpu = CpuTierConfig(threads=4, isa="amx", precision="fast", spin_us=0, amx_min_tokens=8, prefetch_blocks=2,
                         slab_blocks=3)  # fmt: skip
+    tiered = TieredConfig(cache_gib=3.5, cache_margin_gib=0.5, policy="decayed", replan_every=8, admit_limit=16,
+                          split="pcie", hit_kernel="triton", cpu_gbps=40.0, pcie_gbps=20.0, deadline_factor=0.0,
+                          deadline_floor_ms=1.0, trace_path="/tmp/t.npz", stats_every=0)  # fmt: skip
     cfg = Dsv41PluginConfig(cpu=cpu, runtime="all-in-vram", dense_kernel="triton", register_host_memory=False,
-                            attention="triton")  # fmt: skip
+                            attention="triton", tiered=tiered)  # fmt: skip
     assert Dsv41PluginConfig.from_mapping(cfg.to_mapping()) == cfg
+    assert set(cfg.to_mapping()["tiered"]) == {f.name for f in dataclasses.fields(TieredConfig)}
     assert cfg.effective_threads == 4
     # every CpuTierConfig field travels (nothing mirrored, nothing dropped)
     assert set(cfg.to_mapping()["cpu"]) == {f.name for f in dataclasses.fields(CpuTierConfig)}
@@ -72,6 +87,10 @@ def test_from_vllm_config_merges_pack_defaults_and_overrides_field_by_field() ->
     )
     assert (cfg.cpu.precision, cfg.cpu.spin_us, cfg.dense_kernel, cfg.runtime) == ("fast", 0, "triton", "all-in-vram")
     assert cfg.attention == "upstream"
+    tiered = Dsv41PluginConfig.from_vllm_config(
+        _vllm_config({"tiered": {"cache_gib": 4, "split": "cpu"}}, {"dsv41": {"tiered": {"split": "auto"}}})
+    ).tiered
+    assert (tiered.cache_gib, tiered.split, tiered.policy) == (4, "auto", "hybrid")  # merged field by field
     with pytest.raises(ValueError, match="config.json 'dsv41': unknown field 'bogus'"):
         Dsv41PluginConfig.from_vllm_config(_vllm_config({"bogus": 1}, None))
     with pytest.raises(ValueError, match="additional_config 'dsv41': cpu: isa"):

@@ -5,7 +5,8 @@ See README.md. Public API:
 * :class:`ExpertCacheConfig`, :class:`ProjectionSpec` - the one frozen config, and the policy it chooses:
   :class:`DecayedConfig`, :class:`LruConfig`, :class:`LfuConfig`, :class:`ArcConfig`, :class:`HybridConfig`
   (:func:`policy_config` builds one from a name);
-* :class:`ExpertCache` - the slot pool, per-layer ``slot_of`` maps and pointer tables on a device;
+* :class:`ExpertCache` - the slot pool, per-layer ``slot_of`` maps and projection-major pointer tables on a device;
+* :class:`ExpertRows` - an address-based home (rows anywhere in pinned or CUDA-registered host buffers);
 * :mod:`expert_cache.policies` - ``decayed`` (the reference), ``lru``, ``lfu``, ``arc``, ``hybrid``;
 * :mod:`expert_cache.trace` - the trace format, :class:`TraceRecorder`, the synthetic generator;
 * :mod:`expert_cache.sim` - :func:`simulate`, Belady's MIN, the CLI.
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import (
     DSV41_FLASH_EXL3_3BPW,
+    MIN_SLOT_ALIGNMENT,
     POLICIES,
     ArcConfig,
     DecayedConfig,
@@ -33,6 +35,7 @@ from .policies import Policy, load_profile, make_policy, save_profile
 
 if TYPE_CHECKING:
     from .cache import ExpertCache
+    from .home import ExpertRows
     from .sim import belady_hit_rate, belady_hits, simulate, static_oracle_hit_rate
     from .trace import SyntheticTraceConfig, Trace, TraceRecorder, generate, load_trace
 
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
 # command line (``python -m expert_cache.sim`` / ``.trace``) must not be imported by the package itself.
 _LAZY = {
     "ExpertCache": "cache",
+    "ExpertRows": "home",
     "belady_hit_rate": "sim",
     "belady_hits": "sim",
     "simulate": "sim",
@@ -68,6 +72,7 @@ except PackageNotFoundError:  # imported from a source tree (e.g. PYTHONPATH=src
 
 __all__ = [
     "DSV41_FLASH_EXL3_3BPW",
+    "MIN_SLOT_ALIGNMENT",
     "POLICIES",
     "ArcConfig",
     "CacheController",
@@ -75,6 +80,7 @@ __all__ = [
     "DecayedConfig",
     "ExpertCache",
     "ExpertCacheConfig",
+    "ExpertRows",
     "HybridConfig",
     "LfuConfig",
     "LruConfig",

@@ -2,10 +2,14 @@
 
 Memory model
 ------------
-Every expert keeps its *home* copy in host memory (pinned, so a GPU kernel can read it through unified
-addressing). The pool holds ``num_slots`` slots of ``config.slot_stride`` bytes on the device. For every
-(layer, expert, projection) the int64 pointer table holds the address a kernel must read: the slot's bytes when
-the expert is resident, the home row otherwise. ``slot_of[layer, expert]`` (int32) is the slot or -1.
+Every expert keeps its *home* copy in host memory (pinned or CUDA-registered, so a GPU kernel can read it in
+place): stacked host tensors or an address-based :class:`expert_cache.home.ExpertRows`. The pool holds
+``num_slots`` slots of ``config.slot_stride`` bytes on the device, its base and every column inside a slot aligned
+to ``config.slot_alignment`` (>= 128 bytes). For every (layer, projection, expert) the int64 pointer table
+``[num_layers, num_projections, num_experts]`` holds the address a kernel must read: the slot's bytes when the
+expert is resident, the home row's kernel address otherwise; ``layer_pointers(layer)[p]`` is one contiguous
+``[num_experts]`` array per projection, the form pointer-table MoE kernels take. ``slot_of[layer, expert]`` (int32)
+is the slot or -1.
 
 Ordering (CUDA)
 ---------------
@@ -38,21 +42,11 @@ import numpy as np
 import torch
 
 from .config import ExpertCacheConfig
+from .home import ExpertRows
 from .planner import CacheController, CacheStats, Swap
 from .policies import HybridPolicy, save_profile
 
 __all__ = ["ExpertCache"]
-
-_TORCH_DTYPES: dict[str, torch.dtype] = {
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int32": torch.int32,
-    "float32": torch.float32,
-    "int64": torch.int64,
-}
 
 
 class ExpertCache:
@@ -63,13 +57,20 @@ class ExpertCache:
     config
         The configuration (geometry, size, policy, lifecycle).
     home
-        ``home[layer][p]``: the host tensor of projection ``p`` for all experts of ``layer``, shape
-        ``[num_experts, *projections[p].shape]``, dtype ``projections[p].dtype``, contiguous; pinned when the
-        device is CUDA. The cache never writes to it.
+        Where the experts live on the host (the cache never writes there), in one of two forms:
+        ``home[layer][p]``, the host tensor of projection ``p`` for all experts of ``layer``, shape
+        ``[num_experts, *projections[p].shape]``, dtype ``projections[p].dtype``, contiguous, pinned when the
+        device is CUDA; or an :class:`~expert_cache.home.ExpertRows` (rows at any addresses inside pinned or
+        CUDA-registered host buffers, with the address a kernel reads per buffer). Both behave identically.
     device
         Where the pool and the tables live (``"cpu"`` works, for tests).
     compute_stream
         CUDA only: the stream whose kernels read the tables (default: the current stream at construction).
+    free_bytes
+        The device memory the pool may take before ``config.margin_bytes`` is subtracted, used only when
+        ``config.num_slots`` and ``config.vram_budget_bytes`` are 0 (:meth:`ExpertCacheConfig.resolve_num_slots`).
+        Default: the device's free memory now (CUDA; ``torch.cuda.mem_get_info``). A server that builds the cache
+        before its KV cache is allocated passes what will be left after it.
 
     Step protocol
     -------------
@@ -81,9 +82,10 @@ class ExpertCache:
     def __init__(
         self,
         config: ExpertCacheConfig,
-        home: Sequence[Sequence[torch.Tensor]],
+        home: Sequence[Sequence[torch.Tensor]] | ExpertRows,
         device: torch.device | str = "cpu",
         compute_stream: Any = None,
+        free_bytes: int | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -96,12 +98,15 @@ class ExpertCache:
         self._specs = specs
         self._offs = config.projection_offsets
         self._stride = config.slot_stride
-        self._home = self._check_home(home)
-        home_ptr = np.empty((L, E, P), np.int64)
-        for layer in range(L):
-            for p, spec in enumerate(specs):
-                home_ptr[layer, :, p] = self._home[layer][p].data_ptr() + np.arange(E, dtype=np.int64) * spec.nbytes
-        self._home_ptr = home_ptr.reshape(L * E, P)
+        rows = home if isinstance(home, ExpertRows) else ExpertRows.from_stacked(home, config)
+        rows.check(config, self._cuda)
+        self._rows = rows
+        home_ptr = rows.kernel_addresses()  # [L, P, E]
+        #: int64 ``[L * E, P]``: the home pointers by key (host side, for repointing victims).
+        self._home_ptr = np.ascontiguousarray(home_ptr.transpose(0, 2, 1)).reshape(L * E, P)
+        # Flat table index of (key, p): (layer * P + p) * E + expert.
+        keys = np.arange(L * E, dtype=np.int64)
+        self._flat = ((keys // E * P)[:, None] + np.arange(P, dtype=np.int64)[None, :]) * E + (keys % E)[:, None]
         dev = self.device
         # torch.cuda.Stream on a CUDA device, None on a CPU one (every use is on the CUDA path)
         self._compute: Any
@@ -114,8 +119,8 @@ class ExpertCache:
                 raise ValueError("compute_stream: only meaningful on a CUDA device")
             self._compute = self._side = None
         with self._on_compute():
-            #: int64 ``[L, E, P]``: address of each expert's projection (slot or home). Kernels read this.
-            self.pointer_table = torch.from_numpy(home_ptr.copy()).to(dev)
+            #: int64 ``[L, P, E]``: address of each expert's projection (slot or home). Kernels read this.
+            self.pointer_table = torch.from_numpy(np.ascontiguousarray(home_ptr)).to(dev)
             #: int32 ``[L, E]``: slot of each expert, -1 when it is read from home.
             self.slot_of = torch.full((L, E), -1, dtype=torch.int32, device=dev)
             R = config.replan_every
@@ -127,8 +132,9 @@ class ExpertCache:
             self._base = torch.arange(L, dtype=torch.int64, device=dev) * E
             self._dev_counters = torch.zeros(4, dtype=torch.int64, device=dev)  # accesses, hits, pick_hits, picks
             self._ones = torch.ones(64, dtype=torch.float32, device=dev)
-        free = torch.cuda.mem_get_info(dev)[0] if self._cuda else None
-        self.num_slots = config.resolve_num_slots(free)
+        if free_bytes is None and self._cuda and not (config.num_slots or config.vram_budget_bytes):
+            free_bytes = torch.cuda.mem_get_info(dev)[0]
+        self.num_slots = config.resolve_num_slots(free_bytes)
         self._ctl = CacheController(config, self.num_slots)
         self._pool: torch.Tensor | None = None
         self._pending: list[tuple[Any, np.ndarray, np.ndarray]] = []  # (event B, keys, slots) awaiting activation
@@ -140,37 +146,6 @@ class ExpertCache:
         self._allocate()
 
     # ---- validation and helpers ------------------------------------------------------------------------------
-
-    def _check_home(self, home: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        cfg = self.config
-        if len(home) != cfg.num_layers:
-            raise ValueError(f"home: expected {cfg.num_layers} layers, got {len(home)}")
-        out = []
-        for layer, row in enumerate(home):
-            if len(row) != len(self._specs):
-                raise ValueError(
-                    f"home[{layer}]: expected {len(self._specs)} projections {[s.name for s in self._specs]}, "
-                    f"got {len(row)}"
-                )
-            lay = []
-            for p, (t, spec) in enumerate(zip(row, self._specs, strict=True)):
-                name = f"home[{layer}][{p}] ({spec.name})"
-                if not isinstance(t, torch.Tensor):
-                    raise TypeError(f"{name}: must be a torch.Tensor, got {type(t).__name__}")
-                if t.device.type != "cpu":
-                    raise ValueError(f"{name}: must be a host (CPU) tensor, got device {t.device}")
-                want = (cfg.num_experts, *spec.shape)
-                if tuple(t.shape) != want:
-                    raise ValueError(f"{name}: shape must be {want}, got {tuple(t.shape)}")
-                if t.dtype != _TORCH_DTYPES[spec.dtype]:
-                    raise ValueError(f"{name}: dtype must be {spec.dtype}, got {t.dtype}")
-                if not t.is_contiguous():
-                    raise ValueError(f"{name}: must be contiguous")
-                if self._cuda and not t.is_pinned():
-                    raise ValueError(f"{name}: must be pinned (page-locked) so the GPU can read it; use .pin_memory()")
-                lay.append(t)
-            out.append(lay)
-        return out
 
     def _on_compute(self) -> Any:
         if self._cuda:
@@ -186,13 +161,13 @@ class ExpertCache:
         return t.pin_memory().to(self.device, non_blocking=True)
 
     def _write_tables(self, keys: np.ndarray, ptrs: np.ndarray, slots: np.ndarray) -> None:
-        """On the compute stream: pointer_table[keys] = ptrs ``[n, P]``, slot_of[keys] = slots."""
+        """On the compute stream: the pointers of ``keys`` = ``ptrs`` ``[n, P]``, slot_of[keys] = slots."""
         if keys.size == 0:
             return
         with self._on_compute():
-            idx = self._h2d(keys.astype(np.int64))
-            self.pointer_table.view(-1, len(self._specs)).index_copy_(0, idx, self._h2d(ptrs.astype(np.int64)))
-            self.slot_of.view(-1).index_copy_(0, idx, self._h2d(slots.astype(np.int32)))
+            idx = self._h2d(self._flat[keys].reshape(-1))
+            self.pointer_table.view(-1).index_copy_(0, idx, self._h2d(ptrs.astype(np.int64).reshape(-1)))
+            self.slot_of.view(-1).index_copy_(0, self._h2d(keys.astype(np.int64)), self._h2d(slots.astype(np.int32)))
 
     def _slot_ptrs(self, slots: np.ndarray) -> np.ndarray:
         assert self._pool is not None
@@ -202,8 +177,11 @@ class ExpertCache:
     def _allocate(self) -> None:
         if self._pool is not None or self.num_slots == 0:
             return
+        n, align = self.num_slots * self._stride, self.config.slot_alignment
         with self._on_compute():
-            self._pool = torch.empty((self.num_slots, self._stride), dtype=torch.uint8, device=self.device)
+            raw = torch.empty(n + align, dtype=torch.uint8, device=self.device)
+            skip = -raw.data_ptr() % align  # the base on a slot_alignment boundary (CPU tensors are 64-aligned)
+            self._pool = raw[skip : skip + n].view(self.num_slots, self._stride)
             if self._cuda:
                 # The side stream writes the pool: the allocator must not hand its memory out again before
                 # those copies are done, whenever the pool is dropped.
@@ -233,7 +211,7 @@ class ExpertCache:
             for key, slot in zip(new.tolist(), slots.tolist(), strict=True):
                 layer, e = divmod(key, E)
                 for p, spec in enumerate(self._specs):
-                    src = self._home[layer][p][e].view(-1).view(torch.uint8)
+                    src = self._rows.host_row(layer, e, p, spec.nbytes)
                     dst = self._pool[slot, self._offs[p] : self._offs[p] + spec.nbytes]
                     dst.copy_(src, non_blocking=self._cuda)
         self._fills += new.size
@@ -477,8 +455,21 @@ class ExpertCache:
         return self._pool
 
     def layer_pointers(self, layer: int) -> torch.Tensor:
-        """int64 ``[num_experts, num_projections]`` view of one layer's pointer table (what a kernel is given)."""
+        """int64 ``[num_projections, num_experts]`` contiguous view of one layer's pointer table (what a kernel is
+        given): row ``p`` is the ``[num_experts]`` address array of projection ``p``."""
         return self.pointer_table[layer]
+
+    @property
+    def home(self) -> ExpertRows:
+        """The home as rows (a stacked home is converted at construction)."""
+        return self._rows
+
+    @property
+    def home_alignment(self) -> int:
+        """The largest power of two (at most 4096) dividing every home pointer a kernel may be given: the widest
+        load a kernel may issue on a non-resident expert (slot pointers are ``slot_alignment``-aligned)."""
+        acc = int(np.bitwise_or.reduce(self._home_ptr.reshape(-1))) | 4096
+        return acc & -acc
 
     def resident(self) -> dict[int, int]:
         """``{key: slot}`` of the planned residents (a newcomer may still be filling; see :meth:`synchronize`)."""
@@ -486,7 +477,7 @@ class ExpertCache:
         return {int(k): int(self._ctl.slot_of[k]) for k in keys}
 
     def home_pointer(self, layer: int, expert: int, projection: int) -> int:
-        """The home address of one expert projection."""
+        """The home address of one expert projection (the kernel address: what the table holds when not resident)."""
         return int(self._home_ptr[layer * self.config.num_experts + expert, projection])
 
     def stats(self) -> CacheStats:

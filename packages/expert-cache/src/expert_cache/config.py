@@ -20,6 +20,7 @@ from cpu_tier.geometry import V41_FLASH
 
 __all__ = [
     "DSV41_FLASH_EXL3_3BPW",
+    "MIN_SLOT_ALIGNMENT",
     "POLICIES",
     "ArcConfig",
     "DecayedConfig",
@@ -34,6 +35,8 @@ __all__ = [
 ]
 
 PolicyName = Literal["decayed", "lru", "lfu", "arc", "hybrid"]
+#: The least :attr:`ExpertCacheConfig.slot_alignment`: one 128-byte line, so every slot column suits vector loads.
+MIN_SLOT_ALIGNMENT = 128
 #: Every policy name :class:`ExpertCacheConfig` accepts (see :mod:`expert_cache.policies`).
 POLICIES: tuple[PolicyName, ...] = ("decayed", "lru", "lfu", "arc", "hybrid")
 
@@ -228,17 +231,23 @@ class ExpertCacheConfig:
         row of ``slot_bytes`` bytes (projection name ``"weights"``).
     Size
         ``num_slots`` VRAM slots, shared by all layers. ``num_slots = 0`` derives the count at allocation:
-        ``(budget - margin_bytes) // slot_stride`` with ``budget = vram_budget_bytes``, or the device's free memory
-        when that is 0 too (CUDA only). ``max_slots`` (0 = no cap) caps the derived count.
+        ``(budget - margin_bytes) // slot_stride`` with ``budget = vram_budget_bytes``, or, when that is 0 too, the
+        free device memory the cache is given (``ExpertCache(..., free_bytes=)``, default the device's free memory
+        at construction; CUDA only). ``max_slots`` (0 = no cap) caps the derived count.
     Policy (:mod:`expert_cache.policies`)
         ``policy`` (a :data:`PolicyConfig`: which policy, with its own knobs) ranks (layer, expert) pairs; every
         ``replan_every`` steps the planner wants the top ``num_slots`` pairs resident, admits at most
         ``admit_limit`` of them, and evicts a resident only when ``priority(new) > hysteresis * priority(victim)``.
+        A step therefore queues at most ``admit_limit`` fills (``admit_limit * expert_bytes`` over the copy engine),
+        except a re-warm (below).
     Elastic lifecycle
         With ``elastic``, a step of more than ``prefill_tokens`` scheduled tokens releases the whole pool before it
         runs (the memory goes back to the allocator), and the pool is refilled after ``rewarm_after`` consecutive
         steps of at most ``prefill_tokens`` tokens. ``rewarm_set = "kept"`` re-admits the residents remembered at
-        release (the reference); ``"top"`` admits the current top ``num_slots`` by priority.
+        release (the reference); ``"top"`` admits the current top ``num_slots`` by priority. ``rewarm_limit``
+        (0 = no limit, the reference) caps the re-warm's admissions, best first; the replans that follow fill the
+        remaining free slots (at most ``admit_limit`` each), so that no step queues more than
+        ``max(admit_limit, rewarm_limit)`` fills.
         ``observe_prefill`` lets the routing of big (prefill) steps feed the policy, weighted by ``prefill_weight``.
     Execution
         ``async_fill``: slot fills run on a side stream and a newcomer's pointers move to its slot at the first
@@ -246,8 +255,12 @@ class ExpertCacheConfig:
         replan. ``async_observe``: a replan does not wait for the GPU; it snapshots the routing counters (a
         device-to-host copy on the compute stream) and plans with the snapshot of the *previous* replan, so the
         policy sees its data one replan interval late (releases and re-warms still see everything). Without it,
-        each replan waits for the compute stream once, like the reference. ``slot_alignment``: byte alignment of
-        each projection inside a slot.
+        each replan waits for the compute stream once, like the reference.
+    Alignment
+        ``slot_alignment`` (a power of two, >= 128; default 256): the pool's base and every projection column
+        inside every slot start on a ``slot_alignment`` byte boundary (each column is padded to a multiple of it),
+        so a kernel may use 16-byte vector loads, ``cp.async`` and TMA on any slot pointer and reads whole 128-byte
+        lines. Home pointers carry only the home's own alignment (``ExpertCache.home_alignment``).
 
     Defaults are the reference system's (``DSV41_EC_*``: decayed counts with decay 0.9, every 16, admit 48,
     hysteresis 1.0, margin 900 MB, prefill threshold 512 tokens, re-warm after 4 decode steps).
@@ -269,6 +282,7 @@ class ExpertCacheConfig:
     prefill_tokens: int = 512
     rewarm_after: int = 4
     rewarm_set: Literal["kept", "top"] = "kept"
+    rewarm_limit: int = 0
     observe_prefill: bool = False
     prefill_weight: float = 1.0
     async_fill: bool = True
@@ -319,6 +333,7 @@ class ExpertCacheConfig:
         _check_int("rewarm_after", self.rewarm_after, 0)
         if self.rewarm_set not in ("kept", "top"):
             raise ValueError(f"rewarm_set: must be 'kept' or 'top', got {self.rewarm_set!r}")
+        _check_int("rewarm_limit", self.rewarm_limit, 0)
         if not isinstance(self.observe_prefill, bool):
             raise TypeError(f"observe_prefill: must be a bool, got {type(self.observe_prefill).__name__}")
         _check_float("prefill_weight", self.prefill_weight, 0.0, 1e9)
@@ -327,8 +342,10 @@ class ExpertCacheConfig:
         if not isinstance(self.async_observe, bool):
             raise TypeError(f"async_observe: must be a bool, got {type(self.async_observe).__name__}")
         _check_int("slot_alignment", self.slot_alignment, 1)
-        if self.slot_alignment & (self.slot_alignment - 1):
-            raise ValueError(f"slot_alignment: must be a power of two, got {self.slot_alignment}")
+        if self.slot_alignment & (self.slot_alignment - 1) or self.slot_alignment < MIN_SLOT_ALIGNMENT:
+            raise ValueError(
+                f"slot_alignment: must be a power of two >= {MIN_SLOT_ALIGNMENT}, got {self.slot_alignment}"
+            )
 
     # ---- derived geometry -------------------------------------------------------------------------------------
 

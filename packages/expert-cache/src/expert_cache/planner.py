@@ -170,14 +170,15 @@ class CacheController:
         return residents
 
     def rewarm(self) -> list[Swap]:
-        """Refill the empty pool: the kept keys (``rewarm_set="kept"``) or the top keys, best first."""
+        """Refill the empty pool: the kept keys (``rewarm_set="kept"``) or the top keys, best first, at most
+        ``rewarm_limit`` of them when that is set (the replans that follow fill the rest)."""
         prio = self.policy.priorities()
         if self.config.rewarm_set == "kept":
             cand = self.keep[np.lexsort((self.keep, -prio[self.keep]))]
         else:
             cand = self._want(prio)
             cand = cand[np.lexsort((cand, -prio[cand]))]
-        cand = cand[: self.num_slots]
+        cand = cand[: min(self.num_slots, self.config.rewarm_limit or self.num_slots)]
         self.released = False
         self.keep = np.zeros(0, np.int64)
         self._c["rewarms"] += 1

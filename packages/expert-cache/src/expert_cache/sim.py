@@ -243,6 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--prefill-tokens", type=int, default=512)
     ap.add_argument("--observe-prefill", action="store_true")
     ap.add_argument("--rewarm-set", choices=("kept", "top"), default="kept")
+    ap.add_argument("--rewarm-limit", type=int, default=0, help="at most this many re-warm admissions (0: all)")
     ap.add_argument("--profile", default=None, help="routing-frequency profile .npz (hybrid policy)")
     ap.add_argument(
         "--slot-bytes",
@@ -268,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             prefill_tokens=a.prefill_tokens,
             observe_prefill=a.observe_prefill,
             rewarm_set=a.rewarm_set,
+            rewarm_limit=a.rewarm_limit,
         )
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)

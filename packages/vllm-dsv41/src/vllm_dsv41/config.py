@@ -25,15 +25,103 @@ from cpu_tier import CpuTierConfig
 #: The key under which the plugin's settings live in ``config.json`` and in vLLM's ``additional_config``.
 CONFIG_KEY = "dsv41"
 
-Runtime = Literal["cpu", "all-in-vram"]
+Runtime = Literal["cpu", "all-in-vram", "tiered"]
 DenseKernel = Literal["auto", "exllamav3", "triton"]
+Split = Literal["auto", "cpu", "pcie"]
+HitKernelName = Literal["auto", "exllamav3", "triton", "reference"]
 Attention = Literal["auto", "upstream", "triton"]
-RUNTIMES: tuple[str, ...] = ("cpu", "all-in-vram")
+RUNTIMES: tuple[str, ...] = ("cpu", "all-in-vram", "tiered")
 DENSE_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton")
+SPLITS: tuple[str, ...] = ("auto", "cpu", "pcie")
+HIT_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton", "reference")
 ATTENTIONS: tuple[str, ...] = ("auto", "upstream", "triton")
+#: The nested settings objects of the plugin config (merged field by field, one level deep).
+_NESTED = ("cpu", "tiered")
 
-__all__ = ["ATTENTIONS", "CONFIG_KEY", "DENSE_KERNELS", "RUNTIMES", "Dsv41PluginConfig", "merge_settings",
-           "vllm_env_for_pack"]  # fmt: skip
+__all__ = [
+    "ATTENTIONS",
+    "CONFIG_KEY",
+    "DENSE_KERNELS",
+    "HIT_KERNELS",
+    "RUNTIMES",
+    "SPLITS",
+    "Dsv41PluginConfig",
+    "TieredConfig",
+    "merge_settings",
+    "vllm_env_for_pack",
+]
+
+
+def _number(name: str, value: Any, lo: float, hi: float = float("inf")) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ValueError(f"{name}: expected a number in [{lo}, {hi}], got {value!r}")
+
+
+def _integer(name: str, value: Any, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name}: expected an integer >= {lo}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TieredConfig:
+    """The tiered expert runtime (``runtime="tiered"``): the hottest experts in an elastic VRAM cache computed on
+    the GPU, the misses on the CPU tier or read over PCIe by the GPU, one combined result.
+
+    Attributes
+    ----------
+    cache_gib : VRAM for the expert cache. 0 (auto): what vLLM leaves free once its KV cache is allocated, minus
+        ``cache_margin_gib`` (vLLM's share is ``gpu_memory_utilization``).
+    cache_margin_gib : VRAM left free beside the cache (CUDA graphs, the allocator's slack, other processes).
+    policy : the cache policy (``expert_cache.POLICIES``; "hybrid" by default, "decayed" = the reference's).
+    replan_every : decode steps between two replans of the cache.
+    admit_limit : most experts admitted into the cache per replan (bounds the copy traffic).
+    split : where misses go. "auto": the cost model (measured rates) splits them between the CPU tier and the
+        GPU reading the host home over PCIe so both finish together; "cpu" / "pcie": all of them there.
+    hit_kernel : the GPU kernel of the cached experts (``vllm_dsv41.hits``); "auto" picks the fastest available.
+    cpu_gbps, pcie_gbps : the cost model's rates (expert bytes per second, in GB/s) of the CPU tier and of the
+        GPU's PCIe reads of the host home; 0 = measured at startup.
+    deadline_factor, deadline_floor_ms : the CPU tier's deadline per layer, ``factor * predicted + floor``; picks
+        it has not computed by then are computed by the GPU from the host home (counted, never dropped).
+        ``deadline_factor = 0``: no deadline.
+    trace_path : record the served routing (``expert_cache.trace`` format, ``.npz``) to this path at exit; the
+        policies can then be replayed on it with ``python -m expert_cache.sim``. Empty: no recording.
+    stats_every : log the tier's statistics every this many decode steps (0: never).
+    """
+
+    cache_gib: float = 0.0
+    cache_margin_gib: float = 1.0
+    policy: str = "hybrid"
+    replan_every: int = 16
+    admit_limit: int = 48
+    split: Split = "auto"
+    hit_kernel: HitKernelName = "auto"
+    cpu_gbps: float = 0.0
+    pcie_gbps: float = 0.0
+    deadline_factor: float = 4.0
+    deadline_floor_ms: float = 2.0
+    trace_path: str = ""
+    stats_every: int = 256
+
+    def __post_init__(self) -> None:
+        from expert_cache.config import POLICIES
+
+        _number("cache_gib", self.cache_gib, 0.0)
+        _number("cache_margin_gib", self.cache_margin_gib, 0.0)
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {tuple(POLICIES)}, got {self.policy!r}")
+        _integer("replan_every", self.replan_every, 1)
+        _integer("admit_limit", self.admit_limit, 1)
+        if self.split not in SPLITS:
+            raise ValueError(f"split: expected one of {SPLITS}, got {self.split!r}")
+        if self.hit_kernel not in HIT_KERNELS:
+            raise ValueError(f"hit_kernel: expected one of {HIT_KERNELS}, got {self.hit_kernel!r}")
+        _number("cpu_gbps", self.cpu_gbps, 0.0)
+        _number("pcie_gbps", self.pcie_gbps, 0.0)
+        _number("deadline_factor", self.deadline_factor, 0.0)
+        _number("deadline_floor_ms", self.deadline_floor_ms, 0.0)
+        if not isinstance(self.trace_path, str):
+            raise ValueError(f"trace_path: expected a path string, got {self.trace_path!r}")
+        _integer("stats_every", self.stats_every, 0)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,6 +147,8 @@ class Dsv41PluginConfig:
         capability 9.0 and up); "triton": the plugin's Triton path for any GPU from sm_80 (``vllm_dsv41.ampere``:
         bf16 KV rows, no Hopper instruction); "auto": ours below compute capability 9.0 (RTX 3090, A100),
         upstream's from Hopper on. Applies to every V4.1 pack, EXL3 or not.
+    tiered : the tiered runtime's settings (``TieredConfig``; used when ``runtime="tiered"``: VRAM cache hits on
+        the GPU, misses on the CPU tier or over PCIe).
     """
 
     cpu: CpuTierConfig = dataclasses.field(default_factory=CpuTierConfig)
@@ -66,10 +156,13 @@ class Dsv41PluginConfig:
     dense_kernel: DenseKernel = "auto"
     register_host_memory: bool = True
     attention: Attention = "auto"
+    tiered: TieredConfig = dataclasses.field(default_factory=TieredConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.cpu, CpuTierConfig):
             raise ValueError(f"cpu: expected a CpuTierConfig, got {type(self.cpu).__name__}")
+        if not isinstance(self.tiered, TieredConfig):
+            raise ValueError(f"tiered: expected a TieredConfig, got {type(self.tiered).__name__}")
         if self.runtime not in RUNTIMES:
             raise ValueError(f"runtime: expected one of {RUNTIMES}, got {self.runtime!r}")
         if self.dense_kernel not in DENSE_KERNELS:
@@ -90,6 +183,8 @@ class Dsv41PluginConfig:
         kwargs = _known_fields(cls, values, source, "plugin settings")
         if "cpu" in kwargs:
             kwargs["cpu"] = _cpu_config(kwargs["cpu"], f"{source}: cpu")
+        if "tiered" in kwargs:
+            kwargs["tiered"] = _tiered_config(kwargs["tiered"], f"{source}: tiered")
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as e:
@@ -100,7 +195,8 @@ class Dsv41PluginConfig:
         cpu = dataclasses.asdict(self.cpu)
         cpu["cpus"] = list(self.cpu.cpus)
         return {"cpu": cpu, "runtime": self.runtime, "dense_kernel": self.dense_kernel,
-                "register_host_memory": self.register_host_memory, "attention": self.attention}  # fmt: skip
+                "register_host_memory": self.register_host_memory, "attention": self.attention,
+                "tiered": dataclasses.asdict(self.tiered)}  # fmt: skip
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> Dsv41PluginConfig:
@@ -144,12 +240,22 @@ def _cpu_config(value: Any, source: str) -> CpuTierConfig:
         raise ValueError(f"{source}: {e}") from None
 
 
+def _tiered_config(value: Any, source: str) -> TieredConfig:
+    if isinstance(value, TieredConfig):
+        return value
+    kwargs = _known_fields(TieredConfig, value, source, "tiered-runtime settings")
+    try:
+        return TieredConfig(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
 def merge_settings(base: Mapping[str, Any], override: Mapping[str, Any]) -> dict[str, Any]:
-    """``base`` updated by ``override`` field by field, one level into the nested ``cpu`` object."""
+    """``base`` updated by ``override`` field by field, one level into the nested ``cpu`` and ``tiered`` objects."""
     out = dict(base)
     for k, v in override.items():
-        if k == "cpu" and isinstance(v, Mapping) and isinstance(out.get("cpu"), Mapping):
-            out["cpu"] = {**out["cpu"], **v}
+        if k in _NESTED and isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = {**out[k], **v}
         else:
             out[k] = v
     return out

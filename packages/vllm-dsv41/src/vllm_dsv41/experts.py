@@ -8,6 +8,8 @@ caller-owned output buffer (the buffer a captured CUDA graph segment reads next)
 * ``CpuExpertRuntime``: every routed expert in the host home, computed by ``cpu_tier.ExpertTier`` (on a GPU
   model: activations and routing copied to pinned host buffers, the result copied back; one host sync per
   layer, the CPU tier's own);
+* ``TieredRuntime`` (``vllm_dsv41.tiered``): the hottest experts in a VRAM cache computed on the GPU, the misses
+  on the CPU tier or read over PCIe by the GPU;
 * ``AllInVramRuntime``: the oracle. Every routed expert dequantized once (``cpu_tier.exl3``, float32) into the
   model's device memory and computed by plain fp32 matmuls, so it differs from any tier only in where the
   experts run.
@@ -261,12 +263,20 @@ class AllInVramRuntime:
         self._w.clear()
 
 
-def make_runtime(config: Dsv41PluginConfig, device: torch.device | str, max_tokens: int = 0) -> ExpertRuntime:
-    """The runtime ``config.runtime`` names, for a model on ``device``."""
+def make_runtime(config: Dsv41PluginConfig, device: torch.device | str, max_tokens: int = 0,
+                 home: Any = None) -> ExpertRuntime:  # fmt: skip
+    """The runtime ``config.runtime`` names, for a model on ``device``; ``home`` (the ``ExpertHome``, or a callable
+    returning it) is needed by the tiered runtime."""
     if config.runtime == "cpu":
         return CpuExpertRuntime(config, max_tokens=max_tokens)
     if config.runtime == "all-in-vram":
         return AllInVramRuntime(device)
+    if config.runtime == "tiered":
+        if home is None:
+            raise ValueError("runtime 'tiered': needs the host home of the experts")
+        from .tiered import TieredRuntime
+
+        return TieredRuntime(config, home, device)
     raise ValueError(f"runtime: unknown expert runtime {config.runtime!r}")
 
 

@@ -168,10 +168,12 @@ def _switch(model: torch.nn.Module, runtime: str) -> str:
 
         new: Any = AllInVramRuntime(device, torch.float64)
     else:
-        new = make_runtime(dc.replace(q.plugin_config(), runtime=runtime), device)
+        new = make_runtime(dc.replace(q.plugin_config(), runtime=runtime), device, home=q.home())
     limits = _swiglu_limits(model)
     for layer in q.home().layers():
         new.add_layer(layer, limits.get(layer.layer))
+    if hasattr(new, "allow_cache"):  # the engine is built: its KV cache exists, the tiered cache may allocate
+        new.allow_cache()
     old = q.set_runtime(new)
     if old is not None and old is not new:
         old.close()
@@ -271,8 +273,10 @@ def run_fidelity(
 
 def build_llm(pack: str | Path, *, runtime: str = "all-in-vram", eager: bool = False, max_model_len: int = 1024,
               gpu_memory_gib: float | None = None, cpu_threads: int = 0, precision: str = "exact",
-              dtype: str | None = None, extra: dict[str, Any] | None = None) -> Any:  # fmt: skip
-    """An ``LLM`` of a dsv41 pack, set up the way the server runs it (loader, text-only, PIECEWISE graphs)."""
+              dtype: str | None = None, extra: dict[str, Any] | None = None,
+              tiered: dict[str, Any] | None = None) -> Any:  # fmt: skip
+    """An ``LLM`` of a dsv41 pack, set up the way the server runs it (loader, text-only, PIECEWISE graphs);
+    ``tiered``: the tiered runtime's settings (``TieredConfig`` fields)."""
     from vllm import LLM
 
     pack = Path(pack)
@@ -287,6 +291,8 @@ def build_llm(pack: str | Path, *, runtime: str = "all-in-vram", eager: bool = F
         "seed": 0,
         "additional_config": {"dsv41": {"runtime": runtime, "cpu": {"threads": cpu_threads, "precision": precision}}},
     }
+    if tiered:
+        kw["additional_config"]["dsv41"]["tiered"] = dict(tiered)
     kw["dtype"] = dtype or ("bfloat16" if cuda else "float32")
     if v41:
         kw["limit_mm_per_prompt"] = {"image": 0}
@@ -322,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--noise-floor", action="store_true",
                     help=f"also compare {NOISE_FLOOR_RUNTIME} (the oracle's experts, float64 sums) with the reference: "
                          "what last-bit differences in the experts' output alone do to this model")  # fmt: skip
+    ap.add_argument("--tiered", type=json.loads, default=None, metavar="JSON",
+                    help='the tiered runtime\'s settings, e.g. \'{"cache_gib": 2, "split": "auto"}\'')  # fmt: skip
     ap.add_argument("--json", type=Path, help="also write the result as JSON")
     ap.add_argument("--min-top1", type=float, default=None, help="exit 1 when top-1 agreement is below this")
     ap.add_argument("--max-kl-mean", type=float, default=None, help="exit 1 when the mean KL is above this")
@@ -331,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in vllm_env_for_pack(a.pack, cuda_graphs=not a.eager).items():
         os.environ.setdefault(k, v)  # before vLLM is imported (see vllm_env_for_pack)
     llm = build_llm(a.pack, runtime=a.against, eager=a.eager, max_model_len=a.max_model_len,
-                    gpu_memory_gib=a.gpu_memory_gib, cpu_threads=a.cpu_threads, precision=a.precision)  # fmt: skip
+                    gpu_memory_gib=a.gpu_memory_gib, cpu_threads=a.cpu_threads, precision=a.precision,
+                    tiered=a.tiered)  # fmt: skip
     res = run_fidelity(llm, a.runtime, a.against, positions=a.positions, length=a.length,
                        greedy_prompts=a.greedy_prompts, greedy_tokens=a.greedy_tokens)  # fmt: skip
     print(res.table(), flush=True)

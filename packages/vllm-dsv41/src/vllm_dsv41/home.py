@@ -7,9 +7,10 @@ page-locked once with ``cudaHostRegister`` (read-only, mapped, portable) so ever
 them from the GPU. Each mapping is followed by a zeroed tail pad (an anonymous read-only reservation the file is
 mapped over), so kernels that read a little past the last tensor never fault.
 
-Nothing else holds the experts: the CPU tier, the all-in-VRAM oracle and later the VRAM cache and the staged
-prefill all take views (``Exl3Tensor``s of numpy views, or raw addresses) of these mappings. vLLM's weight
-reader never sees them (the plugin's model loader filters them out).
+Nothing else holds the experts: the CPU tier, the all-in-VRAM oracle, the VRAM expert cache
+(:meth:`ExpertHome.cache_home`: expert-cache's address-based home over these mappings) and the staged prefill all
+take views (``Exl3Tensor``s of numpy views, or raw addresses) of these mappings. vLLM's weight reader never sees
+them (the plugin's model loader filters them out).
 """
 
 from __future__ import annotations
@@ -25,17 +26,21 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cpu_tier.exl3 import Exl3Tensor
 from engram_mmap.safetensors_header import TensorInfo, read_header
 
+if TYPE_CHECKING:
+    from expert_cache import ExpertCacheConfig, ExpertRows, ProjectionSpec
+
 __all__ = [
     "EXPERT_COLUMNS",
     "EXPERT_RE",
     "PROJECTIONS",
+    "CacheHome",
     "ExpertHome",
     "HomeStats",
     "LayerExperts",
@@ -60,6 +65,9 @@ _PAGE = mmap.PAGESIZE
 _MERGE_GAP = 1 << 20  # expert tensors closer than this share one mapping (the gap is mapped too)
 _NP_DTYPES = {"I16": np.int16, "F16": np.float16, "I32": np.int32, "F32": np.float32, "BF16": np.uint16,
               "U8": np.uint8, "I8": np.int8}  # fmt: skip
+#: safetensors dtype -> expert-cache ``ProjectionSpec.dtype``.
+_SPEC_DTYPES = {"I16": "int16", "F16": "float16", "I32": "int32", "F32": "float32", "BF16": "bfloat16",
+                "U8": "uint8", "I8": "int8"}  # fmt: skip
 
 
 def expert_tensor(name: str) -> tuple[int, int, str, str] | None:
@@ -345,6 +353,77 @@ class ExpertHome:
         for lid in self.layer_ids:
             yield self.layer(lid)
 
+    def cache_home(self, layer_ids: Iterable[int] | None = None) -> CacheHome:
+        """The experts of ``layer_ids`` (default: every MoE layer, ascending) as expert-cache's address-based home.
+
+        Cache layer ``i`` is MoE layer ``layer_ids[i]`` (the cache counts from 0; the model numbers decoder layers).
+        One pointer-table column per :data:`EXPERT_COLUMNS` entry, named ``"<role>.<part>"``; each column must have
+        one shape and dtype across every expert of every listed layer (the cache has one slot layout), else a
+        ``ValueError`` names the tensor that differs. The rows are these mappings (one ``uint8`` buffer each), with
+        the GPU-mapped address of each when the home is registered: the cache reads them in place, copies nothing.
+        The home must stay open while the cache uses them. Needs expert-cache installed.
+        """
+        import torch
+
+        from expert_cache import ExpertRows, ProjectionSpec
+
+        lids = self.layer_ids if layer_ids is None else tuple(int(x) for x in layer_ids)
+        if not lids:
+            raise ValueError(f"{self.pack}: layer_ids: no layers given")
+        if len(set(lids)) != len(lids):
+            raise ValueError(f"{self.pack}: layer_ids: {list(lids)} lists a layer twice")
+        num_experts = 0
+        for lid in lids:
+            parts = self._layers.get(lid)
+            if not parts:
+                raise KeyError(
+                    f"{self.pack}: MoE layer {lid} has no routed experts in the pack (layers {self.layer_ids})"
+                )
+            experts = sorted({e for e, _ in parts})
+            if experts != list(range(len(experts))):
+                missing = sorted(set(range(max(experts) + 1)) - set(experts))
+                raise ValueError(f"{self.pack}: layer {lid}: experts {missing} are missing")
+            if num_experts and len(experts) != num_experts:
+                raise ValueError(f"{self.pack}: layer {lid} has {len(experts)} routed experts, layer {lids[0]} has "
+                                 f"{num_experts}; the VRAM cache needs one expert count")  # fmt: skip
+            num_experts = len(experts)
+        index = {id(m): i for i, m in enumerate(self._mappings)}
+        L, P, E = len(lids), len(EXPERT_COLUMNS), num_experts
+        buffer = np.empty((L, P, E), np.int32)
+        offset = np.empty((L, P, E), np.int64)
+        first: list[str] = []
+        for i, lid in enumerate(lids):
+            parts = self._layers[lid]
+            for p, (role, part) in enumerate(EXPERT_COLUMNS):
+                for e in range(E):
+                    name = next((n for n in parts.get((e, role), ()) if n.rsplit(".", 1)[1] == part), None)
+                    if name is None:
+                        raise ValueError(f"{self.pack}: layer {lid} expert {e}: no {role} {part} tensor")
+                    info = self._infos[name]
+                    if len(first) == p:
+                        if not info.shape:
+                            raise ValueError(f"{self.pack}: {name}: a scalar, not a pointer-table column")
+                        first.append(name)
+                    ref = self._infos[first[p]]
+                    if (info.dtype, tuple(info.shape)) != (ref.dtype, tuple(ref.shape)):
+                        raise ValueError(
+                            f"{self.pack}: {name}: {info.dtype} {list(info.shape)} differs from {first[p]}'s "
+                            f"{ref.dtype} {list(ref.shape)}; the VRAM cache needs one shape per column ({role}.{part})"
+                        )
+                    m = self._where[name]
+                    buffer[i, p, e] = index[id(m)]
+                    offset[i, p, e] = info.offset - m.file_offset
+        specs = tuple(
+            ProjectionSpec(f"{role}.{part}", tuple(self._infos[n].shape), _SPEC_DTYPES[self._infos[n].dtype])
+            for (role, part), n in zip(EXPERT_COLUMNS, first, strict=True)
+        )
+        buffers = tuple(
+            torch.frombuffer((ctypes.c_uint8 * m.length).from_address(m.base), dtype=torch.uint8)
+            for m in self._mappings
+        )
+        bases = tuple(m.device_base for m in self._mappings) if self.registered else ()
+        return CacheHome(lids, E, specs, ExpertRows(buffers, buffer, offset, bases, self))
+
     def describe(self) -> str:
         s = self.stats
         gib = 1 << 30
@@ -363,6 +442,36 @@ class ExpertHome:
 
 #: ``cudaHostRegisterReadOnly``: pin a read-only mapping (the GPU only reads it).
 HOST_REGISTER_READ_ONLY = 8
+
+
+@dataclass(frozen=True, eq=False)
+class CacheHome:
+    """A home's routed experts as expert-cache's ``ExpertCache`` takes them (:meth:`ExpertHome.cache_home`).
+
+    ``layer_ids[i]`` is the MoE layer behind cache layer ``i``; ``projections`` are the pointer-table columns
+    (:data:`EXPERT_COLUMNS` order, named ``"<role>.<part>"``); ``rows`` the address-based home for
+    ``ExpertCache(config, rows, device)``.
+    """
+
+    layer_ids: tuple[int, ...]
+    num_experts: int
+    projections: tuple[ProjectionSpec, ...]
+    rows: ExpertRows
+
+    def cache_layer(self, layer_id: int) -> int:
+        """The cache's index of MoE layer ``layer_id``."""
+        try:
+            return self.layer_ids.index(layer_id)
+        except ValueError:
+            raise KeyError(f"MoE layer {layer_id} is not in the cache (layers {list(self.layer_ids)})") from None
+
+    def cache_config(self, **fields: Any) -> ExpertCacheConfig:
+        """``ExpertCacheConfig`` with this home's geometry (layers, experts, projections) and ``fields``."""
+        from expert_cache import ExpertCacheConfig
+
+        return ExpertCacheConfig(
+            num_layers=len(self.layer_ids), num_experts=self.num_experts, projections=self.projections, **fields
+        )
 
 
 def expert_problems(pack: str | os.PathLike[str], config: Mapping[str, Any] | None = None) -> list[str]:

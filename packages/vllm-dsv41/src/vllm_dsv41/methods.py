@@ -128,9 +128,27 @@ def _eager_routed() -> Any:
     from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 
     def call(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, runtime: int, layer: int) -> None:
+        rt: Any = _experts.get_runtime(runtime)
+        if getattr(rt, "cache_allowed", True) is False and _kv_cache_bound():
+            rt.allow_cache()  # the tiered runtime's VRAM cache takes what vLLM leaves, once its KV cache exists
         torch.ops.dsv41.routed_experts_out(x, ids, w, out, runtime, layer)
 
     return eager_break_during_capture(call)
+
+
+def _kv_cache_bound() -> bool:
+    """True once vLLM has bound a real KV cache to the model's attention layers (after its memory profiling)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return False
+    for module in get_forward_context().no_compile_layers.values():
+        kv = getattr(module, "kv_cache", None)
+        if isinstance(kv, (list, tuple)):
+            kv = kv[0] if kv else None
+        if isinstance(kv, torch.Tensor) and kv.numel() > 0:
+            return True
+    return False
 
 
 class Exl3HostExpertsMethod(FusedMoEMethodBase):

@@ -30,8 +30,9 @@ name                                      type       labels    what
 ========================================  =========  ========  ================================================
 
 Tiers (``TIERS``): ``cpu`` (host-RAM experts computed by cpu-tier), ``gpu`` (experts resident in VRAM for the
-whole run), ``gpu_cache`` (VRAM expert-cache hits), ``streamed`` (experts copied to VRAM for this step, the
-staged-DMA prefill). Every tier's series exist from start-up, at zero.
+whole run), ``gpu_cache`` (VRAM expert-cache hits), ``pcie`` (cache misses the GPU computes by reading the
+host home over PCIe), ``streamed`` (experts copied to VRAM for this step, the staged-DMA prefill). Every
+tier's series exist from start-up, at zero.
 
 Derived values, in PromQL: cache hit rate
 ``rate(dsv41_expert_cache_lookups_total{result="hit"}[5m]) / rate(dsv41_expert_cache_lookups_total[5m])``
@@ -61,12 +62,13 @@ __all__ = [
     "cache_lookups",
     "cpu_deadline_miss",
     "engram_gather",
+    "picks",
     "staged_prefill",
     "tier",
 ]
 
 #: Where a routed expert's pick can be computed (the ``tier`` label's values).
-TIERS: tuple[str, ...] = ("cpu", "gpu", "gpu_cache", "streamed")
+TIERS: tuple[str, ...] = ("cpu", "gpu", "gpu_cache", "pcie", "streamed")
 
 #: Seconds: one layer's forward is ~50 us (a decode step on a small model) to seconds (a long prefill on CPU).
 _FORWARD_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -132,6 +134,12 @@ def tier(name: str) -> TierMetrics:
     if name not in TIERS:
         raise ValueError(f"tier: expected one of {TIERS}, got {name!r}")
     return TierMetrics(name, EXPERT_FORWARD_SECONDS.labels(tier=name), EXPERT_PICKS.labels(tier=name))
+
+
+def picks(tier_name: str, n: int) -> None:
+    """``n`` picks computed on ``tier_name`` by work whose time is not the host's to measure (GPU kernels)."""
+    if n:
+        EXPERT_PICKS.labels(tier=tier_name).inc(n)
 
 
 def cache_lookups(hits: int, misses: int) -> None:

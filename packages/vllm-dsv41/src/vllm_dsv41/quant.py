@@ -172,10 +172,10 @@ class Exl3Config(QuantizationConfig):
             cfg = self.plugin_config()
             device = torch.device(getattr(getattr(vcfg, "device_config", None), "device", None) or "cpu")
             max_tokens = int(getattr(getattr(vcfg, "scheduler_config", None), "max_num_batched_tokens", 0) or 0)
-            self._runtime = make_runtime(cfg, device, max_tokens=max_tokens)
+            self._runtime = make_runtime(cfg, device, max_tokens=max_tokens, home=self.home)
             self._runtime_handle = register_runtime(self._runtime)
             extra = f", cpu-tier {self._runtime.isa}, {cfg.effective_threads} threads, {cfg.cpu.precision}" \
-                if cfg.runtime == "cpu" else ""  # fmt: skip
+                if cfg.runtime in ("cpu", "tiered") else ""  # fmt: skip
             logger.info("dsv41: routed experts on the %r expert runtime%s", cfg.runtime, extra)
         assert self._runtime_handle is not None
         return self._runtime, self._runtime_handle

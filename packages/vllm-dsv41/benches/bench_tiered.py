@@ -1,0 +1,223 @@
+"""Decode through the tiered runtime at real DeepSeek-V4.1-Flash layer sizes, against its roofline (GPU machine).
+
+    python packages/vllm-dsv41/benches/bench_tiered.py --layers 6 --streams 1,2,4 --splits cpu,auto,pcie
+
+What it does
+------------
+1. Writes ``--layers`` real-size Flash MoE layers (``pack-tools synth --preset flash-layer``: 384 experts,
+   H 5120, I 2304, 3 bpw; 5.1 GB each) once under ``--root``, and opens them as one host home (mapped, CUDA-
+   registered), as the served model's loader does.
+2. Routing: ``expert_cache``'s synthetic trace model (per-request expert preferences, locality; a model, not a
+   measurement) for ``--layers`` layers; decode steps of S tokens (S = streams).
+3. Measures the rates the roofline needs, in this run: the CPU tier's streaming rate at one token per expert
+   (``cpu``), the hit kernel reading the GPU-mapped host home (``pcie``) and reading VRAM slots (``hbm``).
+4. Per (streams, split): a ``TieredRuntime`` whose cache holds the share of a 24 GB card's cache one layer gets
+   (``--cache-gib-full`` over the full model's 40 MoE layers, times ``--layers``), ``--warmup`` steps to fill
+   it, then ``--steps`` timed steps (wall clock of every layer's call, CUDA synchronized at the step's end).
+   Roofline per step: hit bytes / hbm + miss bytes / (cpu + pcie) (auto; cpu: / cpu; pcie: / pcie), with the
+   miss and hit bytes of the same steps (distinct experts per layer). Prints one row per case with the ratio
+   roofline / measured (goal >= 0.85), the hit rate and Belady's MIN on the same trace at the same capacity,
+   and the MoE time per token scaled to the model's 40 layers.
+
+Only the routed experts are timed (the non-expert part of a decode step is the model's, measured by the served
+benchmark). Results also go to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+GiB = 1 << 30
+FULL_LAYERS = 40  # DeepSeek-V4.1-Flash's MoE layers
+
+
+def combined_home_dir(root: Path, layers: int) -> Path:
+    """``layers`` flash-layer packs (written once) linked into one directory with one index."""
+    from pack_tools import synth
+    from pack_tools.presets.flash_layer import FlashLayer
+
+    weight_map: dict[str, str] = {}
+    out = root / f"combined{layers}"
+    out.mkdir(parents=True, exist_ok=True)
+    for layer in range(layers):
+        d = root / f"layer{layer}"
+        if not (d / "model.safetensors.index.json").exists():
+            t = time.time()
+            synth("flash-layer", d, seed=layer, layer=FlashLayer(layer=layer))
+            print(f"synth flash-layer {layer}: {time.time() - t:.0f} s", flush=True)
+        index = json.loads((d / "model.safetensors.index.json").read_text())
+        for name, rel in index["weight_map"].items():
+            link = out / f"l{layer}-{rel}"
+            if not link.exists():
+                link.symlink_to(d / rel)
+            weight_map[name] = link.name
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out
+
+
+def decode_steps(layers: int, streams: int, steps: int, seed: int) -> list[np.ndarray]:
+    """``steps`` decode steps of ``streams`` tokens: ids ``[streams, layers, top_k]`` each."""
+    from expert_cache import SyntheticTraceConfig, generate
+
+    trace = generate(SyntheticTraceConfig(num_layers=layers, streams=streams, decode_steps=steps * 3, seed=seed,
+                                          mean_prompt_tokens=64.0, full_rows_below=0))  # fmt: skip
+    out, row = [], 0
+    for rows, toks in zip(trace.rows_per_step.tolist(), trace.tokens_per_step.tolist(), strict=True):
+        ids = trace.ids[row : row + rows]
+        row += rows
+        if toks == streams and rows == streams:
+            out.append(ids.astype(np.int64))
+        if len(out) == steps:
+            break
+    if len(out) < steps:
+        raise RuntimeError(f"the synthetic trace gave {len(out)} decode steps of {streams} tokens, {steps} needed")
+    return out
+
+
+def measure_rates(runtime: Any, lx: Any, device: torch.device, reps: int = 5) -> dict[str, float]:
+    """cpu / pcie / hbm bytes per second of expert weights, measured now."""
+    from vllm_dsv41.home import EXPERT_COLUMNS
+    from vllm_dsv41.tiered import _expert_bytes
+
+    eb = _expert_bytes(lx)
+    r = runtime._measure_rates()  # CPU tier (m=1) and the hit kernel over the host home
+    cache = runtime.cache
+    li = runtime._index[lx.layer]
+    kernel = runtime._hits[lx.layer]
+    n = 32
+    # hbm: the first n experts copied into VRAM (one tensor per column), their pointers in a copy of the table
+    ptrs = cache.layer_pointers(li).clone()
+    keep = []
+    for e in range(n):
+        tensors = [getattr(getattr(lx, role)[e], part) for role, part in EXPERT_COLUMNS]
+        for c, arr in enumerate(tensors):
+            t = torch.from_numpy(np.ascontiguousarray(arr)).to(device)
+            keep.append(t)
+            ptrs[c, e] = t.data_ptr()
+    ids = torch.arange(n, dtype=torch.int32, device=device).view(n, 1)
+    x = torch.randn((n, lx.hidden), dtype=torch.bfloat16, device=device)
+    w = torch.ones((n, 1), dtype=torch.float32, device=device)
+    y = torch.empty((n, 1, lx.hidden), dtype=torch.float32, device=device)
+    kernel.forward(ptrs, x, ids, w, y)
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        kernel.forward(ptrs, x, ids, w, y)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return {"cpu": r.cpu_bps, "pcie": r.pcie_bps, "hbm": n * eb / min(times)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--root", type=Path, default=Path("/tmp/dsv41/flash"))
+    ap.add_argument("--streams", default="1,2,4")
+    ap.add_argument("--splits", default="cpu,auto,pcie")
+    ap.add_argument("--cache-gib-full", type=float, default=12.0,
+                    help="the full model's expert cache on a 24 GB card (default 12 GiB)")  # fmt: skip
+    ap.add_argument("--policy", default="hybrid")
+    ap.add_argument("--hit-kernel", default="auto")
+    ap.add_argument("--warmup", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--cpu-threads", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    from cpu_tier import CpuTierConfig
+    from expert_cache import Trace, belady_hit_rate
+    from vllm_dsv41 import Dsv41PluginConfig
+    from vllm_dsv41.config import TieredConfig
+    from vllm_dsv41.home import ExpertHome
+    from vllm_dsv41.split import Rates
+    from vllm_dsv41.tiered import TieredRuntime, _expert_bytes
+
+    device = torch.device("cuda", 0)
+    home = ExpertHome(combined_home_dir(a.root, a.layers), register=True)
+    print(f"home: {home.describe()}", flush=True)
+    layers = list(home.layers())
+    lx0 = layers[0]
+    eb = _expert_bytes(lx0)
+    cache_bytes = int(a.cache_gib_full * GiB * a.layers / FULL_LAYERS)
+    rows: list[dict[str, Any]] = []
+    rates: dict[str, float] | None = None
+    for streams in (int(s) for s in a.streams.split(",")):
+        steps = decode_steps(a.layers, streams, a.warmup + a.steps, a.seed)
+        for split in a.splits.split(","):
+            tcfg = TieredConfig(split=split, policy=a.policy, hit_kernel=a.hit_kernel,  # type: ignore[arg-type]
+                                deadline_factor=0.0, stats_every=0)  # fmt: skip
+            cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=a.cpu_threads), runtime="tiered", tiered=tcfg)
+            rt = TieredRuntime(cfg, home, device, cache_bytes=cache_bytes,
+                               rates=None if rates is None else Rates(rates["cpu"], rates["pcie"], rates["hbm"],
+                                                                      "measured"))  # fmt: skip
+            for lx in layers:
+                rt.add_layer(lx, swiglu_limit=None)
+            rt.allow_cache()
+            g = torch.Generator(device=device).manual_seed(a.seed)
+            xs = torch.randn((streams, lx0.hidden), generator=g, device=device, dtype=torch.bfloat16)
+            out = torch.empty_like(xs)
+            k = int(steps[0].shape[-1])
+            w = torch.full((streams, k), 1.0 / k, device=device)
+            times: list[float] = []
+            hit_bytes = miss_bytes = 0
+            before = None
+            for i, ids in enumerate(steps):
+                dev_ids = torch.from_numpy(ids).to(device)
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                for j, lx in enumerate(layers):
+                    rt.forward_into(lx.layer, xs, dev_ids[:, j], w, out)
+                torch.cuda.synchronize(device)
+                dt = time.perf_counter() - t0
+                if i == a.warmup - 1:
+                    before = (rt.stats.hit_picks, rt.stats.picks)
+                if i >= a.warmup:
+                    times.append(dt)
+                    for j, lx in enumerate(layers):
+                        li = rt._index[lx.layer]
+                        distinct = np.unique(ids[:, j])
+                        resident = rt.cache.slot_of[li].cpu().numpy()[distinct] >= 0
+                        hit_bytes += int(resident.sum()) * eb
+                        miss_bytes += int((~resident).sum()) * eb
+            if rates is None:
+                rates = measure_rates(rt, lx0, device)
+                print("rates (GB/s): " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in rates.items()), flush=True)
+            assert before is not None
+            hits = (rt.stats.hit_picks - before[0]) / max(rt.stats.picks - before[1], 1)
+            cap = rt.cache.num_slots
+            rt.close()
+            n = len(times)
+            miss_rate = {"cpu": rates["cpu"], "pcie": rates["pcie"], "auto": rates["cpu"] + rates["pcie"]}[split]
+            roof = (hit_bytes / rates["hbm"] + miss_bytes / miss_rate) / n
+            med = statistics.median(times)
+            flat = np.concatenate([s.reshape(1, a.layers, -1) for s in steps]).astype(np.int16)
+            trace = Trace.create(np.repeat(flat, 1, axis=0), np.ones(len(steps), np.int64),
+                                 np.ones(len(steps), np.int64), lx0.num_experts)  # fmt: skip
+            bel = belady_hit_rate(trace, cap)
+            row = {"streams": streams, "split": split, "slots": cap, "median_ms": 1e3 * med, "min_ms": 1e3 * min(times),
+                   "max_ms": 1e3 * max(times), "roofline_ms": 1e3 * roof, "ratio": roof / med, "hit_rate": hits,
+                   "belady": bel, "moe_ms_per_token_40_layers": 1e3 * med * FULL_LAYERS / a.layers,
+                   "tok_s_moe_only_40_layers": a.layers / (med * FULL_LAYERS) * streams}  # fmt: skip
+            rows.append(row)
+            print(f"S={streams} split={split:5s} slots={cap:5d} step {row['median_ms']:.2f} ms "
+                  f"(min {row['min_ms']:.2f}, max {row['max_ms']:.2f}) roofline {row['roofline_ms']:.2f} ms "
+                  f"ratio {row['ratio']:.2f}; hit rate {hits:.3f} (Belady {bel:.3f}); MoE at 40 layers "
+                  f"{row['moe_ms_per_token_40_layers']:.1f} ms/step = {row['tok_s_moe_only_40_layers']:.1f} tok/s "
+                  f"(experts only)", flush=True)  # fmt: skip
+    if a.json:
+        a.json.write_text(json.dumps({"rates": rates, "rows": rows, "layers": a.layers}, indent=2))
+    home.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

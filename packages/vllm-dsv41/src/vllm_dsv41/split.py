@@ -1,0 +1,106 @@
+"""Where a decode step's cache misses run: the CPU tier or the GPU reading the host home over PCIe.
+
+A miss (a routed expert not resident in the VRAM cache) can be computed by the CPU tier from the host home
+(its cost: the expert's bytes at the CPU tier's streaming rate) or by the GPU's hit kernel reading the same
+bytes from the GPU-mapped host home (the expert's bytes at the PCIe read rate, after the GPU's own hits). Both
+paths run at once, so the best split balances their finish times: experts are assigned, most-used first, to
+whichever path would finish them earlier (longest-processing-time-first; the rates are measured at startup,
+``Rates``). ``split_misses`` is pure (numpy in, numpy out) and deterministic for a given input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+__all__ = ["Rates", "SplitPlan", "split_misses"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Rates:
+    """The cost model's rates, in bytes per second of expert weights.
+
+    Attributes
+    ----------
+    cpu_bps : what the CPU tier streams at decode sizes (one token per expert).
+    pcie_bps : what the GPU's hit kernel reads from the GPU-mapped host home.
+    gpu_bps : what the hit kernel reads from VRAM (to predict when the GPU starts on PCIe work).
+    source : where the numbers came from ("measured", "configured", ...), for the log.
+    """
+
+    cpu_bps: float
+    pcie_bps: float
+    gpu_bps: float = math.inf
+    source: str = "configured"
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_bps", "pcie_bps", "gpu_bps"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v < 0:
+                raise ValueError(f"Rates.{name}: expected a number >= 0 (bytes/s), got {v!r}")
+
+    def describe(self) -> str:
+        def gbps(v: float) -> str:
+            return "inf" if math.isinf(v) else f"{v / 1e9:.2f}"
+
+        return (f"CPU tier {gbps(self.cpu_bps)} GB/s, PCIe reads {gbps(self.pcie_bps)} GB/s, "
+                f"VRAM hits {gbps(self.gpu_bps)} GB/s ({self.source})")  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SplitPlan:
+    """The split of one layer's missed experts.
+
+    ``pcie[i]`` is True when missed expert ``experts[i]`` is computed by the GPU from the host home, False when by
+    the CPU tier; ``cpu_seconds`` / ``pcie_seconds`` are the model's predicted finish times of the two paths
+    (``pcie_seconds`` includes the GPU's hits before it).
+    """
+
+    experts: np.ndarray
+    pcie: np.ndarray
+    cpu_seconds: float
+    pcie_seconds: float
+
+    @property
+    def predicted_seconds(self) -> float:
+        return max(self.cpu_seconds, self.pcie_seconds)
+
+
+def split_misses(experts: np.ndarray, tokens: np.ndarray, expert_bytes: int, rates: Rates, mode: str = "auto",
+                 gpu_busy_seconds: float = 0.0) -> SplitPlan:  # fmt: skip
+    """Split a layer's distinct missed experts between the CPU tier and PCIe reads.
+
+    Parameters
+    ----------
+    experts : int ``[n]`` distinct missed expert ids.
+    tokens : int ``[n]`` tokens routed to each of them in this step (the most used go first; ties by id).
+    expert_bytes : bytes of one expert's weights (all experts of a layer have the same).
+    rates : the measured (or configured) rates.
+    mode : "auto" (balance the finish times), "cpu" (all on the CPU tier), "pcie" (all read over PCIe).
+    gpu_busy_seconds : when the GPU can start on PCIe work (after this layer's hits).
+    """
+    experts = np.asarray(experts)
+    tokens = np.asarray(tokens)
+    if experts.shape != tokens.shape or experts.ndim != 1:
+        raise ValueError(f"experts and tokens: expected two [n] arrays, got {experts.shape} and {tokens.shape}")
+    if mode not in ("auto", "cpu", "pcie"):
+        raise ValueError(f"mode: expected 'auto', 'cpu' or 'pcie', got {mode!r}")
+    n = experts.size
+    cpu_cost = expert_bytes / rates.cpu_bps if rates.cpu_bps > 0 else math.inf
+    pcie_cost = expert_bytes / rates.pcie_bps if rates.pcie_bps > 0 else math.inf
+    if mode == "cpu" or (mode == "auto" and math.isinf(pcie_cost)):
+        return SplitPlan(experts, np.zeros(n, bool), n * cpu_cost if n else 0.0, gpu_busy_seconds)
+    if mode == "pcie" or math.isinf(cpu_cost):
+        return SplitPlan(experts, np.ones(n, bool), 0.0, gpu_busy_seconds + n * pcie_cost)
+    order = np.lexsort((experts, -tokens))  # most tokens first, then by id
+    pcie = np.zeros(n, bool)
+    cpu_t, pcie_t = 0.0, gpu_busy_seconds
+    for i in order.tolist():
+        if pcie_t + pcie_cost < cpu_t + cpu_cost:
+            pcie[i] = True
+            pcie_t += pcie_cost
+        else:
+            cpu_t += cpu_cost
+    return SplitPlan(experts, pcie, cpu_t, pcie_t)

@@ -1,0 +1,533 @@
+"""``TieredRuntime``: decode with the hottest experts in a VRAM cache, the misses on the CPU tier or over PCIe.
+
+The libraries do the work; this module composes them:
+
+* **expert-cache** (``ExpertCache``): the slot pool, the pointer tables (a resident expert's columns point into
+  its VRAM slot, any other expert's into the GPU-mapped host home), the policy observing every step's routing,
+  replans between steps with bounded admissions, fills on a side stream;
+* **hits** (``vllm_dsv41.hits``): one fused GPU launch per layer computing the picks it is given, reading each
+  expert through the pointer table (VRAM for hits; the host home over PCIe for misses sent that way);
+* **cpu-tier** (``ExpertTier``): the misses assigned to the CPU, computed from the same host home;
+* **split** (``split_misses``): the cost model balancing the misses between the CPU tier and PCIe reads, from
+  rates measured at startup (or configured), logged.
+
+One MoE layer's forward (``forward_into``)
+------------------------------------------
+1. device: ``hit = slot_of[ids] >= 0`` (the cache's table; no host read); the hit picks go to the hit kernel,
+   which writes each pick's weighted output into ``y[t, k]`` (exact zeros for the other picks);
+2. the activations, routing and hit mask are copied to pinned host memory (one event, the only host wait
+   before the CPU starts); the GPU keeps computing the hits meanwhile;
+3. host: the misses are split (cost model); the PCIe share is handed to the hit kernel a second time (into a
+   second buffer), the CPU share is submitted to the CPU tier, one output row per pick;
+4. the CPU tier gets a deadline (``factor * predicted + floor``); picks it has not computed by then are
+   computed by the GPU from the host home (counted in ``dsv41_cpu_deadline_misses_total``; never dropped);
+5. the CPU rows are copied back and scattered into ``y``; ``out = sum_k y[:, k]`` in a fixed order. Every pick
+   lands in exactly one place and the rest are exact zeros, so the result is the same whatever the split (given
+   the per-pick values).
+
+Steps. A step begins at the first MoE layer's call (``before_step``, with the step's token count) and ends at
+the next step's first call (``after_step``, which may replan: evictions and admissions, copies on the side
+stream). The cache is created at the first call allowed to allocate (``allow_cache``; the plugin allows it once
+vLLM's KV cache is bound, so the cache takes what vLLM leaves; tests allow it at once).
+
+On a CPU "device" (tests) the same code runs with host tensors: the copies are plain copies, the hit kernel is
+the reference one reading host addresses, and the cache lives in host memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import metrics
+from .config import Dsv41PluginConfig, TieredConfig
+from .experts import _check_args, _refuse_capture
+from .home import ExpertHome, LayerExperts
+from .split import Rates, split_misses
+
+__all__ = ["TierStats", "TieredRuntime"]
+
+logger = logging.getLogger("vllm_dsv41.tiered")
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(slots=True)
+class TierStats:
+    """Counters since start (picks per path, steps, seconds per part)."""
+
+    steps: int = 0
+    layer_calls: int = 0
+    hit_picks: int = 0
+    cpu_picks: int = 0
+    pcie_picks: int = 0
+    fallback_picks: int = 0
+    deadline_misses: int = 0
+    cpu_seconds: float = 0.0  # host wall time from the CPU job's submit to its end
+    wait_seconds: float = 0.0  # host time waiting for the inputs' device-to-host copy
+    layer_seconds: float = 0.0  # host wall time of whole layer calls
+
+    @property
+    def picks(self) -> int:
+        return self.hit_picks + self.cpu_picks + self.pcie_picks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_picks / self.picks if self.picks else 0.0
+
+    def describe(self) -> str:
+        p = max(self.picks, 1)
+        s = max(self.steps, 1)
+        return (
+            f"{self.steps} steps, {self.picks} picks: hits {self.hit_picks / p:.1%}, CPU {self.cpu_picks / p:.1%}, "
+            f"PCIe {self.pcie_picks / p:.1%}; deadline misses {self.deadline_misses} ({self.fallback_picks} picks "
+            f"recomputed on the GPU); per step: layers {1e3 * self.layer_seconds / s:.2f} ms, CPU tier "
+            f"{1e3 * self.cpu_seconds / s:.2f} ms, input wait {1e3 * self.wait_seconds / s:.2f} ms"
+        )
+
+
+class _Buffers:
+    """Persistent device buffers and their pinned host twins for ``rows`` tokens (grown outside graphs)."""
+
+    def __init__(self, device: torch.device, rows: int, hidden: int, topk: int) -> None:
+        self.rows, self.hidden, self.topk = rows, hidden, topk
+        cuda = device.type == "cuda"
+        f32, i32 = torch.float32, torch.int32
+        picks = rows * topk
+
+        def host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, pin_memory=cuda)
+
+        def dev(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        self.ids = dev((rows, topk), i32)
+        self.w = dev((rows, topk), f32)
+        self.x32 = dev((rows, hidden), f32)
+        self.gpu_ids = dev((rows, topk), i32)
+        self.hit = dev((rows, topk), torch.bool)
+        self.y = dev((rows, topk, hidden), f32)
+        self.y2 = dev((rows, topk, hidden), f32)  # PCIe share and deadline fallback
+        self.cpu_rows = dev((picks, hidden), f32)
+        self.cpu_index = dev((picks,), torch.int64)
+        self.second_ids = dev((2, rows, topk), i32)
+        self.h_x = host((rows, hidden), f32)
+        self.h_ids = host((rows, topk), i32)
+        self.h_w = host((rows, topk), f32)
+        self.h_hit = host((rows, topk), torch.bool)
+        self.h_second = host((2, rows, topk), i32)
+        self.h_xrows = host((picks, hidden), f32)
+        self.h_cpu = host((picks, hidden), f32)
+        self.h_index = host((picks,), torch.int64)
+        self.ready = torch.cuda.Event() if cuda else None
+
+
+class TieredRuntime:
+    """Routed experts of every MoE layer split between a VRAM cache (GPU), the CPU tier and PCIe reads.
+
+    Parameters
+    ----------
+    config : the plugin configuration (``config.tiered`` and ``config.cpu`` are used).
+    home : the pack's host home (its mappings must outlive the runtime; CUDA-registered on a GPU model), or a
+        callable returning it (the plugin builds the runtime before its loader maps the home).
+    device : the model's device ("cuda" on a GPU model; "cpu" runs the same composition on host tensors).
+    rates : the cost model's rates; None measures them when the cache is created (or takes ``config.tiered``'s).
+    hits_factory : ``(layer_experts, device) -> HitKernel`` (default: ``vllm_dsv41.hits.make_hits`` with
+        ``config.tiered.hit_kernel``); tests inject the reference.
+    cache_bytes : the cache's size in bytes, overriding ``config.tiered.cache_gib`` (tests, benchmarks).
+    """
+
+    name = "tiered"
+    graph_safe = False
+
+    def __init__(
+        self,
+        config: Dsv41PluginConfig,
+        home: ExpertHome | Callable[[], ExpertHome],
+        device: torch.device | str,
+        *,
+        rates: Rates | None = None,
+        hits_factory: Callable[[LayerExperts, torch.device], Any] | None = None,
+        cache_bytes: int | None = None,
+    ) -> None:
+        from cpu_tier import ExpertTier, Picks
+
+        self.config = config
+        self.tcfg: TieredConfig = config.tiered
+        self.home = home
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._picks_cls = Picks
+        self._tier = ExpertTier(config.cpu)
+        self.isa: str = self._tier.isa
+        self._layers: dict[int, LayerExperts] = {}
+        self._hidden: dict[int, int] = {}
+        self._hits: dict[int, Any] = {}
+        self._hits_factory = hits_factory
+        self._cache_bytes = cache_bytes
+        self._rates = rates
+        self._cache: Any = None
+        self._index: dict[int, int] = {}  # MoE layer id -> cache layer index
+        self._allowed = False
+        self._step_open = False
+        self._step_tokens = 0
+        self._buffers: dict[tuple[int, int], _Buffers] = {}
+        self._lock = threading.Lock()
+        self.stats = TierStats()
+        self._m_cpu = metrics.tier("cpu")
+        self._recorder: Any = None  # expert_cache.TraceRecorder, created at the first recorded step
+        self._step_ids: dict[int, np.ndarray] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------ setup
+
+    def add_layer(self, experts: LayerExperts, swiglu_limit: float | None) -> None:
+        if self._cache is not None:
+            raise RuntimeError(f"MoE layer {experts.layer}: layers must be added before the first forward")
+        self._tier.add_layer(experts.layer, list(experts.gate), list(experts.up), list(experts.down),
+                             swiglu_limit=swiglu_limit)  # fmt: skip
+        self._layers[experts.layer] = experts
+        self._hidden[experts.layer] = experts.hidden
+        factory = self._hits_factory
+        if factory is None:
+            from .hits import make_hits
+
+            kernel = self.tcfg.hit_kernel
+
+            def factory(lx: LayerExperts, dev: torch.device) -> Any:
+                return make_hits(lx, dev, backend=kernel, swiglu_limit=swiglu_limit)
+
+        self._hits[experts.layer] = factory(experts, self.device)
+
+    def allow_cache(self) -> None:
+        """Let the next forward create the VRAM cache (the plugin calls it once vLLM's KV cache is allocated)."""
+        self._allowed = True
+
+    @property
+    def cache_allowed(self) -> bool:
+        return self._allowed
+
+    @property
+    def cache(self) -> Any:
+        """The ``expert_cache.ExpertCache`` (None until created)."""
+        return self._cache
+
+    @property
+    def rates(self) -> Rates | None:
+        return self._rates
+
+    def _create_cache(self) -> None:
+        from expert_cache import ExpertCache, ExpertCacheConfig, policy_config
+
+        layer_ids = sorted(self._layers)
+        home = self.home if isinstance(self.home, ExpertHome) else self.home()
+        src = home.cache_home(layer_ids)
+        self._index = {lid: i for i, lid in enumerate(src.layer_ids)}
+        t = self.tcfg
+        budget = self._cache_bytes
+        if budget is None and t.cache_gib > 0:
+            budget = int(t.cache_gib * GiB)
+        if budget is None and self.device.type != "cuda":
+            raise ValueError("tiered runtime: on a CPU device the cache size must be given (cache_gib > 0)")
+        cfg = ExpertCacheConfig(
+            num_layers=len(layer_ids),
+            num_experts=self._layers[layer_ids[0]].num_experts,
+            projections=src.projections,
+            # a given size is the budget itself; auto: the device's free memory minus the margin
+            vram_budget_bytes=budget or 0,
+            margin_bytes=0 if budget is not None else int(t.cache_margin_gib * GiB),
+            max_slots=0,
+            policy=policy_config(t.policy),  # type: ignore[arg-type]
+            replan_every=t.replan_every,
+            admit_limit=t.admit_limit,
+        )
+        self._cache = ExpertCache(cfg, src.rows, self.device)
+        if self._rates is None:
+            self._rates = self._measure_rates()
+        slots = self._cache.num_slots
+        logger.info("dsv41 tiered: VRAM expert cache of %d slots (%.2f GiB, %.1f%% of %d experts), policy %s; %s",
+                    slots, slots * cfg.slot_stride / GiB, 100.0 * slots / cfg.num_keys, cfg.num_keys, t.policy,
+                    self._rates.describe())  # fmt: skip
+
+    def _measure_rates(self) -> Rates:
+        """Rates from the configuration, measured where 0 (CPU tier: one forward over distinct experts)."""
+        t = self.tcfg
+        cpu = t.cpu_gbps * 1e9
+        pcie = t.pcie_gbps * 1e9
+        lx = self._layers[min(self._layers)]
+        expert_bytes = _expert_bytes(lx)
+        if cpu == 0:
+            n = min(lx.num_experts, 32)
+            x = np.random.default_rng(0).standard_normal((n, lx.hidden)).astype(np.float32)
+            picks = self._picks_cls(np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32),
+                                    np.ones(n, np.float32))  # fmt: skip
+            out = np.empty_like(x)
+            self._tier.forward(lx.layer, x, picks, out=out)  # warm the pages and the pool
+            best = math.inf
+            for _ in range(3):
+                t0 = time.perf_counter()
+                self._tier.forward(lx.layer, x, picks, out=out)
+                best = min(best, time.perf_counter() - t0)
+            cpu = n * expert_bytes / best
+        if pcie == 0 and self.device.type == "cuda":
+            pcie = self._measure_pcie(lx, expert_bytes)
+        source = "configured" if t.cpu_gbps and (t.pcie_gbps or self.device.type != "cuda") else "measured"
+        return Rates(cpu_bps=cpu, pcie_bps=pcie, source=source)
+
+    def _measure_pcie(self, lx: LayerExperts, expert_bytes: int) -> float:
+        """The hit kernel over non-resident experts (pointers into the host home): PCIe read rate."""
+        li = self._index[lx.layer]
+        kernel = self._hits[lx.layer]
+        n = min(lx.num_experts, 16)
+        ids = torch.arange(n, dtype=torch.int32, device=self.device).view(n, 1)
+        x = torch.zeros((n, lx.hidden), dtype=torch.bfloat16, device=self.device)
+        w = torch.ones((n, 1), dtype=torch.float32, device=self.device)
+        y = torch.empty((n, 1, lx.hidden), dtype=torch.float32, device=self.device)
+        ptrs = self._cache.layer_pointers(li)  # nothing is resident yet: every column points into the host home
+        kernel.forward(ptrs, x, ids, w, y)
+        torch.cuda.synchronize(self.device)
+        best = math.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            kernel.forward(ptrs, x, ids, w, y)
+            torch.cuda.synchronize(self.device)
+            best = min(best, time.perf_counter() - t0)
+        return n * expert_bytes / best
+
+    # ------------------------------------------------------------------------------------------ steps
+
+    def _begin_layer(self, layer: int, tokens: int) -> None:
+        first = layer == min(self._layers)
+        cache = self._cache
+        if cache is None and (self._allowed or self.device.type == "cpu") and not _capturing():
+            self._create_cache()
+            cache = self._cache
+        if not first:
+            return
+        if self._step_open:
+            self._end_step()
+        self._step_tokens = tokens
+        self.stats.steps += 1
+        if cache is not None:
+            cache.before_step(tokens)
+        self._step_open = True
+        if self.tcfg.stats_every and self.stats.steps % self.tcfg.stats_every == 0:
+            logger.info("dsv41 tiered: %s", self.stats.describe())
+
+    def _end_step(self) -> None:
+        self._step_open = False
+        if self._cache is not None:
+            self._cache.after_step()
+        if self._step_ids:
+            self._record_step()
+        self._step_ids.clear()
+
+    def _record_step(self) -> None:
+        layers = sorted(self._layers)
+        if any(lid not in self._step_ids for lid in layers):
+            return  # a step that did not reach every MoE layer (cannot happen in a model forward)
+        ids = np.stack([self._step_ids[lid] for lid in layers], axis=1)  # [T, L, K]
+        if self._recorder is None:
+            from expert_cache import TraceRecorder
+
+            self._recorder = TraceRecorder(len(layers), self._layers[layers[0]].num_experts, ids.shape[2],
+                                           meta={"layers": layers, "runtime": self.name})  # fmt: skip
+        self._recorder.record_step(self._step_tokens, ids)
+
+    # ------------------------------------------------------------------------------------------ forward
+
+    def _buffers_for(self, hidden: int, topk: int, t: int) -> _Buffers:
+        key = (hidden, topk)
+        b = self._buffers.get(key)
+        if b is None or b.rows < t:
+            b = _Buffers(self.device, max(t, 2 * b.rows if b else 16), hidden, topk)
+            self._buffers[key] = b
+        return b
+
+    def forward_into(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        t = _check_args(self._hidden, layer, x, topk_ids, topk_weights, out)
+        if t == 0:
+            return
+        if x.device != self.device:
+            raise ValueError(f"MoE layer {layer}: activations on {x.device}, the tiered runtime runs on {self.device}")
+        cuda = self.device.type == "cuda"
+        if cuda:
+            _refuse_capture(self.name)
+        with self._lock:
+            t0 = time.perf_counter()
+            self._begin_layer(layer, t)
+            self._forward(layer, x, topk_ids, topk_weights, out, t)
+            self.stats.layer_calls += 1
+            self.stats.layer_seconds += time.perf_counter() - t0
+
+    def _forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 out: torch.Tensor, t: int) -> None:  # fmt: skip
+        cuda = self.device.type == "cuda"
+        k = topk_ids.shape[1]
+        h = x.shape[1]
+        b = self._buffers_for(h, k, t)
+        ids, w, gpu_ids, hit, y = b.ids[:t], b.w[:t], b.gpu_ids[:t], b.hit[:t], b.y[:t]
+        ids.copy_(topk_ids)
+        w.copy_(topk_weights)
+        cache = self._cache
+        kernel = self._hits[layer]
+        if cache is not None:
+            li = self._index[layer]
+            cache.observe(li, ids)
+            ptrs = cache.layer_pointers(li)
+            torch.ge(cache.slot_of[li][ids.long()], 0, out=hit)
+        else:  # no cache yet (before vLLM's KV cache exists): everything is a miss
+            ptrs = None
+            hit.zero_()
+        torch.where(hit, ids, torch.full_like(ids, -1), out=gpu_ids)
+        # 2. inputs to the host (one event), then the hits on the GPU while the host waits for the copy.
+        b.x32[:t].copy_(x)
+        b.h_x[:t].copy_(b.x32[:t], non_blocking=cuda)
+        b.h_ids[:t].copy_(ids, non_blocking=cuda)
+        b.h_w[:t].copy_(w, non_blocking=cuda)
+        b.h_hit[:t].copy_(hit, non_blocking=cuda)
+        if b.ready is not None:
+            b.ready.record(torch.cuda.current_stream(self.device))
+        if ptrs is not None:
+            kernel.forward(ptrs, x, gpu_ids, w, y)
+        else:
+            y.zero_()
+        tw = time.perf_counter()
+        if b.ready is not None:
+            b.ready.synchronize()
+        self.stats.wait_seconds += time.perf_counter() - tw
+        h_ids = b.h_ids[:t].numpy()
+        h_hit = b.h_hit[:t].numpy()
+        if self.tcfg.trace_path:
+            self._step_ids[layer] = h_ids.copy()
+        n_hit = int(h_hit.sum())
+        miss = np.flatnonzero(~h_hit.reshape(-1))  # flat pick indices t * k + j
+        # 3. split the misses (per distinct expert) between the CPU tier and PCIe reads.
+        pcie_picks = np.empty(0, np.int64)
+        cpu_picks = miss
+        if miss.size and ptrs is not None:
+            flat_ids = h_ids.reshape(-1)
+            experts, counts = np.unique(flat_ids[miss], return_counts=True)
+            assert self._rates is not None
+            lx = self._layers[layer]
+            plan = split_misses(experts, counts, _expert_bytes(lx), self._rates, self.tcfg.split,
+                                gpu_busy_seconds=n_hit * _expert_bytes(lx) / max(self._rates.gpu_bps, 1.0))  # fmt: skip
+            if plan.pcie.any():
+                on_pcie = np.isin(flat_ids[miss], experts[plan.pcie])
+                pcie_picks, cpu_picks = miss[on_pcie], miss[~on_pcie]
+        if pcie_picks.size:
+            self._gpu_picks(b, 0, kernel, ptrs, x, w, t, pcie_picks)
+        # 4. the CPU share, with a deadline; what it misses is computed on the GPU.
+        if cpu_picks.size:
+            self._cpu_share(layer, b, kernel, ptrs, x, w, t, k, cpu_picks)
+        # 5. fixed-order sum over the picks of each token.
+        torch.sum(y, dim=1, out=b.x32[:t])
+        out[:t].copy_(b.x32[:t])
+        s = self.stats
+        s.hit_picks += n_hit
+        s.cpu_picks += int(cpu_picks.size)
+        s.pcie_picks += int(pcie_picks.size)
+        metrics.cache_lookups(n_hit, int(miss.size))
+        metrics.picks("gpu_cache", n_hit)
+        metrics.picks("pcie", int(pcie_picks.size))
+
+    def _gpu_picks(self, b: _Buffers, use: int, kernel: Any, ptrs: Any, x: torch.Tensor, w: torch.Tensor, t: int,
+                   picks: np.ndarray) -> None:  # fmt: skip
+        """The GPU kernel on ``picks`` (flat indices) through ``ptrs``, added into ``y`` (disjoint from what is
+        there). ``use`` picks the staging pair (0: the PCIe share, 1: the deadline fallback), so the two never
+        share a pinned buffer within a layer; the next layer writes them only after its own input event, which
+        the stream orders after these copies."""
+        if ptrs is None:
+            raise RuntimeError("tiered runtime: GPU picks before the expert cache exists")
+        h = b.h_second[use, :t].numpy()
+        h.fill(-1)
+        h.reshape(-1)[picks] = b.h_ids[:t].numpy().reshape(-1)[picks]
+        ids2 = b.second_ids[use, :t]
+        ids2.copy_(b.h_second[use, :t], non_blocking=self.device.type == "cuda")
+        y2 = b.y2[:t]
+        kernel.forward(ptrs, x, ids2, w, y2)
+        b.y[:t].add_(y2)
+
+    def _cpu_share(self, layer: int, b: _Buffers, kernel: Any, ptrs: Any, x: torch.Tensor, w: torch.Tensor,
+                   t: int, k: int, picks: np.ndarray) -> None:  # fmt: skip
+        cuda = self.device.type == "cuda"
+        n = picks.size
+        rows = picks // k
+        xr = b.h_xrows[:n].numpy()
+        np.take(b.h_x[:t].numpy(), rows, axis=0, out=xr)
+        experts = b.h_ids[:t].numpy().reshape(-1)[picks].astype(np.int32)
+        weights = b.h_w[:t].numpy().reshape(-1)[picks].astype(np.float32)
+        hout = b.h_cpu[:n].numpy()
+        picks_obj = self._picks_cls(np.arange(n, dtype=np.int32), experts, weights)
+        timeout = self._deadline(layer, np.unique(experts).size)
+        t0 = time.perf_counter()
+        job = self._tier.submit(layer, xr, picks_obj, out=hout)
+        done = job.wait(timeout)
+        missing = np.empty(0, np.int64)
+        if not done:
+            missing = job.missing()  # cancels, waits for the workers to stop
+        else:
+            job.result()
+        dt = time.perf_counter() - t0
+        self.stats.cpu_seconds += dt
+        self._m_cpu.forward(dt, picks=n - missing.size)
+        idx = b.h_index[:n].numpy()
+        idx[:] = picks
+        b.cpu_index[:n].copy_(b.h_index[:n], non_blocking=cuda)
+        b.cpu_rows[:n].copy_(b.h_cpu[:n], non_blocking=cuda)
+        b.y[:t].view(-1, b.hidden).index_copy_(0, b.cpu_index[:n], b.cpu_rows[:n])
+        if missing.size:
+            self.stats.deadline_misses += 1
+            self.stats.fallback_picks += int(missing.size)
+            metrics.cpu_deadline_miss(int(missing.size))
+            logger.warning("dsv41 tiered: MoE layer %d: the CPU tier missed its deadline (%.2f ms); %d of %d picks "
+                           "recomputed on the GPU from the host home", layer, 1e3 * (timeout or 0), missing.size,
+                           n)  # fmt: skip
+            self._gpu_picks(b, 1, kernel, ptrs, x, w, t, picks[missing])
+
+    def _deadline(self, layer: int, experts: int) -> float | None:
+        t = self.tcfg
+        if t.deadline_factor == 0 or self._rates is None or self._rates.cpu_bps <= 0:
+            return None
+        predicted = experts * _expert_bytes(self._layers[layer]) / self._rates.cpu_bps
+        return t.deadline_factor * predicted + t.deadline_floor_ms / 1e3
+
+    # ------------------------------------------------------------------------------------------ end
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._step_open:
+            self._end_step()
+        if self._recorder is not None:
+            path = Path(self.tcfg.trace_path)
+            self._recorder.trace().save(path)
+            logger.info("dsv41 tiered: routing trace of %d steps written to %s", self.stats.steps, path)
+        if self.stats.steps:
+            logger.info("dsv41 tiered: %s", self.stats.describe())
+        self._tier.close()
+        self._cache = None
+        self._buffers.clear()
+
+
+def _expert_bytes(lx: LayerExperts) -> int:
+    """Bytes of one expert's EXL3 tensors (trellis, suh, svh of gate, up and down)."""
+    g, u, d = lx.gate[0], lx.up[0], lx.down[0]
+    return sum(a.trellis.nbytes + a.suh.nbytes + a.svh.nbytes for a in (g, u, d))
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -1,0 +1,180 @@
+"""The tiered runtime composed on a CPU "device": the real ExpertCache (host slots), the reference hit kernel
+reading host addresses, the real CPU tier; against the float64 reference, across cache sizes and miss splits,
+with the deadline fallback, the step protocol and the routing trace."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cpu_tier import CpuTierConfig
+from vllm_dsv41 import Dsv41PluginConfig
+from vllm_dsv41.config import TieredConfig
+from vllm_dsv41.home import ExpertHome
+from vllm_dsv41.reference import ReferenceExperts
+from vllm_dsv41.split import Rates
+from vllm_dsv41.tiered import TieredRuntime
+
+LAYERS, EXPERTS, TOP_K, HIDDEN = 2, 8, 2, 256
+RATES = Rates(cpu_bps=10e9, pcie_bps=10e9, source="test")
+
+
+@pytest.fixture(scope="module")
+def home(demo_pack: Path) -> Iterator[ExpertHome]:
+    with ExpertHome(demo_pack) as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def reference(home: ExpertHome) -> ReferenceExperts:
+    ref = ReferenceExperts()
+    for lx in home.layers():
+        ref.add_layer(lx.layer, lx.gate, lx.up, lx.down, swiglu_limit=None)
+    return ref
+
+
+def _slot_bytes(home: ExpertHome) -> int:
+    from expert_cache import ExpertCacheConfig
+
+    src = home.cache_home(list(home.layer_ids))
+    return ExpertCacheConfig(num_layers=LAYERS, num_experts=EXPERTS, projections=src.projections).slot_stride
+
+
+def _runtime(home: ExpertHome, slots: int, split: str = "auto", rates: Rates = RATES,
+             **tiered: object) -> TieredRuntime:  # fmt: skip
+    t = TieredConfig(split=split, hit_kernel="reference", replan_every=2, **tiered)  # type: ignore[arg-type]
+    cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact"), runtime="tiered", tiered=t)
+    rt = TieredRuntime(cfg, home, "cpu", rates=rates, cache_bytes=max(slots * _slot_bytes(home), 1))
+    for lx in home.layers():
+        rt.add_layer(lx, swiglu_limit=None)
+    return rt
+
+
+def _routing(rng: np.random.Generator, tokens: int, hot: int = EXPERTS) -> tuple[np.ndarray, np.ndarray]:
+    ids = np.stack([rng.choice(hot, size=TOP_K, replace=False) for _ in range(tokens)]).astype(np.int64)
+    w = rng.uniform(0.1, 1.0, size=(tokens, TOP_K))
+    return ids, (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def _step(rt: TieredRuntime, rng: np.random.Generator, tokens: int, hot: int = EXPERTS) -> list[tuple]:
+    """One model step: every MoE layer once, in order; returns (layer, x, ids, w, out) per layer."""
+    done = []
+    for layer in range(LAYERS):
+        x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
+        ids, w = _routing(rng, tokens, hot)
+        out = torch.full((tokens + 2, HIDDEN), float("nan"))
+        rt.forward_into(layer, torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w), out)
+        assert torch.isnan(out[tokens:]).all()  # rows past T untouched
+        done.append((layer, x, ids, w, out[:tokens].numpy().copy()))
+    return done
+
+
+@pytest.mark.parametrize("slots", [0, 5, LAYERS * EXPERTS])
+@pytest.mark.parametrize("split", ["cpu", "pcie", "auto"])
+def test_matches_the_reference_across_cache_sizes_and_splits(home: ExpertHome, reference: ReferenceExperts,
+                                                             slots: int, split: str) -> None:  # fmt: skip
+    rt = _runtime(home, slots, split)
+    rng = np.random.default_rng(slots * 10 + len(split))
+    try:
+        for step in range(8):
+            for layer, x, ids, w, out in _step(rt, rng, tokens=[1, 3, 17, 2][step % 4], hot=5):
+                expected = reference.forward(layer, x, ids, w)
+                np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+        s = rt.stats
+        assert s.picks == 2 * LAYERS * (1 + 3 + 17 + 2) * TOP_K
+        assert rt.cache is not None and rt.cache.num_slots == slots
+        if slots == 0:
+            assert s.hit_picks == 0
+        else:
+            assert s.hit_picks > 0  # replans every 2 steps admitted the hot experts
+        if split == "cpu":
+            assert s.pcie_picks == 0
+        if split == "pcie":
+            assert s.cpu_picks == 0
+        if split == "auto" and slots < LAYERS * EXPERTS:
+            assert s.cpu_picks > 0 and s.pcie_picks > 0  # equal rates: the misses are shared
+    finally:
+        rt.close()
+
+
+def test_the_combine_does_not_depend_on_the_split(home: ExpertHome) -> None:
+    """With misses read by the same GPU kernel as hits (split=pcie), every cache size gives bit-identical outputs:
+    each pick is computed once, in one place, and summed in a fixed order."""
+    outs = []
+    for slots in (0, 3, LAYERS * EXPERTS):
+        rt = _runtime(home, slots, "pcie")
+        rng = np.random.default_rng(5)
+        try:
+            outs.append([o for _ in range(6) for *_, o in _step(rt, rng, tokens=4, hot=6)])
+            hits = rt.stats.hit_picks
+        finally:
+            rt.close()
+        assert (hits > 0) == (slots > 0)
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other, strict=True):
+            assert np.array_equal(a, b)
+
+
+def test_deadline_fallback_recomputes_on_the_gpu_and_counts(home: ExpertHome, reference: ReferenceExperts) -> None:
+    slow = Rates(cpu_bps=1e15, pcie_bps=0.0, source="test")  # predicts ~0 s: the deadline always passes first
+    rt = _runtime(home, 0, "cpu", rates=slow, deadline_factor=1.0, deadline_floor_ms=0.0)
+    rng = np.random.default_rng(9)
+    try:
+        for _ in range(4):
+            for layer, x, ids, w, out in _step(rt, rng, tokens=32):
+                expected = reference.forward(layer, x, ids, w)
+                np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+        s = rt.stats
+        assert s.deadline_misses > 0 and s.fallback_picks > 0  # nothing dropped: the outputs above are complete
+        assert s.cpu_picks == 4 * LAYERS * 32 * TOP_K
+    finally:
+        rt.close()
+
+
+def test_steps_replans_and_the_routing_trace(home: ExpertHome, tmp_path: Path) -> None:
+    from expert_cache import load_trace
+
+    path = tmp_path / "routing.npz"
+    rt = _runtime(home, 4, "cpu", trace_path=str(path))
+    rng = np.random.default_rng(2)
+    steps = [(1, 2), (2, 2), (1, 2), (3, 2), (1, 2), (1, 2)]  # (tokens, hot experts)
+    try:
+        for tokens, hot in steps:
+            _step(rt, rng, tokens, hot)
+        assert rt.stats.steps == len(steps)
+        resident = set(rt.cache.resident())
+        assert resident and all(k % EXPERTS < 2 for k in resident)  # only the two hot experts of each layer
+    finally:
+        rt.close()
+    trace = load_trace(path)
+    assert trace.num_steps == len(steps)
+    assert trace.num_layers == LAYERS and trace.num_experts == EXPERTS and trace.top_k == TOP_K
+
+
+def test_refuses_what_it_cannot_do(home: ExpertHome) -> None:
+    rt = _runtime(home, 2)
+    try:
+        with pytest.raises(ValueError, match=r"\[T, 256\]"):
+            rt.forward_into(0, torch.zeros(2, 128), torch.zeros(2, TOP_K, dtype=torch.int64), torch.zeros(2, TOP_K),
+                            torch.zeros(2, 128))  # fmt: skip
+        with pytest.raises(KeyError, match="layer 5"):
+            rt.forward_into(5, torch.zeros(1, HIDDEN), torch.zeros(1, TOP_K, dtype=torch.int64), torch.zeros(1, TOP_K),
+                            torch.zeros(1, HIDDEN))  # fmt: skip
+        _step(rt, np.random.default_rng(0), 1)
+        with pytest.raises(RuntimeError, match="before the first forward"):
+            rt.add_layer(home.layer(0), swiglu_limit=None)
+    finally:
+        rt.close()
+    cfg = Dsv41PluginConfig(runtime="tiered", tiered=TieredConfig(hit_kernel="reference"))
+    auto = TieredRuntime(cfg, home, "cpu", rates=RATES)
+    try:
+        for lx in home.layers():
+            auto.add_layer(lx, swiglu_limit=None)
+        with pytest.raises(ValueError, match="cache size must be given"):
+            _step(auto, np.random.default_rng(0), 1)
+    finally:
+        auto.close()
