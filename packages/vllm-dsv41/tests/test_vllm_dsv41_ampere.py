@@ -262,10 +262,113 @@ def test_forced_attention_builds_bf16_layers_on_vllm(tmp_path_factory: pytest.Te
     port = str(29500 + secrets.randbelow(400))
     r = subprocess.run([sys.executable, "-c", _BUILD, str(pack), port], capture_output=True, text=True, timeout=600)
     assert "CLASS DeepseekV41TritonAttention" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
-    rows = {int(w[1]): w[2:] for w in (line.split(" ", 2) for line in r.stdout.splitlines() if line.startswith("LAYER"))}
+    rows = {
+        int(w[1]): w[2:] for w in (line.split(" ", 2) for line in r.stdout.splitlines() if line.startswith("LAYER"))
+    }
     assert rows[0] == ["0 torch.bfloat16 512 None None None None"]
     assert rows[2] == [
         "2 torch.bfloat16 512 (torch.bfloat16, 512, 2) (torch.bfloat16, 128) TritonIndexerOp "
         "language_model.model.layers.2.attn.swa_cache"
     ]
     assert rows[3][0].startswith("1 torch.bfloat16 512 (torch.bfloat16, 512, 1) (torch.bfloat16, 128) TritonIndexerOp")
+
+
+# ------------------------------------------------------------------------ on a GPU, at V4.1's attention sizes
+
+
+def _cuda() -> Any:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch
+
+
+def _f64_attention(q: Any, rows: Any, lens: Any, scale: float, sink: Any) -> Any:
+    """float64 sparse attention of q [T, H, D] over rows [T, K, D] (the first lens[t] of each), sink in the
+    denominator (vectorized: the GPU tests' sizes are too large for the per-token reference)."""
+    import torch
+
+    k = rows.double()
+    s = torch.einsum("thd,tkd->thk", q.double(), k) * scale
+    s = s.masked_fill(torch.arange(k.shape[1], device=k.device)[None, None, :] >= lens[:, None, None], float("-inf"))
+    m = torch.maximum(s.amax(-1), sink.double()[None, :])
+    p = torch.exp(s - m[..., None])
+    return torch.einsum("thk,tkd->thd", p, k) / (p.sum(-1) + torch.exp(sink.double()[None, :] - m))[..., None]
+
+
+@pytest.mark.gpu
+def test_gpu_sparse_attention_at_v41_sizes_vs_float64_and_flashmla() -> None:
+    """64 heads of 512, a 128-token window plus 512 selected compressed rows, on the GPU: our kernel against
+    float64, and against FlashMLA's sparse prefill kernel (bf16 rows: its one path without FP8) where it runs."""
+    torch = _cuda()
+    from vllm_dsv41.ampere import kernels
+
+    g = torch.Generator(device="cuda").manual_seed(secrets.randbits(30))
+    t, h, d, window, topk, n_rows, rows = 64, 64, 512, 128, 512, 8192, 64
+    dev = "cuda"
+    cache = torch.randn(n_rows // rows, rows, d, generator=g, device=dev).bfloat16()
+    q = torch.randn(t, h, d, generator=g, device=dev).bfloat16()
+    sink = torch.randn(h, generator=g, device=dev)
+    perm = torch.stack([torch.randperm(n_rows, generator=g, device=dev)[: window + topk] for _ in range(t)]).int()
+    swa_idx, cmp_idx = perm[:, :window].contiguous(), perm[:, window:].contiguous()
+    swa_len = torch.randint(1, window + 1, (t,), generator=g, device=dev).int()
+    cmp_len = torch.randint(0, topk + 1, (t,), generator=g, device=dev).int()
+    scale = d**-0.5
+    out = torch.empty(t, h, d, dtype=torch.bfloat16, device=dev)
+    kernels.sparse_mqa_attention(q, out, scale, cache, swa_idx, swa_len, cache, cmp_idx, cmp_len, sink)
+    # the reference: the rows in one list, invalid ones pushed past each token's length
+    flat = cache.reshape(-1, d)
+    k_idx = torch.full((t, window + topk), 0, dtype=torch.int64, device=dev)
+    k_len = swa_len + cmp_len
+    for i in range(t):
+        sel = torch.cat([swa_idx[i, : swa_len[i]], cmp_idx[i, : cmp_len[i]]]).long()
+        k_idx[i, : sel.numel()] = sel
+    ref = _f64_attention(q, flat[k_idx], k_len, scale, sink)
+    err = (out.double() - ref).abs()
+    bound = 2**-7 * ref.abs() + 2**-7 * float(cache.abs().max())
+    assert float((err / bound).max()) <= 1.0, f"max err {float(err.max()):.3g}"
+    try:
+        from vllm.v1.attention.ops.flashmla import flash_mla_sparse_fwd
+    except ImportError as e:  # pragma: no cover - vLLM's CPU build
+        pytest.skip(f"FlashMLA not importable: {e}")
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        return  # FlashMLA runs on sm_90/sm_100 only: the float64 check above is the test there
+    idx = torch.where(torch.arange(window + topk, device=dev)[None, :] < k_len[:, None], k_idx, -1).int()
+    fm = torch.empty_like(out)
+    flash_mla_sparse_fwd(q, flat.view(-1, 1, d), idx.view(t, 1, -1), scale, attn_sink=sink, topk_length=k_len, out=fm)
+    rel = float((out.float() - fm.float()).norm() / fm.float().norm())
+    ref_rel = float((fm.double() - ref).norm() / ref.norm())
+    print(f"ours vs FlashMLA sparse prefill: rel {rel:.2e} (FlashMLA vs float64: {ref_rel:.2e})")
+    assert rel <= 4 * max(ref_rel, 2**-9)
+
+
+@pytest.mark.gpu
+def test_gpu_indexer_selection_at_v41_sizes_vs_float64() -> None:
+    """32 index heads of 128, 8192 compressed entries, top-512: the Triton scores and top-k against float64
+    scores; every chosen entry is at or above the exact 512th score (up to fp32 accumulation)."""
+    torch = _cuda()
+    from vllm_dsv41.ampere import ops
+
+    g = torch.Generator(device="cuda").manual_seed(secrets.randbits(30))
+    dev, nh, d, entries, rows, topk, ratio = "cuda", 32, 128, 8192, 64, 512, 1
+    t = 16
+    cache = torch.randn(entries // rows + 3, rows, d, generator=g, device=dev).bfloat16()
+    bt = torch.randperm(entries // rows + 3, generator=g, device=dev)[: entries // rows].int()[None, :]
+    q = torch.randn(t, nh, d, generator=g, device=dev).bfloat16()
+    w = torch.randn(t, nh, generator=g, device=dev)
+    pos = torch.randint(topk // 2, entries, (t,), generator=g, device=dev)
+    pos[0] = entries - 1
+    tok_req = torch.zeros(t, dtype=torch.int32, device=dev)
+    out = torch.full((t, topk), -7, dtype=torch.int32, device=dev)
+    ops.index_topk(q, w, cache, bt, tok_req, pos, ratio, [0, t], t, entries, topk, out)
+    keys = cache[bt[0].long()].reshape(-1, d).double()  # entry j = row j of the request
+    scores = torch.einsum("thd,nd->thn", q.double(), keys).relu().mul(w.double()[..., None]).sum(1)  # [T, N]
+    for i in range(t):
+        n = (int(pos[i]) + 1) // ratio
+        s = scores[i, :n]
+        chosen = out[i][out[i] >= 0].long()
+        assert chosen.numel() == min(topk, n) and bool((chosen[1:] > chosen[:-1]).all())
+        if n > topk:
+            kth = torch.topk(s, topk).values[-1]
+            assert float(s[chosen].min()) >= float(kth) - 1e-5 * float(s.abs().max()), f"token {i}"
