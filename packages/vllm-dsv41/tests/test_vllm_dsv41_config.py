@@ -16,7 +16,7 @@ from vllm_dsv41.config import TieredConfig
 def test_defaults_and_frozen() -> None:
     cfg = Dsv41PluginConfig()
     assert cfg.cpu == CpuTierConfig()
-    assert (cfg.runtime, cfg.dense_kernel, cfg.register_host_memory) == ("cpu", "auto", True)
+    assert (cfg.runtime, cfg.dense_kernel, cfg.register_host_memory, cfg.attention) == ("cpu", "auto", True, "auto")
     assert (cfg.engram, cfg.engram_table) == ("mmap", TableConfig())
     assert cfg.effective_threads >= 1
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -39,6 +39,7 @@ def test_defaults_and_frozen() -> None:
         ({"runtime": "gpu"}, "runtime"),
         ({"dense_kernel": "cutlass"}, "dense_kernel"),
         ({"register_host_memory": "yes"}, "register_host_memory"),
+        ({"attention": "flashmla"}, "attention"),
         ({"cpu_threads": 4}, "cpu_threads"),  # the old flat names are gone: the cpu-tier config is nested
         ({"engram": "ram"}, "engram"),
         ({"engram_table": {"num_threads": 0}}, "num_threads"),
@@ -70,7 +71,7 @@ def test_mapping_round_trip_reaches_every_cpu_tier_field() -> None:
                           split="pcie", hit_kernel="triton", cpu_gbps=40.0, pcie_gbps=20.0, deadline_factor=0.0,
                           deadline_floor_ms=1.0, trace_path="/tmp/t.npz", stats_every=0)  # fmt: skip
     cfg = Dsv41PluginConfig(cpu=cpu, runtime="all-in-vram", dense_kernel="triton", register_host_memory=False,
-                            tiered=tiered, engram="upstream", engram_table=table)  # fmt: skip
+                            attention="triton", tiered=tiered, engram="upstream", engram_table=table)  # fmt: skip
     assert Dsv41PluginConfig.from_mapping(cfg.to_mapping()) == cfg
     assert set(cfg.to_mapping()["tiered"]) == {f.name for f in dataclasses.fields(TieredConfig)}
     assert cfg.effective_threads == 4
@@ -90,10 +91,11 @@ def test_from_vllm_config_merges_pack_defaults_and_overrides_field_by_field() ->
     cfg = Dsv41PluginConfig.from_vllm_config(
         _vllm_config(
             {"cpu": {"precision": "fast", "spin_us": 10}, "dense_kernel": "triton"},
-            {"dsv41": {"cpu": {"spin_us": 0}, "runtime": "all-in-vram"}},
+            {"dsv41": {"cpu": {"spin_us": 0}, "runtime": "all-in-vram", "attention": "upstream"}},
         )  # fmt: skip
     )
     assert (cfg.cpu.precision, cfg.cpu.spin_us, cfg.dense_kernel, cfg.runtime) == ("fast", 0, "triton", "all-in-vram")
+    assert cfg.attention == "upstream"
     tiered = Dsv41PluginConfig.from_vllm_config(
         _vllm_config({"tiered": {"cache_gib": 4, "split": "cpu"}}, {"dsv41": {"tiered": {"split": "auto"}}})
     ).tiered

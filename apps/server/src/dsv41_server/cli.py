@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
                         "dequantized in VRAM (the oracle; only packs that fit)")
     e.add_argument("--dense-kernel", choices=("auto", "exllamav3", "triton"),
                    help="GPU kernel of the dense EXL3 linears (default auto: exllamav3's where it imports)")
+    e.add_argument("--attention", choices=("auto", "upstream", "triton"),
+                   help="DeepSeek-V4.1 attention kernels: upstream (vLLM's FlashMLA/DeepGEMM, sm_90+), triton (the "
+                        "plugin's, any GPU from sm_80: RTX 3090, A100) or auto (default: triton below sm_90)")
     t = p.add_argument_group("Tiered expert runtime (--expert-runtime tiered)")
     t.add_argument("--cache-gib", type=float,
                    help="VRAM for the expert cache (default 0: what vLLM leaves free after its KV cache, minus the "
@@ -115,6 +118,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
         plugin["runtime"] = a.expert_runtime
     if a.dense_kernel is not None:
         plugin["dense_kernel"] = a.dense_kernel
+    if a.attention is not None:
+        plugin["attention"] = a.attention
     # flag -> field of the plugin's nested tiered-runtime config (TieredConfig)
     tiered_fields = {"cache_gib": "cache_gib", "cache_margin_gib": "cache_margin_gib", "cache_policy": "policy",
                      "miss_split": "split", "hit_kernel": "hit_kernel", "cpu_gbps": "cpu_gbps",

@@ -31,16 +31,19 @@ DenseKernel = Literal["auto", "exllamav3", "triton"]
 EngramMode = Literal["mmap", "upstream"]
 Split = Literal["auto", "cpu", "pcie"]
 HitKernelName = Literal["auto", "exllamav3", "triton", "reference"]
+Attention = Literal["auto", "upstream", "triton"]
 RUNTIMES: tuple[str, ...] = ("cpu", "all-in-vram", "tiered")
 DENSE_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton")
 SPLITS: tuple[str, ...] = ("auto", "cpu", "pcie")
 HIT_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton", "reference")
 ENGRAM_MODES: tuple[str, ...] = ("mmap", "upstream")
+ATTENTIONS: tuple[str, ...] = ("auto", "upstream", "triton")
 #: The nested settings objects of the plugin config (merged field by field, one level deep): cpu-tier's, the
 #: tiered runtime's and engram-mmap's table config.
 _NESTED = ("cpu", "tiered", "engram_table")
 
 __all__ = [
+    "ATTENTIONS",
     "CONFIG_KEY",
     "DENSE_KERNELS",
     "ENGRAM_MODES",
@@ -145,6 +148,10 @@ class Dsv41PluginConfig:
         ours. On the CPU the dense linears are dequantized once at load (the demo) and this is ignored.
     register_host_memory : page-lock the host home of the experts with CUDA (``cudaHostRegister``) when a GPU
         is present, so that copies from it are DMA and the GPU can read it in place.
+    attention : the DeepSeek-V4.1 attention kernels. "upstream": vLLM's own (FlashMLA, DeepGEMM: compute
+        capability 9.0 and up); "triton": the plugin's Triton path for any GPU from sm_80 (``vllm_dsv41.ampere``:
+        bf16 KV rows, no Hopper instruction); "auto": ours below compute capability 9.0 (RTX 3090, A100),
+        upstream's from Hopper on. Applies to every V4.1 pack, EXL3 or not.
     tiered : the tiered runtime's settings (``TieredConfig``; used when ``runtime="tiered"``: VRAM cache hits on
         the GPU, misses on the CPU tier or over PCIe).
     engram : where V4.1's Engram tables live while serving. "mmap": in the pack's files, memory-mapped by
@@ -160,6 +167,7 @@ class Dsv41PluginConfig:
     runtime: Runtime = "cpu"
     dense_kernel: DenseKernel = "auto"
     register_host_memory: bool = True
+    attention: Attention = "auto"
     tiered: TieredConfig = dataclasses.field(default_factory=TieredConfig)
     engram: EngramMode = "mmap"
     engram_table: TableConfig = dataclasses.field(default_factory=TableConfig)
@@ -180,6 +188,8 @@ class Dsv41PluginConfig:
         if not isinstance(self.engram_table, TableConfig):
             got = type(self.engram_table).__name__
             raise ValueError(f"engram_table: expected an engram-mmap TableConfig, got {got}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention: expected one of {ATTENTIONS}, got {self.attention!r}")
 
     @property
     def effective_threads(self) -> int:
@@ -206,7 +216,7 @@ class Dsv41PluginConfig:
         cpu = dataclasses.asdict(self.cpu)
         cpu["cpus"] = list(self.cpu.cpus)
         return {"cpu": cpu, "runtime": self.runtime, "dense_kernel": self.dense_kernel,
-                "register_host_memory": self.register_host_memory,
+                "register_host_memory": self.register_host_memory, "attention": self.attention,
                 "tiered": dataclasses.asdict(self.tiered), "engram": self.engram,
                 "engram_table": dataclasses.asdict(self.engram_table)}  # fmt: skip
 

@@ -14,6 +14,9 @@ For an EXL3 pack it adds what upstream lacks:
   the dense EXL3 kernels, never materializing a bf16 ``[vocab, hidden]`` weight;
 * the checks the expert runtime needs: CUDA graphs must be PIECEWISE or off (FULL graphs would capture the CPU
   tier), one GPU.
+
+For every V4.1 pack (EXL3 or not) it picks the attention kernels (``Dsv41PluginConfig.attention``): below compute
+capability 9.0, or when forced, the layers are built with ``vllm_dsv41.ampere``'s Triton attention.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ __all__ = [
     "PACKED_MODULES",
     "Dsv41ForCausalLM",
     "Exl3LMHead",
+    "ampere_attention_scope",
     "upstream_breaks_enabled",
     "v41_weights_mapper",
 ]
@@ -86,8 +90,8 @@ class Dsv41ForCausalLM(DeepseekV41ForCausalLM):
         if isinstance(quant, Exl3Config):
             configure_exl3_names(quant, vllm_config.model_config.hf_config)
             _check_serving_config(vllm_config, quant)
-        with _engram_hook(vllm_config, quant) as engram_on_disk:  # dsv41 Engram (see the block at the end)
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        with ampere_attention_scope(vllm_config), _engram_hook(vllm_config, quant) as engram_on_disk:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)  # (dsv41 Engram, Ampere: blocks at the end)
         self._dsv41_engram_on_disk = engram_on_disk
         if not isinstance(quant, Exl3Config):
             return  # not an EXL3 pack: upstream's model, unchanged
@@ -194,3 +198,17 @@ def _engram_table_on_disk(model: Any, name: str) -> bool:
     from .engram import is_engram_table_tensor
 
     return is_engram_table_tensor(name)
+
+
+# ------------------------------------------------------------------------------ Ampere attention (issue 19)
+
+
+def ampere_attention_scope(vllm_config: Any) -> contextlib.AbstractContextManager[Any]:
+    """The scope in which upstream's V4.1 layers are built: with ``vllm_dsv41.ampere``'s Triton attention when the
+    plugin config's ``attention`` asks for it ("triton"), or for "auto" on a GPU below compute capability 9.0."""
+    from .ampere.select import device_capability, triton_attention_scope, wants_triton
+    from .config import Dsv41PluginConfig
+
+    quant = vllm_config.quant_config
+    cfg = quant.plugin_config() if isinstance(quant, Exl3Config) else Dsv41PluginConfig.from_vllm_config(vllm_config)
+    return triton_attention_scope(wants_triton(cfg.attention, device_capability()))

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# vllm-dsv41's Ampere attention path (vllm_dsv41.ampere, issue 19) on the device machine (H200: the path forced
+# with attention="triton", against upstream's FlashMLA/DeepGEMM attention). Needs the gpu-vllm kit staged (with the
+# project wheels). Logs and JSON under $OUT.
+#   STEPS="aot tests pack served speed" bash packages/vllm-dsv41/scripts/gpu_ampere.sh
+# Steps (in this order, each optional):
+#   aot     every kernel of ours and the upstream Triton kernels the path reuses, compiled for sm_80 and sm_86 with
+#           vLLM's CUDA Triton, the PTX/SASS scanned for instructions sm_8x lacks (python -m vllm_dsv41.ampere.aot)
+#   tests   the gpu-marked tests of test_vllm_dsv41_ampere.py (kernels at V4.1 sizes vs float64 and FlashMLA)
+#   pack    tiny-v41 (V4.1's attention sizes: 64 heads of 512, rope 64, window 128, index 32 x 128, top-512,
+#           layers 2-3 kv sources of ratio 2 and 1) and split8 (8 layers: kv sources 2 (ratio 2) and 5 (ratio 1)
+#           with consumers, index sources 2, 5 and 7 (7 reads 5's keys): Flash's topology in small) in /tmp/dsv41
+#   served  per pack: the served model with upstream's attention, then ours (two processes), prompts of 1536
+#           tokens (> window, > top-k entries at ratio 2 and 1): top-1 >= 0.999, KL mean <= 1e-4, per-layer error
+#   speed   tiny-v41: prefill 8k, decode at 8k and 64k context, attention time ours / upstream per phase
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+OUT=${OUT:-/tmp/dsv41-out}
+mkdir -p "$OUT"
+source packages/vllm-dsv41/scripts/gpu_env.sh
+STEPS=${STEPS:-"aot tests pack served speed"}
+CHECK=packages/vllm-dsv41/scripts/gpu_ampere_check.py
+rc=0
+step() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
+log() { echo "[gpu_ampere $(date +%T)] $*" | tee -a "$OUT/ampere_steps.log"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader | tee -a "$OUT/ampere_steps.log"
+if [ -f .jitcache/jitcache.tgz ] && [ ! -f /tmp/dsv41-jit-restored ]; then
+    tar xzf .jitcache/jitcache.tgz -C "$HOME" && touch /tmp/dsv41-jit-restored && log "JIT caches restored"
+fi
+if step aot; then
+    log "aot: sm_80 / sm_86, ours + upstream's reused kernels"
+    timeout 300 python3 -m vllm_dsv41.ampere.aot --arch 80 86 --upstream --json "$OUT/ampere_aot.json" \
+        2>&1 | tee "$OUT/ampere_aot.log" | tail -40
+    r=${PIPESTATUS[0]}; log "aot rc=$r"; rc=$((rc || r))
+fi
+if step tests; then
+    log "tests"
+    timeout 300 python3 -m pytest packages/vllm-dsv41/tests/test_vllm_dsv41_ampere.py -m gpu -q -s -p no:cacheprovider \
+        -W ignore::DeprecationWarning 2>&1 | tee "$OUT/ampere_pytest_gpu.log" | tail -25
+    r=${PIPESTATUS[0]}; log "tests rc=$r"; rc=$((rc || r))
+fi
+if step pack; then
+    log "pack: tiny-v41 + split8"
+    python3 - <<'PY' 2>&1 | tee "$OUT/ampere_pack.log"
+import time
+from pathlib import Path
+from pack_tools import build_pack, verify_pack
+from pack_tools.origin import ENGRAM, EXL3
+from pack_tools.presets.tiny_v41 import TinyV41, synth_tiny_v41
+root = Path("/tmp/dsv41")
+for name, dims in (("tiny-v41", TinyV41()),
+                   ("split8", TinyV41(layers=8, kv_source_layers=(2, 5), index_source_layers=(2, 5, 7)))):
+    if (root / name / "config.json").exists():
+        print(f"{name}: already built"); continue
+    t = time.time(); src = root / f"in-{name}"; synth_tiny_v41(src, dims=dims)
+    build_pack(src / EXL3.dirname, src / ENGRAM.dirname, root / name, jobs=4, force=True)
+    assert verify_pack(root / name) == []
+    print(f"{name} pack built and verified in {time.time() - t:.1f} s")
+PY
+    [ "${PIPESTATUS[0]}" = 0 ] || { log "pack FAILED"; exit 1; }
+fi
+served() {  # pack name
+    local name=$1 r
+    for mode in upstream triton; do
+        log "served $name: $mode"
+        timeout 560 python3 "$CHECK" run "/tmp/dsv41/$name" --attention "$mode" --out "$OUT/ampere_$name/$mode" \
+            > "$OUT/ampere_${name}_$mode.log" 2>&1
+        r=$?; grep -v "INFO\|DEBUG\|WARNING" "$OUT/ampere_${name}_$mode.log" | tail -8
+        log "served $name $mode rc=$r"; rc=$((rc || r)); [ "$r" = 0 ] || return
+    done
+    python3 "$CHECK" compare "$OUT/ampere_$name/upstream" "$OUT/ampere_$name/triton" --min-top1 0.999 \
+        --max-kl-mean 1e-4 2>&1 | tee "$OUT/ampere_${name}_compare.log"
+    r=${PIPESTATUS[0]}; log "compare $name rc=$r"; rc=$((rc || r))
+}
+if step served; then
+    served tiny-v41
+    served split8
+fi
+if step speed; then
+    for mode in upstream triton; do
+        log "speed: $mode"
+        timeout 590 python3 "$CHECK" run /tmp/dsv41/tiny-v41 --attention "$mode" --out "$OUT/ampere_speed/$mode" \
+            --positions 1536 --speed 8192 65000 --decode 32 > "$OUT/ampere_speed_$mode.log" 2>&1
+        r=$?; grep -v "INFO\|DEBUG\|WARNING" "$OUT/ampere_speed_$mode.log" | tail -6
+        log "speed $mode rc=$r"; rc=$((rc || r))
+    done
+    python3 "$CHECK" compare "$OUT/ampere_speed/upstream" "$OUT/ampere_speed/triton" 2>&1 \
+        | tee "$OUT/ampere_speed_compare.log"
+fi
+log "done rc=$rc"
+exit $rc

@@ -1,0 +1,374 @@
+"""vllm_dsv41.ampere on the CPU (CI): the V4.1 attention path for sm_80/sm_86.
+
+* every Triton kernel against its float64 reference under Triton's interpreter, on fresh random data (the seed is
+  printed on failure), including a prefill + decode pipeline with prompts longer than the window and than top-k
+  (``ampere_cases.py``, run in a subprocess with ``TRITON_INTERPRET=1``);
+* every kernel compiled ahead of time for sm_80 and sm_86 with no instruction those lack, and the scan's own
+  negative controls (Hopper code for sm_90, FP8 conversions);
+* the KV-cache arithmetic, the attention selection and the vLLM wiring (the layer built on vLLM's CPU build).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HERE = Path(__file__).parent
+CASES = [
+    "rope_q_kv_insert",
+    "sparse_mqa_attention",
+    "indexer_k_store",
+    "indexer_q_rope",
+    "indexer_logits",
+    "topk_rows",
+    "inv_rope_grouped",
+    "pipeline_prefill_decode",
+]
+
+
+# --------------------------------------------------------------------------- kernels vs references (interpreter)
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> tuple[int, dict[str, dict[str, Any]]]:
+    seed = secrets.randbits(30)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run(
+        [sys.executable, "-W", "ignore", str(HERE / "ampere_cases.py"), str(seed)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, f"seed {seed}: {r.stderr[-3000:]}"
+    results = {d["case"]: d for d in map(json.loads, r.stdout.splitlines())}
+    return seed, results
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_matches_float64_reference_in_interpreter(interpreted: tuple[int, dict], case: str) -> None:
+    seed, results = interpreted
+    assert set(results) == set(CASES), f"cases run: {sorted(results)}"
+    assert results[case]["ok"], f"seed {seed} ({case}): {results[case]['detail']}"
+
+
+# ------------------------------------------------------------------------------ ahead-of-time for sm_80 / sm_86
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[Any]:
+    from vllm_dsv41.ampere import aot
+
+    return aot.check(aot.kernel_specs(), (80, 86))
+
+
+def test_every_kernel_compiles_for_sm80_and_sm86_without_newer_instructions(compiled: list[Any]) -> None:
+    from vllm_dsv41.ampere import aot
+
+    labels = {s.label for s in aot.kernel_specs()}
+    assert {(r.label, r.arch) for r in compiled} == {(lbl, a) for lbl in labels for a in (80, 86)}
+    bad = [f"sm_{r.arch} {r.label}: {r.problems}" for r in compiled if not r.ok]
+    assert not bad, bad
+    assert all(r.sass_checked for r in compiled), "nvdisasm (shipped with Triton) did not run"
+    # the two heavy kernels run on Ampere's tensor cores (mma.sync), not scalar FMAs
+    for r in compiled:
+        if r.label.startswith(("sparse_mqa_attention", "indexer_logits")):
+            assert r.mma > 0, r
+
+
+def test_the_scan_flags_hopper_code_and_fp8() -> None:
+    """Negative controls: the check fails where it must (so a clean result above means something)."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    from vllm_dsv41.ampere import aot
+
+    @triton.jit
+    def dot_kernel(a, b, c, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):  # type: ignore[no-untyped-def]
+        m, n, k = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+        x = tl.load(a + m[:, None] * K + k[None, :])
+        y = tl.load(b + k[:, None] * N + n[None, :])
+        tl.store(c + m[:, None] * N + n[None, :], tl.dot(x, y))
+
+    @triton.jit
+    def fp8_kernel(x, y, n):  # type: ignore[no-untyped-def]
+        i = tl.arange(0, 128)
+        v = tl.load(x + i, mask=i < n)
+        tl.store(y + i, v.to(tl.float8e4nv).to(tl.uint8, bitcast=True), mask=i < n)
+
+    bf16, f32, u8 = aot._t(torch.bfloat16), aot._t(torch.float32), aot._t(torch.uint8)
+    dot = aot.KernelSpec("dot", dot_kernel, dict(a=bf16, b=bf16, c=f32, M=128, N=128, K=64))
+    (ampere, hopper) = aot.check([dot], (86, 90))
+    assert ampere.ok and ampere.mma > 0
+    assert not hopper.ok and any("wgmma" in p for p in hopper.problems) and any("HGMMA" in p for p in hopper.problems)
+    fp8 = aot.KernelSpec("fp8", fp8_kernel, dict(x=f32, y=u8, n=128))
+    (sm86, sm89) = aot.check([fp8], (86, 89))
+    assert not sm86.ok and "fp8e4nv not supported" in sm86.problems[0]  # Triton refuses e4m3 below sm_89
+    assert not sm89.ok and any("FP8 conversion" in p for p in sm89.problems)
+
+
+# ----------------------------------------------------------------------------------------------- KV layout
+
+
+def _flash_config() -> dict[str, Any]:
+    """DeepSeek-V4.1-Flash's text config with the published compress-ratio split (exl3-format.md section 8.2:
+    layers 2-19 ratio 2, 20-39 ratio 1; pack-tools' FLASH preset puts layer 20 at ratio 2)."""
+    from pack_tools.presets.tiny_v41 import FLASH, tiny_v41_config
+
+    cfg = tiny_v41_config(FLASH)["text_config"]
+    cfg["compress_ratios"] = [0, 0] + [2] * 18 + [1] * 20 + [0] * FLASH.mtp
+    return cfg
+
+
+def test_kv_bytes_bf16_rows_against_fp8_records_at_262k() -> None:
+    from vllm_dsv41.ampere.layout import kv_bytes
+
+    cfg = _flash_config()
+    ours, hopper = kv_bytes(cfg, "ampere-bf16"), kv_bytes(cfg, "fp8_ds_mla-sm90")
+    # kv sources 2, 8, 14 (ratio 2) and 20 (ratio 1), all index sources: 2.5 entries per token of each kind
+    assert ours.compressed_entries_per_token == ours.index_entries_per_token == 2.5
+    assert ours.per_token == 2.5 * 1024 + 2.5 * 256 == 3200
+    assert hopper.per_token == 2.5 * 584 + 2.5 * 132 == 1790
+    assert ours.swa_per_request == 40 * 128 * 1024 and hopper.swa_per_request == 40 * 128 * 584
+    ctx = 262144
+    assert ours.at(ctx) == 3200 * ctx + 40 * 128 * 1024  # 805 MiB
+    assert hopper.at(ctx) == 1790 * ctx + 40 * 128 * 584  # 450 MiB
+    with pytest.raises(ValueError, match="layout"):
+        kv_bytes(cfg, "fp4")
+    with pytest.raises(ValueError, match="sliding_window"):
+        kv_bytes({k: v for k, v in cfg.items() if k != "sliding_window"})
+
+
+# --------------------------------------------------------------------------------------- selection, wiring
+
+
+@pytest.mark.parametrize(
+    ("mode", "cap", "ours"),
+    [
+        ("auto", (8, 6), True),
+        ("auto", (8, 0), True),
+        ("auto", (8, 9), True),
+        ("auto", (9, 0), False),
+        ("auto", (10, 0), False),
+        ("auto", None, False),
+        ("triton", (9, 0), True),
+        ("triton", (10, 0), True),
+        ("upstream", (8, 6), False),
+    ],
+)
+def test_selection_by_compute_capability_and_force(mode: str, cap: tuple[int, int] | None, ours: bool) -> None:
+    from vllm_dsv41.ampere.select import wants_triton
+
+    assert wants_triton(mode, cap) is ours
+
+
+def test_selection_rejects_unknown_mode() -> None:
+    from vllm_dsv41.ampere.select import wants_triton
+
+    with pytest.raises(ValueError, match="attention"):
+        wants_triton("flashmla", (9, 0))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_scope_swaps_the_layer_class_and_restores_it() -> None:
+    from vllm.models.deepseek_v41.nvidia import model as nv
+
+    from vllm_dsv41.ampere.layer import DeepseekV41TritonAttention
+    from vllm_dsv41.ampere.select import triton_attention_scope
+
+    original = nv._select_dsv4_attn_cls
+    with triton_attention_scope(False) as cls:
+        assert cls is None and nv._select_dsv4_attn_cls is original
+    with pytest.raises(KeyError), triton_attention_scope(True) as cls:
+        assert cls is DeepseekV41TritonAttention
+        assert nv._select_dsv4_attn_cls(object()) is DeepseekV41TritonAttention
+        raise KeyError("restored even on error")
+    assert nv._select_dsv4_attn_cls is original
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_layer_classes_fit_upstreams_interfaces() -> None:
+    import inspect
+
+    from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer
+    from vllm.platforms.interface import DeviceCapability
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    from vllm_dsv41.ampere import layer
+
+    # upstream constructs the indexer op with SparseAttnIndexer's arguments
+    want = list(inspect.signature(SparseAttnIndexer.__init__).parameters)
+    assert list(inspect.signature(layer.TritonIndexerOp.__init__).parameters) == want
+    assert layer.TritonIndexer.attn_cls is layer.TritonIndexerOp
+    cls = layer.DeepseekV41TritonAttention
+    assert cls.use_fp8_ds_mla_layout is False and cls.get_padded_num_q_heads(24) == 24
+    for backend in (cls.backend_cls, cls.swa_backend_cls):
+        assert backend.supports_compute_capability(DeviceCapability(8, 0))
+        assert backend.supports_compute_capability(DeviceCapability(8, 6))
+        assert not backend.supports_compute_capability(DeviceCapability(7, 5))
+        assert backend.get_builder_cls()._cudagraph_support is AttentionCGSupport.NEVER
+    # no FlashMLA tile-scheduler plan, for every layer type upstream's SWA builder reads
+    sched = layer.TritonSWAMetadataBuilder.build_tile_scheduler(None, 4)  # type: ignore[arg-type]
+    assert set(sched) >= {"swaonly", "c4a", "c128a", "c1a", "c2a"} and not any(sched.values())
+
+
+_BUILD = """
+import sys, torch
+from vllm.config import set_current_vllm_config
+from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+from vllm.engine.arg_utils import EngineArgs
+from vllm_dsv41.v41 import ampere_attention_scope, configure_exl3_names
+vc = EngineArgs(model=sys.argv[1], load_format="dsv41", limit_mm_per_prompt={"image": 0}, max_model_len=1024,
+                enforce_eager=True, additional_config={"dsv41": {"attention": "triton"}}).create_engine_config()
+configure_exl3_names(vc.quant_config, vc.model_config.hf_config)
+with set_current_vllm_config(vc):
+    init_distributed_environment(1, 0, f"tcp://127.0.0.1:{sys.argv[2]}", 0, backend="gloo")
+    ensure_model_parallel_initialized(1, 1)
+    from vllm.models.deepseek_v41.nvidia import model as nv
+    with ampere_attention_scope(vc) as cls:
+        buf = torch.empty(8, 512, dtype=torch.int32)
+        layers = {i: nv._select_dsv4_attn_cls(vc)(vc, prefix=f"language_model.model.layers.{i}.attn",
+                                                  topk_indices_buffer=buf) for i in (0, 2, 3)}
+    print("CLASS", cls.__name__)
+    for i, l in layers.items():
+        spec = l.get_kv_cache_spec(vc)
+        swa = l.swa_cache_layer.get_kv_cache_spec(vc)
+        idx = l.indexer.k_cache.get_kv_cache_spec(vc) if l.indexer is not None else None
+        print("LAYER", i, l.compress_ratio, swa.dtype, swa.head_size,
+              None if spec is None else (spec.dtype, spec.head_size, spec.tokens_per_state),
+              None if idx is None else (idx.dtype, idx.head_size), type(l.indexer.indexer_op).__name__
+              if l.indexer is not None else None, l.indexer.indexer_op.swa_prefix if l.indexer is not None else None)
+"""
+
+
+@pytest.mark.slow
+def test_forced_attention_builds_bf16_layers_on_vllm(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``attention: "triton"`` in the plugin config: the V4.1 layers vLLM builds are ours, with bf16 KV specs."""
+    from pack_tools import build_pack
+    from pack_tools.origin import ENGRAM, EXL3
+    from pack_tools.presets.tiny_v41 import synth_tiny_v41
+
+    root = tmp_path_factory.mktemp("ampere")
+    synth_tiny_v41(root / "in")
+    pack = build_pack(root / "in" / EXL3.dirname, root / "in" / ENGRAM.dirname, root / "pack", jobs=1)
+    port = str(29500 + secrets.randbelow(400))
+    r = subprocess.run([sys.executable, "-c", _BUILD, str(pack), port], capture_output=True, text=True, timeout=600)
+    assert "CLASS DeepseekV41TritonAttention" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    rows = {
+        int(w[1]): w[2:] for w in (line.split(" ", 2) for line in r.stdout.splitlines() if line.startswith("LAYER"))
+    }
+    assert rows[0] == ["0 torch.bfloat16 512 None None None None"]
+    assert rows[2] == [
+        "2 torch.bfloat16 512 (torch.bfloat16, 512, 2) (torch.bfloat16, 128) TritonIndexerOp "
+        "language_model.model.layers.2.attn.swa_cache"
+    ]
+    assert rows[3][0].startswith("1 torch.bfloat16 512 (torch.bfloat16, 512, 1) (torch.bfloat16, 128) TritonIndexerOp")
+
+
+# ------------------------------------------------------------------------ on a GPU, at V4.1's attention sizes
+
+
+def _cuda() -> Any:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return torch
+
+
+def _f64_attention(q: Any, rows: Any, lens: Any, scale: float, sink: Any) -> Any:
+    """float64 sparse attention of q [T, H, D] over rows [T, K, D] (the first lens[t] of each), sink in the
+    denominator (vectorized: the GPU tests' sizes are too large for the per-token reference)."""
+    import torch
+
+    k = rows.double()
+    s = torch.einsum("thd,tkd->thk", q.double(), k) * scale
+    s = s.masked_fill(torch.arange(k.shape[1], device=k.device)[None, None, :] >= lens[:, None, None], float("-inf"))
+    m = torch.maximum(s.amax(-1), sink.double()[None, :])
+    p = torch.exp(s - m[..., None])
+    return torch.einsum("thk,tkd->thd", p, k) / (p.sum(-1) + torch.exp(sink.double()[None, :] - m))[..., None]
+
+
+@pytest.mark.gpu
+def test_gpu_sparse_attention_at_v41_sizes_vs_float64_and_flashmla() -> None:
+    """64 heads of 512, a 128-token window plus 512 selected compressed rows, on the GPU: our kernel against
+    float64, and against FlashMLA's sparse prefill kernel (bf16 rows: its one path without FP8) where it runs."""
+    torch = _cuda()
+    from vllm_dsv41.ampere import kernels
+
+    g = torch.Generator(device="cuda").manual_seed(secrets.randbits(30))
+    t, h, d, window, topk, n_rows, rows = 64, 64, 512, 128, 512, 8192, 64
+    dev = "cuda"
+    cache = torch.randn(n_rows // rows, rows, d, generator=g, device=dev).bfloat16()
+    q = torch.randn(t, h, d, generator=g, device=dev).bfloat16()
+    sink = torch.randn(h, generator=g, device=dev)
+    perm = torch.stack([torch.randperm(n_rows, generator=g, device=dev)[: window + topk] for _ in range(t)]).int()
+    swa_idx, cmp_idx = perm[:, :window].contiguous(), perm[:, window:].contiguous()
+    swa_len = torch.randint(1, window + 1, (t,), generator=g, device=dev).int()
+    cmp_len = torch.randint(0, topk + 1, (t,), generator=g, device=dev).int()
+    scale = d**-0.5
+    out = torch.empty(t, h, d, dtype=torch.bfloat16, device=dev)
+    kernels.sparse_mqa_attention(q, out, scale, cache, swa_idx, swa_len, cache, cmp_idx, cmp_len, sink)
+    # the reference: the rows in one list, invalid ones pushed past each token's length
+    flat = cache.reshape(-1, d)
+    k_idx = torch.full((t, window + topk), 0, dtype=torch.int64, device=dev)
+    k_len = swa_len + cmp_len
+    for i in range(t):
+        sel = torch.cat([swa_idx[i, : swa_len[i]], cmp_idx[i, : cmp_len[i]]]).long()
+        k_idx[i, : sel.numel()] = sel
+    ref = _f64_attention(q, flat[k_idx], k_len, scale, sink)
+    err = (out.double() - ref).abs()
+    bound = 2**-7 * ref.abs() + 2**-7 * float(cache.abs().max())
+    assert float((err / bound).max()) <= 1.0, f"max err {float(err.max()):.3g}"
+    try:
+        from vllm.v1.attention.ops.flashmla import flash_mla_sparse_fwd
+    except ImportError as e:  # pragma: no cover - vLLM's CPU build
+        pytest.skip(f"FlashMLA not importable: {e}")
+    if torch.cuda.get_device_capability()[0] not in (9, 10):
+        return  # FlashMLA runs on sm_90/sm_100 only: the float64 check above is the test there
+    idx = torch.where(torch.arange(window + topk, device=dev)[None, :] < k_len[:, None], k_idx, -1).int()
+    fm = torch.empty_like(out)
+    flash_mla_sparse_fwd(q, flat.view(-1, 1, d), idx.view(t, 1, -1), scale, attn_sink=sink, topk_length=k_len, out=fm)
+    rel = float((out.float() - fm.float()).norm() / fm.float().norm())
+    ref_rel = float((fm.double() - ref).norm() / ref.norm())
+    print(f"ours vs FlashMLA sparse prefill: rel {rel:.2e} (FlashMLA vs float64: {ref_rel:.2e})")
+    assert rel <= 4 * max(ref_rel, 2**-9)
+
+
+@pytest.mark.gpu
+def test_gpu_indexer_selection_at_v41_sizes_vs_float64() -> None:
+    """32 index heads of 128, 8192 compressed entries, top-512: the Triton scores and top-k against float64
+    scores; every chosen entry is at or above the exact 512th score (up to fp32 accumulation)."""
+    torch = _cuda()
+    from vllm_dsv41.ampere import ops
+
+    g = torch.Generator(device="cuda").manual_seed(secrets.randbits(30))
+    dev, nh, d, entries, rows, topk, ratio = "cuda", 32, 128, 8192, 64, 512, 1
+    t = 16
+    cache = torch.randn(entries // rows + 3, rows, d, generator=g, device=dev).bfloat16()
+    bt = torch.randperm(entries // rows + 3, generator=g, device=dev)[: entries // rows].int()[None, :]
+    q = torch.randn(t, nh, d, generator=g, device=dev).bfloat16()
+    w = torch.randn(t, nh, generator=g, device=dev)
+    pos = torch.randint(topk // 2, entries, (t,), generator=g, device=dev)
+    pos[0] = entries - 1
+    tok_req = torch.zeros(t, dtype=torch.int32, device=dev)
+    out = torch.full((t, topk), -7, dtype=torch.int32, device=dev)
+    ops.index_topk(q, w, cache, bt, tok_req, pos, ratio, [0, t], t, entries, topk, out)
+    keys = cache[bt[0].long()].reshape(-1, d).double()  # entry j = row j of the request
+    scores = torch.einsum("thd,nd->thn", q.double(), keys).relu().mul(w.double()[..., None]).sum(1)  # [T, N]
+    for i in range(t):
+        n = (int(pos[i]) + 1) // ratio
+        s = scores[i, :n]
+        chosen = out[i][out[i] >= 0].long()
+        assert chosen.numel() == min(topk, n) and bool((chosen[1:] > chosen[:-1]).all())
+        if n > topk:
+            kth = torch.topk(s, topk).values[-1]
+            assert float(s[chosen].min()) >= float(kth) - 1e-5 * float(s.abs().max()), f"token {i}"
