@@ -53,7 +53,9 @@ def main() -> None:
     for i in range(a.calls):
         tokens = 64 if i % 50 == 0 else int(rng.integers(1, 9))  # mostly decode-sized steps, some prefills
         ids = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int64)
-        routed_experts(torch.randn(tokens, hidden), torch.from_numpy(ids), torch.rand(tokens, top_k), handle, i % layers)
+        routed_experts(
+            torch.randn(tokens, hidden), torch.from_numpy(ids), torch.rand(tokens, top_k), handle, i % layers
+        )
         if (i + 1) % max(1, a.calls // 10) == 0:
             rss = _rss_mib()
             first = rss if first is None else first

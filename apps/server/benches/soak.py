@@ -104,13 +104,36 @@ def _bad_cases(model: str, max_model_len: int, body_limit: int) -> list[tuple[st
         ("empty_messages", {"json": {"model": model, "messages": []}}),
         ("unknown_role", {"json": {"model": model, "messages": [{"role": "wizard", "content": "hi"}]}}),
         ("content_number", {"json": {"model": model, "messages": [{"role": "user", "content": 123}]}}),
-        ("lone_surrogate", {"content": b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", '
-                                       b'"content": "a\\ud800"}]}', "json": None}),  # fmt: skip
-        ("invalid_utf8", {"content": b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", '
-                                     b'"content": "\xff"}]}', "json": None}),  # fmt: skip
-        ("too_long_prompt", {"json": {"model": model, "messages": [{"role": "user", "content": "word " * max_model_len}]}}),
-        ("unknown_tool", {"json": {"model": model, "messages": user, "tools": [WEATHER],
-                                   "tool_choice": {"type": "function", "function": {"name": "nope"}}}}),  # fmt: skip
+        (
+            "lone_surrogate",
+            {
+                "content": b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", '
+                b'"content": "a\\ud800"}]}',
+                "json": None,
+            },
+        ),  # fmt: skip
+        (
+            "invalid_utf8",
+            {
+                "content": b'{"model": "' + model.encode() + b'", "messages": [{"role": "user", "content": "\xff"}]}',
+                "json": None,
+            },
+        ),  # fmt: skip
+        (
+            "too_long_prompt",
+            {"json": {"model": model, "messages": [{"role": "user", "content": "word " * max_model_len}]}},
+        ),
+        (
+            "unknown_tool",
+            {
+                "json": {
+                    "model": model,
+                    "messages": user,
+                    "tools": [WEATHER],
+                    "tool_choice": {"type": "function", "function": {"name": "nope"}},
+                }
+            },
+        ),  # fmt: skip
         ("wrong_key", {"json": {"model": model, "messages": user}, "headers": {"Authorization": "Bearer wrong"}}),
         ("oversize", {"content": b'{"x": "' + b"a" * (body_limit + 1) + b'"}', "json": None}),
     ]
@@ -236,7 +259,9 @@ class Soak:
         try:
             resp = await http.post("/v1/chat/completions", content=content, headers=headers)
         except httpx.HTTPError as e:
-            return Result("bad", case, False, None, time.monotonic() - t, error=f"{case}: {type(e).__name__}: {e}"[:300])
+            return Result(
+                "bad", case, False, None, time.monotonic() - t, error=f"{case}: {type(e).__name__}: {e}"[:300]
+            )
         dt = time.monotonic() - t
         ok = 400 <= resp.status_code < 500
         error = "" if ok else f"{case}: answered {resp.status_code}, expected 4xx: {resp.text[:160]}"
@@ -357,6 +382,7 @@ def report(soak: Soak, samples: list[Sample], wall: float) -> dict[str, Any]:
     if len(samples) >= 2:
         half = samples[len(samples) // 2 :]
         for n in [*names, "total"]:
+
             def val(s: Sample, n: str = n) -> float:
                 return sum(s.rss.values()) if n == "total" else s.rss.get(n, 0)
 
@@ -433,7 +459,9 @@ async def _progress(soak: Soak, a: argparse.Namespace) -> None:
     while True:
         await asyncio.sleep(30)
         errs = sum(not r.ok for r in soak.results)
-        print(f"# t={time.monotonic() - soak.t0:.0f}s done={len(soak.results)} errors={errs}", file=sys.stderr, flush=True)
+        print(
+            f"# t={time.monotonic() - soak.t0:.0f}s done={len(soak.results)} errors={errs}", file=sys.stderr, flush=True
+        )
 
 
 def main() -> int:
@@ -447,7 +475,9 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=600, help="at most this many seconds (default 600)")
     p.add_argument("--mix", default=DEFAULT_MIX, help=f"kind=weight,... of {', '.join(KINDS)} (default {DEFAULT_MIX})")
     p.add_argument("--timeout", type=float, default=300, help="per-request timeout, seconds")
-    p.add_argument("--body-limit", type=int, default=1 << 20, help="the server's body limit (oversize requests exceed it)")
+    p.add_argument(
+        "--body-limit", type=int, default=1 << 20, help="the server's body limit (oversize requests exceed it)"
+    )
     p.add_argument("--server-pid", type=int, default=None, help="the server's pid (default: who listens on the port)")
     p.add_argument("--rss-every", type=float, default=10.0, help="seconds between memory samples")
     p.add_argument("--seed", type=int, default=0)

@@ -62,7 +62,9 @@ def test_moe(rt) -> None:
     experts = make_experts(3, 128, 256, 3, "mul1", seed=2)
     layer = EMU.Layer(128, 256, 10.0)
     for g, u, d in zip(*experts, strict=True):
-        layer.add_expert(*(a for t in (g, u, d) for a in (t.trellis, t.suh.view(np.uint16), t.svh.view(np.uint16), None, 2)))
+        layer.add_expert(
+            *(a for t in (g, u, d) for a in (t.trellis, t.suh.view(np.uint16), t.svh.view(np.uint16), None, 2))
+        )
     rng = np.random.default_rng(3)
     x = rng.standard_normal((6, 128)).astype(np.float32)
     picks = Picks.from_topk(rng.integers(0, 3, (6, 2)), rng.random((6, 2)).astype(np.float32))
@@ -87,13 +89,21 @@ def test_prefetch_stays_inside_the_matrix(bits: int, codebook: str) -> None:
     experts = make_experts(2, 256, 384, bits, codebook, seed=bits)
     layer = EMU.Layer(256, 384, 10.0)
     for g, u, d in zip(*experts, strict=True):
-        layer.add_expert(*(a for t in (g, u, d) for a in (t.trellis, t.suh.view(np.uint16), t.svh.view(np.uint16),
-                                                           None, CB_ID[codebook])))
+        layer.add_expert(
+            *(
+                a
+                for t in (g, u, d)
+                for a in (t.trellis, t.suh.view(np.uint16), t.svh.view(np.uint16), None, CB_ID[codebook])
+            )
+        )
     rng = np.random.default_rng(bits)
     x = rng.standard_normal((9, 256)).astype(np.float32)
     # expert 0: 8 tokens (AMX from amx_min_tokens=6), expert 1: 2 tokens
-    picks = Picks(np.r_[np.arange(8), np.arange(2)].astype(np.int32), np.r_[np.zeros(8), np.ones(2)].astype(np.int32),
-                  rng.random(10).astype(np.float32))
+    picks = Picks(
+        np.r_[np.arange(8), np.arange(2)].astype(np.int32),
+        np.r_[np.zeros(8), np.ones(2)].astype(np.int32),
+        rng.random(10).astype(np.float32),
+    )
     EMU._emu_prefetch_stats()  # zero the counters
     for fast in (True, False):
         for slab_blocks in (0, 1):
@@ -102,7 +112,9 @@ def test_prefetch_stays_inside_the_matrix(bits: int, codebook: str) -> None:
                 rt = EMU.Runtime(2, [], 50, amx=True, amx_min_tokens=6, prefetch_blocks=pfb)
                 try:
                     out = np.full((9, 256), np.nan, np.float32)
-                    job = rt.submit_moe(layer, x, picks.tokens, picks.experts, picks.weights, out, fast, 64, slab_blocks)
+                    job = rt.submit_moe(
+                        layer, x, picks.tokens, picks.experts, picks.weights, out, fast, 64, slab_blocks
+                    )
                     assert job.wait(60.0) and not job.error()
                 finally:
                     rt.close()
@@ -192,7 +204,9 @@ def test_amx_moe_and_untouched_paths() -> None:
                 ref = ref_moe(x, picks, experts, 10.0)
                 for fast, slab_blocks in ((True, 0), (True, 1), (False, 0)):
                     out = np.full((6, 128), np.nan, np.float32)
-                    job = rt.submit_moe(layer, x, picks.tokens, picks.experts, picks.weights, out, fast, 64, slab_blocks)
+                    job = rt.submit_moe(
+                        layer, x, picks.tokens, picks.experts, picks.weights, out, fast, 64, slab_blocks
+                    )
                     assert job.wait(60.0) and not job.error()
                     assert (rel_rms(out, ref) <= 5e-3) if fast else (rel_max(out, ref) <= 1e-5), (mod.isa(), bits, fast)
         finally:

@@ -17,8 +17,26 @@ SIMD = [i for i in runnable_isas() if i != "scalar"]
 def test_quick_bench_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bench.json"
     isa = SIMD[-1]  # the least demanding SIMD variant here (avx2 where present)
-    rc = bench.main(["--quick", "--isa", isa, "--threads", "2", "--tokens", "1", "--iters", "1",
-                     "--cases", "fast,kernel", "--prefetch-blocks", "1,0", "--hugepages", "--json", str(out)])
+    rc = bench.main(
+        [
+            "--quick",
+            "--isa",
+            isa,
+            "--threads",
+            "2",
+            "--tokens",
+            "1",
+            "--iters",
+            "1",
+            "--cases",
+            "fast,kernel",
+            "--prefetch-blocks",
+            "1,0",
+            "--hugepages",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "probe/vector-ports" in text and "# --hugepages:" in text
@@ -37,8 +55,12 @@ def test_quick_bench_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     for r in by_case["ceiling/kernel 1 band L2"]:
         assert r["Gweights_per_s"] > 0 and len(r["per_worker_Gw_s"]) == r["threads"]
     # the A/B rows: both prefetch distances, on the ordinary and the huge-page copy, at both thread counts
-    for name in ("expert/mul1 K=3 fast pf1", "expert/mul1 K=3 fast pf0", "expert/mul1 K=3 fast huge pf1",
-                 "expert/mul1 K=3 fast huge pf0"):
+    for name in (
+        "expert/mul1 K=3 fast pf1",
+        "expert/mul1 K=3 fast pf0",
+        "expert/mul1 K=3 fast huge pf1",
+        "expert/mul1 K=3 fast huge pf0",
+    ):
         assert {r["threads"] for r in by_case[name]} == {1, 2}, name
         for r in by_case[name]:
             assert r["GBps"] > 0 and r["ratio_to_probe"] > 0
@@ -50,7 +72,9 @@ def test_band_read_rejects_bad_geometry() -> None:
 
     with ExpertTier(CpuTierConfig(threads=1)) as tier:
         probes = tier._mod.bench  # the probes live in their own submodule, off the production Runtime
-        assert not any(hasattr(tier._rt, f) for f in ("read_bandwidth", "clock_ghz", "port_rates", "kernel_band_seconds"))
+        assert not any(
+            hasattr(tier._rt, f) for f in ("read_bandwidth", "clock_ghz", "port_rates", "kernel_band_seconds")
+        )
         assert probes.read_bandwidth(tier._rt, 1 << 20, 1, 768, 768 * 4, 16) > 0
         for seg, stride, rows in ((100, 800, 4), (768, 1000, 4), (768, 768 * 4, 0), (768, 768 * 4, 10_000)):
             with pytest.raises(ValueError, match="read_bandwidth"):
@@ -76,14 +100,35 @@ def test_anchor_rows_and_rounds(tmp_path: Path, capsys: pytest.CaptureFixture[st
         '[ "$EXL3_MOE_CPU_MAX_ISA" = avx2 ] || [ "$EXL3_MOE_CPU_MAX_ISA" = vbmi ] || exit 4\n'
         '[ "$EXL3_MOE_CPU_PIN" = 0 ] || exit 5\n'
         'echo "RESULT kernel=A tier=$EXL3_MOE_CPU_MAX_ISA swz_group=2 planar=1 mode=job threads=$2 experts=$3 '
-        'passes=9 wall_s=0.10 build_s=0.1 ms_med=4.0000 ms_min=3.5000 ms_max=5.0000 GBps=3.318 '
+        "passes=9 wall_s=0.10 build_s=0.1 ms_med=4.0000 ms_min=3.5000 ms_max=5.0000 GBps=3.318 "
         'GBps_per_thread=3.318 out_rms=1.570"\n'
     )
     fake.chmod(0o755)
     out = tmp_path / "bench.json"
     isa = SIMD[-1]
-    rc = bench.main(["--quick", "--isa", isa, "--threads", "2", "--tokens", "1", "--iters", "1", "--cases", "fast",
-                     "--rounds", "3", "--anchor", str(fake), "--anchor-seconds", "0.1", "--json", str(out)])
+    rc = bench.main(
+        [
+            "--quick",
+            "--isa",
+            isa,
+            "--threads",
+            "2",
+            "--tokens",
+            "1",
+            "--iters",
+            "1",
+            "--cases",
+            "fast",
+            "--rounds",
+            "3",
+            "--anchor",
+            str(fake),
+            "--anchor-seconds",
+            "0.1",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     assert "summary (ms/expert min/med/max)" in capsys.readouterr().out
     rows = json.loads(out.read_text())["rows"]

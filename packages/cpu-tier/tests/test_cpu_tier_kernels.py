@@ -76,8 +76,11 @@ def test_isa_selection() -> None:
             with pytest.raises(ValueError, match=f"cannot run the '{isa}' kernels.*{missing[0]}"):
                 selected_isa(CpuTierConfig(isa=isa))  # type: ignore[arg-type]
             with pytest.raises(ValueError, match=missing[0]):
-                exl3_matmul(np.zeros((1, 128), np.float32), exl3.random_tensor(128, 128, 2, "mul1"),
-                            config=CpuTierConfig(isa=isa))  # type: ignore[arg-type]
+                exl3_matmul(
+                    np.zeros((1, 128), np.float32),
+                    exl3.random_tensor(128, 128, 2, "mul1"),
+                    config=CpuTierConfig(isa=isa),
+                )  # type: ignore[arg-type]
             assert f"cpu_tier._native_{isa}" not in sys.modules  # never loaded
         else:
             assert selected_isa(CpuTierConfig(isa=isa)) == isa  # type: ignore[arg-type]

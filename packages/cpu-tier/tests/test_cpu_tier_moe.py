@@ -62,7 +62,7 @@ def test_row_slab_split_matches_reference(small_experts, isa: str, slab_blocks: 
     t = 11
     x = (rng.standard_normal((t, 256)) * 4).astype(np.float32)
     picks = _picks(rng, t, 6, 3)
-    picks.experts[: t] = 2  # expert 2 gets more than 8 tokens: two chunks
+    picks.experts[:t] = 2  # expert 2 gets more than 8 tokens: two chunks
     cfg = CpuTierConfig(threads=2, isa=isa, precision=precision, slab_blocks=slab_blocks)  # type: ignore[arg-type]
     with ExpertTier(cfg) as tier:
         tier.add_layer(0, *small_experts)
@@ -87,8 +87,13 @@ def test_prefetch_distance_does_not_change_results(small_experts, isa: str, prec
     for slab_blocks in (0, 1):
         outs = []
         for pfb in (1, 0, 2, 3, 4):
-            cfg = CpuTierConfig(threads=2, isa=isa, precision=precision, slab_blocks=slab_blocks,  # type: ignore[arg-type]
-                                prefetch_blocks=pfb)
+            cfg = CpuTierConfig(
+                threads=2,
+                isa=isa,
+                precision=precision,
+                slab_blocks=slab_blocks,  # type: ignore[arg-type]
+                prefetch_blocks=pfb,
+            )
             with ExpertTier(cfg) as tier:
                 tier.add_layer(0, *small_experts)
                 outs.append(tier.forward(0, x, picks))
@@ -118,7 +123,9 @@ def test_1_to_16_tokens_per_expert(small_experts, isa: str) -> None:
     with ExpertTier(CpuTierConfig(threads=2, isa=isa, precision="fast")) as tier:  # type: ignore[arg-type]
         tier.add_layer(0, *small_experts)
         for m in (1, 2, 5, 8, 9, 16):
-            picks = Picks(np.arange(m, dtype=np.int32), np.full(m, 4, np.int32), rng.uniform(0.5, 1, m).astype(np.float32))
+            picks = Picks(
+                np.arange(m, dtype=np.int32), np.full(m, 4, np.int32), rng.uniform(0.5, 1, m).astype(np.float32)
+            )
             out = tier.forward(0, x[:m], picks)
             assert rel_rms(out, ref_moe(x[:m], picks, small_experts, 10.0)) <= 5e-3, m
 
@@ -243,12 +250,20 @@ def test_bad_input(small_experts) -> None:
             tier.add_layer(0, gate, up, down)
         with pytest.raises(ValueError, match="layer 1: up has 5 experts, gate has 6"):
             tier.add_layer(1, gate, up[:5], down)
-        with pytest.raises(ValueError, match=r"layer 1 expert 2 down: shape \(k, n\) = \(256, 384\), expected \(384, 256\)"):
+        with pytest.raises(
+            ValueError, match=r"layer 1 expert 2 down: shape \(k, n\) = \(256, 384\), expected \(384, 256\)"
+        ):
             tier.add_layer(1, gate, up, down[:2] + [gate[2]] + down[3:])
         bad = exl3.Exl3Tensor.from_arrays(up[3].trellis[:, ::1, :][::1], up[3].suh, up[3].svh, "mul1")
         strided = exl3.Exl3Tensor(
-            trellis=np.concatenate([bad.trellis, bad.trellis], axis=2)[:, :, ::2], suh=bad.suh, svh=bad.svh,
-            bias=None, codebook="mul1", bits=3, k=256, n=384,
+            trellis=np.concatenate([bad.trellis, bad.trellis], axis=2)[:, :, ::2],
+            suh=bad.suh,
+            svh=bad.svh,
+            bias=None,
+            codebook="mul1",
+            bits=3,
+            k=256,
+            n=384,
         )
         with pytest.raises(ValueError, match="layer 1 expert 3 up.trellis: must be C-contiguous"):
             tier.add_layer(1, gate, up[:3] + [strided] + up[4:], down)

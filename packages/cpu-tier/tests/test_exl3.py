@@ -41,9 +41,7 @@ def _pack_codes(codes: list[int], lengths: list[int]) -> np.ndarray:
     return u32.view("<i2").astype(np.int16)
 
 
-@pytest.mark.parametrize(
-    ("codebook", "rms"), [("3inst", 1.243711), ("mcg", 1.244112), ("mul1", 1.000312)]
-)
+@pytest.mark.parametrize(("codebook", "rms"), [("3inst", 1.243711), ("mcg", 1.244112), ("mul1", 1.000312)])
 def test_codebook_rms_over_all_states(codebook: str, rms: float) -> None:
     v = exl3.codebook_values(np.arange(65536), codebook).astype(np.float64)  # type: ignore[arg-type]
     assert v.dtype == np.float64
@@ -179,8 +177,12 @@ def test_linear_equals_x_at_reconstruct(codebook: str, bits: float) -> None:
     # And reconstruct is diag(suh) H W_inner H diag(svh), built here with explicit matrices.
     hk = exl3.hadamard_128(np.eye(384))
     hn = exl3.hadamard_128(np.eye(256))
-    w_ref = np.diag(t.suh.astype(np.float64)) @ hk @ exl3.decode(t.trellis, t.codebook) @ hn @ np.diag(
-        t.svh.astype(np.float64)
+    w_ref = (
+        np.diag(t.suh.astype(np.float64))
+        @ hk
+        @ exl3.decode(t.trellis, t.codebook)
+        @ hn
+        @ np.diag(t.svh.astype(np.float64))
     )
     assert np.allclose(w, w_ref, rtol=1e-6, atol=1e-7 * np.max(np.abs(w_ref)))
 
@@ -244,8 +246,15 @@ def _good() -> dict[str, np.ndarray]:
         (lambda d: d.update({"w.trellis": d["w.trellis"][0]}), r"w\.trellis.*3-D"),
         (lambda d: d.update({"w.trellis": d["w.trellis"][:4]}), r"w\.trellis.*multiples of 128"),
         (lambda d: d.update({"w.trellis": d["w.trellis"][:, :, :44]}), r"w\.trellis.*16\*K"),
-        (lambda d: d.update({"w.trellis": d["w.trellis"][:, :, :24].copy(), "w.mcg": d.pop("w.mul1") * 0
-                             + np.int32(exl3.MARKERS["mcg"])}), r"w\.trellis.*K=1\.5.*mcg"),
+        (
+            lambda d: d.update(
+                {
+                    "w.trellis": d["w.trellis"][:, :, :24].copy(),
+                    "w.mcg": d.pop("w.mul1") * 0 + np.int32(exl3.MARKERS["mcg"]),
+                }
+            ),
+            r"w\.trellis.*K=1\.5.*mcg",
+        ),
         (lambda d: d.update({"w.suh": d["w.suh"].astype(np.float32)}), r"w\.suh.*float16"),
         (lambda d: d.update({"w.svh": d["w.svh"][:100]}), r"w\.svh.*shape"),
         (lambda d: d.pop("w.suh"), r"w\.suh: missing"),

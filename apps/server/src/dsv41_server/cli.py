@@ -59,37 +59,69 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-isa", choices=("auto", "scalar", "avx2", "avx512", "amx"))
     g.add_argument("--precision", choices=("exact", "fast"))
     g.add_argument("--spin-us", type=int, help="idle spin before sleeping, microseconds")
-    g.add_argument("--cpu-amx-min-tokens", type=int,
-                   help="with --cpu-isa amx (or auto on AMX CPUs): fewest tokens per expert chunk on the AMX kernel")
+    g.add_argument(
+        "--cpu-amx-min-tokens",
+        type=int,
+        help="with --cpu-isa amx (or auto on AMX CPUs): fewest tokens per expert chunk on the AMX kernel",
+    )
     g.add_argument("--cpu-prefetch-blocks", type=int, help="the kernels' software prefetch distance (0..4)")
     e = p.add_argument_group("GPU path")
-    e.add_argument("--expert-runtime", choices=("cpu", "tiered", "all-in-vram"),
-                   help="where routed experts run: the CPU tier from the host home (default); tiered (the hottest "
-                        "in a VRAM cache on the GPU, the misses on the CPU tier or read over PCIe); or all "
-                        "dequantized in VRAM (the oracle; only packs that fit)")
-    e.add_argument("--dense-kernel", choices=("auto", "exllamav3", "triton"),
-                   help="GPU kernel of the dense EXL3 linears (default auto: exllamav3's where it imports)")
-    e.add_argument("--attention", choices=("auto", "upstream", "triton"),
-                   help="DeepSeek-V4.1 attention kernels: upstream (vLLM's FlashMLA/DeepGEMM, sm_90+), triton (the "
-                        "plugin's, any GPU from sm_80: RTX 3090, A100) or auto (default: triton below sm_90)")
+    e.add_argument(
+        "--expert-runtime",
+        choices=("cpu", "tiered", "all-in-vram"),
+        help="where routed experts run: the CPU tier from the host home (default); tiered (the hottest "
+        "in a VRAM cache on the GPU, the misses on the CPU tier or read over PCIe); or all "
+        "dequantized in VRAM (the oracle; only packs that fit)",
+    )
+    e.add_argument(
+        "--dense-kernel",
+        choices=("auto", "exllamav3", "triton"),
+        help="GPU kernel of the dense EXL3 linears (default auto: exllamav3's where it imports)",
+    )
+    e.add_argument(
+        "--attention",
+        choices=("auto", "upstream", "triton"),
+        help="DeepSeek-V4.1 attention kernels: upstream (vLLM's FlashMLA/DeepGEMM, sm_90+), triton (the "
+        "plugin's, any GPU from sm_80: RTX 3090, A100) or auto (default: triton below sm_90)",
+    )
     t = p.add_argument_group("Tiered expert runtime (--expert-runtime tiered)")
-    t.add_argument("--cache-gib", type=float,
-                   help="VRAM for the expert cache (default 0: what vLLM leaves free after its KV cache, minus the "
-                        "margin; vLLM's share is --gpu-memory-utilization)")
+    t.add_argument(
+        "--cache-gib",
+        type=float,
+        help="VRAM for the expert cache (default 0: what vLLM leaves free after its KV cache, minus the "
+        "margin; vLLM's share is --gpu-memory-utilization)",
+    )
     t.add_argument("--cache-margin-gib", type=float, help="VRAM left free beside the cache (default 1)")
-    t.add_argument("--cache-policy", choices=("hybrid", "decayed", "lru", "lfu", "arc"),
-                   help="the cache policy (default hybrid; decayed = the reference system's)")
-    t.add_argument("--miss-split", choices=("auto", "cpu", "pcie"),
-                   help="where cache misses run: auto (the cost model from rates measured at startup, default), "
-                        "all on the CPU tier, or all read over PCIe by the GPU")
-    t.add_argument("--hit-kernel", choices=("auto", "exllamav3", "triton", "reference"),
-                   help="GPU kernel of the cached experts (default auto: the fastest available)")
+    t.add_argument(
+        "--cache-policy",
+        choices=("hybrid", "decayed", "lru", "lfu", "arc"),
+        help="the cache policy (default hybrid; decayed = the reference system's)",
+    )
+    t.add_argument(
+        "--miss-split",
+        choices=("auto", "cpu", "pcie"),
+        help="where cache misses run: auto (the cost model from rates measured at startup, default), "
+        "all on the CPU tier, or all read over PCIe by the GPU",
+    )
+    t.add_argument(
+        "--hit-kernel",
+        choices=("auto", "exllamav3", "triton", "reference"),
+        help="GPU kernel of the cached experts (default auto: the fastest available)",
+    )
     t.add_argument("--cpu-gbps", type=float, help="the cost model's CPU-tier rate in GB/s (default: measured)")
     t.add_argument("--pcie-gbps", type=float, help="the cost model's PCIe read rate in GB/s (default: measured)")
-    t.add_argument("--record-routing", type=Path, metavar="NPZ",
-                   help="record the served routing to this file at exit (replay: python -m expert_cache.sim)")
-    t.add_argument("--tier-stats-every", type=int, metavar="STEPS",
-                   help="log hit rate, miss shares and ms per step every this many steps (default 256; 0: never)")
+    t.add_argument(
+        "--record-routing",
+        type=Path,
+        metavar="NPZ",
+        help="record the served routing to this file at exit (replay: python -m expert_cache.sim)",
+    )
+    t.add_argument(
+        "--tier-stats-every",
+        type=int,
+        metavar="STEPS",
+        help="log hit rate, miss shares and ms per step every this many steps (default 256; 0: never)",
+    )
     p.add_argument(
         "--max-request-bytes", type=int, default=None,
         help="largest request body accepted, larger ones get 413 (default: 32 bytes per context token, at least 1 MiB)",
@@ -108,8 +140,15 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
     """Flags -> (``ServerConfig``, check-only)."""
     a = _parser().parse_args(argv)
     # flag -> field of the plugin's nested cpu-tier config (CpuTierConfig)
-    cpu_fields = {"cpu_threads": "threads", "cpu_cores": "cpus", "cpu_isa": "isa", "precision": "precision",
-                  "spin_us": "spin_us", "cpu_amx_min_tokens": "amx_min_tokens", "cpu_prefetch_blocks": "prefetch_blocks"}
+    cpu_fields = {
+        "cpu_threads": "threads",
+        "cpu_cores": "cpus",
+        "cpu_isa": "isa",
+        "precision": "precision",
+        "spin_us": "spin_us",
+        "cpu_amx_min_tokens": "amx_min_tokens",
+        "cpu_prefetch_blocks": "prefetch_blocks",
+    }
     plugin: dict[str, object] = {}
     cpu = {f: getattr(a, n) for n, f in cpu_fields.items() if getattr(a, n) is not None}
     if cpu:

@@ -195,7 +195,9 @@ def check_api_key(cfg: ServerConfig) -> tuple[str | None, list[str]]:
     except OSError as e:
         return None, [f"--api-key-file {path}: cannot read it ({e.strerror or e})"]
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        return None, [f"--api-key-file {path}: other users can access it (mode {stat.filemode(st.st_mode)}); chmod 600 it"]
+        return None, [
+            f"--api-key-file {path}: other users can access it (mode {stat.filemode(st.st_mode)}); chmod 600 it"
+        ]
     key = text.strip()
     if not key:
         return None, [f"--api-key-file {path}: the file is empty"]

@@ -162,7 +162,9 @@ class _Lifecycle:
 
     def _arm_backstop(self, grace: float, code: int) -> None:
         deadline = grace + BACKSTOP_SECONDS
-        timer = threading.Timer(deadline, self._exit_now, (code, f"shutdown still running {deadline:g} s after it began"))
+        timer = threading.Timer(
+            deadline, self._exit_now, (code, f"shutdown still running {deadline:g} s after it began")
+        )
         timer.daemon = True
         timer.start()
 
@@ -207,7 +209,9 @@ class _Lifecycle:
                     log.exception("cannot build the API server")
                     return ExitCode.START_FAILED
                 code = await self._serve(engine, server, guard, sock)
-                await asyncio.get_running_loop().run_in_executor(None, lambda: engine.shutdown(timeout=ENGINE_STOP_SECONDS))
+                await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: engine.shutdown(timeout=ENGINE_STOP_SECONDS)
+                )
                 return code
         except Exception as e:
             if self.serving:
@@ -252,7 +256,9 @@ class _Lifecycle:
             timeout_graceful_shutdown=int(self.cfg.shutdown_grace_s + FLUSH_SECONDS + 1),
             **extra,
         )
-        config.h11_max_incomplete_event_size = args.h11_max_incomplete_event_size or H11_MAX_INCOMPLETE_EVENT_SIZE_DEFAULT
+        config.h11_max_incomplete_event_size = (
+            args.h11_max_incomplete_event_size or H11_MAX_INCOMPLETE_EVENT_SIZE_DEFAULT
+        )
         config.h11_max_header_count = args.h11_max_header_count or H11_MAX_HEADER_COUNT_DEFAULT
         config.load()
         server = NoSignalServer(config)

@@ -17,7 +17,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-__all__ = ["TEST_API_KEY", "TEST_SERVER_ARGS", "DemoServer", "free_port", "release_shared_demo_server", "shared_demo_server"]
+__all__ = [
+    "TEST_API_KEY",
+    "TEST_SERVER_ARGS",
+    "DemoServer",
+    "free_port",
+    "release_shared_demo_server",
+    "shared_demo_server",
+]
 
 #: The API key the shared test server requires (it binds loopback, where a key is optional: this exercises it).
 TEST_API_KEY = "dsv41-test-key-3f1c9a"

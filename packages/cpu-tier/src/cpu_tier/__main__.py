@@ -1,7 +1,7 @@
 """``cpu-tier`` command line: check and decode EXL3 tensors with the reference decoder.
 
-    cpu-tier selfcheck [--k 512 --n 384 --bits 3 --codebook mul1]
-    cpu-tier decode FILE.safetensors PREFIX [--out W.npy]
+cpu-tier selfcheck [--k 512 --n 384 --bits 3 --codebook mul1]
+cpu-tier decode FILE.safetensors PREFIX [--out W.npy]
 """
 
 from __future__ import annotations
@@ -80,7 +80,9 @@ def _decode(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="cpu-tier", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="cpu-tier", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("selfcheck", help="decode random tensors of every codebook and check them")
     s.add_argument("--k", type=int, default=512)

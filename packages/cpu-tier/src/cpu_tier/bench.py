@@ -49,9 +49,16 @@ def _cpu_model() -> str:
 
 def _git() -> str:
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
-        ).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                cwd=Path(__file__).parent,
+                timeout=5,
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -109,8 +116,11 @@ def _experts(n: int, hidden: int, inter: int, codebook: str, seed: int) -> tuple
     """n distinct experts (separate, page-aligned memory); the trellis content repeats from 3 random templates."""
     rng = np.random.default_rng(seed)
     tmpl = [
-        (exl3.random_tensor(hidden, inter, K, codebook, seed=rng), exl3.random_tensor(hidden, inter, K, codebook, seed=rng),
-         exl3.random_tensor(inter, hidden, K, codebook, seed=rng))
+        (
+            exl3.random_tensor(hidden, inter, K, codebook, seed=rng),
+            exl3.random_tensor(hidden, inter, K, codebook, seed=rng),
+            exl3.random_tensor(inter, hidden, K, codebook, seed=rng),
+        )
         for _ in range(3)
     ]
     gate, up, down = [], [], []
@@ -163,8 +173,9 @@ def _run_anchor(path: str, isa: str, threads: int, experts: int, seconds: float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cpu_tier.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m cpu_tier.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--json", help="also write the rows and the environment to this file")
     p.add_argument("--isa", action="append", help="ISA to run (repeatable); default: every runnable SIMD one")
     p.add_argument("--threads", type=int, default=0, help="'all cores' thread count (default: every usable core)")
@@ -173,31 +184,55 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", default="1,2,4,8", help="tokens per expert, comma separated")
     p.add_argument("--iters", type=int, default=5, help="timed jobs per case (after one warm-up)")
     p.add_argument("--probe-mib", type=int, default=1024, help="size of the bandwidth probe's buffer")
-    p.add_argument("--cases", default="fast,exact,mcg,llc,l2,kernel",
-                   help="comma separated: fast (MUL1 fast at --tokens), exact, mcg, llc, l2, kernel (compute ceilings, "
-                        "m=1)")
-    p.add_argument("--slabs", default="0",
-                   help="CpuTierConfig.slab_blocks values (comma separated) for the m=1 fast cases; the first one "
-                        "for every other case")
-    p.add_argument("--prefetch-blocks", default="1",
-                   help="CpuTierConfig.prefetch_blocks values (comma separated) for the m=1 fast, llc and l2 cases; "
-                        "the first one for every other case (the kernel ceiling keeps the default, 1)")
-    p.add_argument("--hugepages", action="store_true",
-                   help="also run the m=1 fast cases with the experts' memory in transparent huge pages (an A/B: "
-                        "rows named 'huge')")
-    p.add_argument("--amx-min-tokens", type=int, default=6,
-                   help="CpuTierConfig.amx_min_tokens of the isa 'amx' job cases (its kernel ceiling always runs the "
-                        "AMX kernel)")
-    p.add_argument("--pin", action="store_true",
-                   help="pin the workers to the first usable cores (CpuTierConfig.cpus; the anchor too). Default: not "
-                        "pinned: on a machine shared with other processes a pinned worker cannot leave a busy core, "
-                        "and every phase of a job waits for it (see the README)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="rounds of the m=1 fast case (and of the anchor, when given), interleaved; a summary row gives "
-                        "min/median/max over the rounds' medians")
-    p.add_argument("--anchor", metavar="BENCH_A",
-                   help="exllamav3's CPU kernel timed beside ours: the exl3-cpu-anchor tool's bench_a binary (see "
-                        "/work/shared/tools/exl3-cpu-anchor); its row follows each round of the m=1 fast case")
+    p.add_argument(
+        "--cases",
+        default="fast,exact,mcg,llc,l2,kernel",
+        help="comma separated: fast (MUL1 fast at --tokens), exact, mcg, llc, l2, kernel (compute ceilings, m=1)",
+    )
+    p.add_argument(
+        "--slabs",
+        default="0",
+        help="CpuTierConfig.slab_blocks values (comma separated) for the m=1 fast cases; the first one "
+        "for every other case",
+    )
+    p.add_argument(
+        "--prefetch-blocks",
+        default="1",
+        help="CpuTierConfig.prefetch_blocks values (comma separated) for the m=1 fast, llc and l2 cases; "
+        "the first one for every other case (the kernel ceiling keeps the default, 1)",
+    )
+    p.add_argument(
+        "--hugepages",
+        action="store_true",
+        help="also run the m=1 fast cases with the experts' memory in transparent huge pages (an A/B: "
+        "rows named 'huge')",
+    )
+    p.add_argument(
+        "--amx-min-tokens",
+        type=int,
+        default=6,
+        help="CpuTierConfig.amx_min_tokens of the isa 'amx' job cases (its kernel ceiling always runs the AMX kernel)",
+    )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="pin the workers to the first usable cores (CpuTierConfig.cpus; the anchor too). Default: not "
+        "pinned: on a machine shared with other processes a pinned worker cannot leave a busy core, "
+        "and every phase of a job waits for it (see the README)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="rounds of the m=1 fast case (and of the anchor, when given), interleaved; a summary row gives "
+        "min/median/max over the rounds' medians",
+    )
+    p.add_argument(
+        "--anchor",
+        metavar="BENCH_A",
+        help="exllamav3's CPU kernel timed beside ours: the exl3-cpu-anchor tool's bench_a binary (see "
+        "/work/shared/tools/exl3-cpu-anchor); its row follows each round of the m=1 fast case",
+    )
     p.add_argument("--anchor-seconds", type=float, default=2.0, help="seconds per anchor run")
     p.add_argument("--quick", action="store_true", help="small shapes, few experts: a smoke test of the CLI")
     args = p.parse_args(argv)
@@ -227,8 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     n_exp = args.experts or (4 if args.quick else max(16, 4 * all_threads))
     probe_bytes = (4 if args.quick else args.probe_mib) << 20
 
-    feats = [f for f in ("avx2", "avx512f", "avx512bw", "avx512vnni", "avx512vbmi", "amx_int8", "os_amx")
-             if cpu_features().get(f)]
+    feats = [
+        f
+        for f in ("avx2", "avx512f", "avx512bw", "avx512vnni", "avx512vbmi", "amx_int8", "os_amx")
+        if cpu_features().get(f)
+    ]
     print(
         f"# cpu-tier bench | git {_git()} | {_cpu_model()} | {len(usable_cpus())} cores | {' '.join(feats)} | "
         f"expert H={hidden} I={inter} MUL1 K={K} ({expert_bytes / 1e6:.2f} MB) x {n_exp} per job | "
@@ -242,8 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.hugepages:
         before = _anon_huge_mib()
         huge = _hugepage_copies((gate, up, down))
-        print(f"# --hugepages: {_anon_huge_mib() - before:.0f} MiB of the experts' copy in transparent huge pages "
-              f"(THP: {_thp_mode()})", flush=True)
+        print(
+            f"# --hugepages: {_anon_huge_mib() - before:.0f} MiB of the experts' copy in transparent huge pages "
+            f"(THP: {_thp_mode()})",
+            flush=True,
+        )
     mcg = _experts(min(n_exp, 8), hidden, inter, "mcg", seed=2) if not args.quick and "mcg" in want else None
     # compute ceilings: one expert's memory referenced n_exp times (cache resident)
     llc = ([gate[0]] * n_exp, [up[0]] * n_exp, [down[0]] * n_exp)
@@ -251,8 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     l2e = _experts(1, hidden, l2_inter, "mul1", seed=3)
     l2 = (l2e[0] * n_exp, l2e[1] * n_exp, l2e[2] * n_exp)
     print(f"# built {n_exp} experts in {time.perf_counter() - t0:.1f} s", flush=True)
-    hdr = (f"{'case':<30}{'isa':>8}{'thr':>5}{'m':>3}{'prec':>7}{'p50 ms':>9}{'p10':>8}{'p90':>8}"
-           f"{'Gw/s':>8}{'GB/s':>8}{'GB/s/core':>10}{'probe':>8}{'ratio':>7}{'cyc/w':>7}")
+    hdr = (
+        f"{'case':<30}{'isa':>8}{'thr':>5}{'m':>3}{'prec':>7}{'p50 ms':>9}{'p10':>8}{'p90':>8}"
+        f"{'Gw/s':>8}{'GB/s':>8}{'GB/s/core':>10}{'probe':>8}{'ratio':>7}{'cyc/w':>7}"
+    )
     print(hdr, flush=True)
     rows: list[dict[str, Any]] = []
     rng = np.random.default_rng(0)
@@ -270,29 +313,64 @@ def main(argv: list[str] | None = None) -> int:
                 bw_band = probes.read_bandwidth(probe_tier._rt, probe_bytes, 3, seg, stride, hidden // 16) / 1e9
                 ghz = float(np.median(probes.clock_ghz(probe_tier._rt)))
                 # three runs: the fastest one alone (one thread), the median one with all busy
-                runs = sorted((np.asarray(probes.port_rates(probe_tier._rt, 0.03)) for _ in range(3)),
-                              key=lambda r: r.sum())
+                runs = sorted(
+                    (np.asarray(probes.port_rates(probe_tier._rt, 0.03)) for _ in range(3)), key=lambda r: r.sum()
+                )
                 ports = runs[-1] if thr == 1 else runs[1]
-            row = {"case": "probe/stream-read", "isa": isa, "threads": thr, "GBps": bw, "GBps_per_core": bw / thr,
-                   "bytes": probe_bytes, "clock_GHz": ghz}
+            row = {
+                "case": "probe/stream-read",
+                "isa": isa,
+                "threads": thr,
+                "GBps": bw,
+                "GBps_per_core": bw / thr,
+                "bytes": probe_bytes,
+                "clock_GHz": ghz,
+            }
             rows.append(row)
-            print(f"{'probe/stream-read':<30}{isa:>8}{thr:>5}{'':>3}{'':>7}{'':>9}{'':>8}{'':>8}{'':>8}"
-                  f"{bw:8.2f}{bw / thr:10.2f}{bw:8.2f}{'':>7}  (core clock ~{ghz:.2f} GHz with {thr} busy)", flush=True)
-            rows.append({"case": "probe/band-read", "isa": isa, "threads": thr, "GBps": bw_band,
-                         "GBps_per_core": bw_band / thr, "probe_GBps": bw, "ratio_to_probe": bw_band / bw,
-                         "segment_bytes": seg, "stride_bytes": stride})
-            print(f"{'probe/band-read':<30}{isa:>8}{thr:>5}{'':>3}{'':>7}{'':>9}{'':>8}{'':>8}{'':>8}"
-                  f"{bw_band:8.2f}{bw_band / thr:10.2f}{bw:8.2f}{bw_band / bw:7.2f}  ({seg} B of every {stride} B, "
-                  f"no compute)", flush=True)
+            print(
+                f"{'probe/stream-read':<30}{isa:>8}{thr:>5}{'':>3}{'':>7}{'':>9}{'':>8}{'':>8}{'':>8}"
+                f"{bw:8.2f}{bw / thr:10.2f}{bw:8.2f}{'':>7}  (core clock ~{ghz:.2f} GHz with {thr} busy)",
+                flush=True,
+            )
+            rows.append(
+                {
+                    "case": "probe/band-read",
+                    "isa": isa,
+                    "threads": thr,
+                    "GBps": bw_band,
+                    "GBps_per_core": bw_band / thr,
+                    "probe_GBps": bw,
+                    "ratio_to_probe": bw_band / bw,
+                    "segment_bytes": seg,
+                    "stride_bytes": stride,
+                }
+            )
+            print(
+                f"{'probe/band-read':<30}{isa:>8}{thr:>5}{'':>3}{'':>7}{'':>9}{'':>8}{'':>8}{'':>8}"
+                f"{bw_band:8.2f}{bw_band / thr:10.2f}{bw:8.2f}{bw_band / bw:7.2f}  ({seg} B of every {stride} B, "
+                f"no compute)",
+                flush=True,
+            )
             # the vector ports' throughput with every worker busy at once, in cores' worth of the fastest core seen so far:
             # below the thread count where cores share their ports (SMT siblings; in a VM, possibly with another
             # guest's busy vCPU, which also slows a core that runs alone)
             port_best = max(port_best, float(ports.max()))
             eff = float(ports.sum()) / port_best
-            rows.append({"case": "probe/vector-ports", "isa": isa, "threads": thr, "steps_per_ns": float(ports.sum()),
-                         "per_worker_steps_per_ns": [round(float(v), 3) for v in ports], "effective_cores": eff})
-            print(f"{'probe/vector-ports':<30}{isa:>8}{thr:>5}  = {eff:.1f} cores' worth of the fastest core "
-                  f"(per core {ports.min() / port_best:.2f}..{ports.max() / port_best:.2f})", flush=True)
+            rows.append(
+                {
+                    "case": "probe/vector-ports",
+                    "isa": isa,
+                    "threads": thr,
+                    "steps_per_ns": float(ports.sum()),
+                    "per_worker_steps_per_ns": [round(float(v), 3) for v in ports],
+                    "effective_cores": eff,
+                }
+            )
+            print(
+                f"{'probe/vector-ports':<30}{isa:>8}{thr:>5}  = {eff:.1f} cores' worth of the fastest core "
+                f"(per core {ports.min() / port_best:.2f}..{ports.max() / port_best:.2f})",
+                flush=True,
+            )
             if "kernel" in want:
                 # kernel alone, every worker at once on its own L2-resident band (the job's compute ceiling);
                 # variants of the AVX-512 int16 kernel (see csrc/arch/avx512/kernels.h), for an A/B against the default
@@ -300,31 +378,73 @@ def main(argv: list[str] | None = None) -> int:
                 # whole tile reloaded per column pair, 2 = vpermt2b with the tiles hoisted (the former default);
                 # of the AVX2 integer kernel (csrc/arch/avx2/kernels.h): 1 = the former 32-bit-lane forms
                 for variant in {"avx512": (0, 1, 2), "amx": (0, 1, 2), "avx2": (0, 1)}.get(isa, (0,)):
-                    with ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa,  # type: ignore[arg-type]
-                                                  amx_min_tokens=1)) as kt:
+                    with ExpertTier(
+                        CpuTierConfig(
+                            threads=thr,
+                            cpus=pin,
+                            isa=isa,  # type: ignore[arg-type]
+                            amx_min_tokens=1,
+                        )
+                    ) as kt:
                         g0 = gate[0]
                         kb_iters = 200 if not args.quick else 4  # ~12 ms per worker: sustained clock
-                        secs = np.asarray(kt._mod.bench.kernel_band_seconds(
-                            kt._rt, g0.trellis, g0.suh.view(np.uint16), g0.svh.view(np.uint16), 2, True, 1, 1, kb_iters,
-                            variant))
+                        secs = np.asarray(
+                            kt._mod.bench.kernel_band_seconds(
+                                kt._rt,
+                                g0.trellis,
+                                g0.suh.view(np.uint16),
+                                g0.svh.view(np.uint16),
+                                2,
+                                True,
+                                1,
+                                1,
+                                kb_iters,
+                                variant,
+                            )
+                        )
                     band_w = hidden * 128
                     per_worker = band_w / secs / 1e9
                     gw = float(per_worker.sum())  # all workers together
                     gbps = gw * K / 8
                     case = "ceiling/kernel 1 band L2" + (f" v{variant}" if variant else "")
-                    rows.append({"case": case, "pool": "l2-band", "variant": variant, "isa": isa, "threads": thr,
-                                 "tokens": 1, "precision": "fast", "codebook": "mul1", "Gweights_per_s": gw,
-                                 "GBps": gbps, "GBps_per_core": gbps / thr, "probe_GBps": bw, "ratio_to_probe": gbps / bw,
-                                 "clock_GHz": ghz, "cycles_per_weight": ghz * thr / gw,
-                                 "per_worker_Gw_s": [round(float(v), 3) for v in per_worker]})
-                    print(f"{case:<30}{isa:>8}{thr:>5}{1:>3}{'fast':>7}{'':>9}{'':>8}{'':>8}"
-                          f"{gw:8.2f}{gbps:8.2f}{gbps / thr:10.2f}{bw:8.2f}{gbps / bw:7.2f}{ghz * thr / gw:7.3f}",
-                          flush=True)
+                    rows.append(
+                        {
+                            "case": case,
+                            "pool": "l2-band",
+                            "variant": variant,
+                            "isa": isa,
+                            "threads": thr,
+                            "tokens": 1,
+                            "precision": "fast",
+                            "codebook": "mul1",
+                            "Gweights_per_s": gw,
+                            "GBps": gbps,
+                            "GBps_per_core": gbps / thr,
+                            "probe_GBps": bw,
+                            "ratio_to_probe": gbps / bw,
+                            "clock_GHz": ghz,
+                            "cycles_per_weight": ghz * thr / gw,
+                            "per_worker_Gw_s": [round(float(v), 3) for v in per_worker],
+                        }
+                    )
+                    print(
+                        f"{case:<30}{isa:>8}{thr:>5}{1:>3}{'fast':>7}{'':>9}{'':>8}{'':>8}"
+                        f"{gw:8.2f}{gbps:8.2f}{gbps / thr:10.2f}{bw:8.2f}{gbps / bw:7.2f}{ghz * thr / gw:7.3f}",
+                        flush=True,
+                    )
             # (tokens, precision, codebook, pool name, slab_blocks, prefetch_blocks)
-            cases = [(m, "fast", "mul1", pool, sb, pf) for m in tokens for pool in ("dram", "dram-huge")
-                     if pool == "dram" or (huge is not None and m == 1)
-                     for sb in (slabs if m == 1 else slabs[:1]) for pf in (pfbs if m == 1 else pfbs[:1])] \
-                if "fast" in want else []
+            cases = (
+                [
+                    (m, "fast", "mul1", pool, sb, pf)
+                    for m in tokens
+                    for pool in ("dram", "dram-huge")
+                    if pool == "dram" or (huge is not None and m == 1)
+                    for sb in (slabs if m == 1 else slabs[:1])
+                    for pf in (pfbs if m == 1 else pfbs[:1])
+                ]
+                if "fast" in want
+                else []
+            )
             if "exact" in want:
                 cases.append((1, "exact", "mul1", "dram", slabs[0], pfbs[0]))
             if mcg is not None:
@@ -333,8 +453,9 @@ def main(argv: list[str] | None = None) -> int:
             if isa == "scalar":
                 cases = [c for c in cases if c[0] == 1 and c[3] == "dram"][:2]
             for m, prec, cb, pool, sb, pf in cases:
-                experts = {"dram": (gate, up, down) if cb == "mul1" else mcg, "dram-huge": huge, "llc": llc,
-                           "l2": l2}[pool]
+                experts = {"dram": (gate, up, down) if cb == "mul1" else mcg, "dram-huge": huge, "llc": llc, "l2": l2}[
+                    pool
+                ]
                 if isa == "scalar":  # a few experts suffice for a variant this slow
                     experts = tuple(p[:2] for p in experts)  # type: ignore[assignment]
                 ne = len(experts[0])
@@ -356,30 +477,53 @@ def main(argv: list[str] | None = None) -> int:
                 ours_med: list[float] = []
                 anchor_med: list[float] = []
                 for rnd in range(rounds):
-                    for who in (("ours", "anchor") if rnd % 2 == 0 else ("anchor", "ours")):
+                    for who in ("ours", "anchor") if rnd % 2 == 0 else ("anchor", "ours"):
                         if who == "anchor":
                             if not (headline and args.anchor and isa != "scalar"):
                                 continue
                             a = _run_anchor(args.anchor, isa, thr, n_exp, args.anchor_seconds, args.pin)
                             anchor_med.append(a["ms_med"])
-                            row = {"case": f"anchor/exllamav3 {a.get('tier', '?')}", "isa": isa, "threads": thr,
-                                   "tokens": 1, "round": rnd, "load_average": _load(), "ms_per_expert": a["ms_med"],
-                                   "min_ms": a["ms_min"], "max_ms": a["ms_max"], "passes": a.get("passes"),
-                                   "anchor": a, "GBps": a.get("GBps"),
-                                   "ratio_anchor_over_ours": a["ms_med"] / ours_med[-1] if ours_med else None}
+                            row = {
+                                "case": f"anchor/exllamav3 {a.get('tier', '?')}",
+                                "isa": isa,
+                                "threads": thr,
+                                "tokens": 1,
+                                "round": rnd,
+                                "load_average": _load(),
+                                "ms_per_expert": a["ms_med"],
+                                "min_ms": a["ms_min"],
+                                "max_ms": a["ms_max"],
+                                "passes": a.get("passes"),
+                                "anchor": a,
+                                "GBps": a.get("GBps"),
+                                "ratio_anchor_over_ours": a["ms_med"] / ours_med[-1] if ours_med else None,
+                            }
                             rows.append(row)
-                            print(f"{row['case']:<30}{isa:>8}{thr:>5}{1:>3}{'int8':>7}{a['ms_med']:9.3f}"
-                                  f"{a['ms_min']:8.3f}{a['ms_max']:8.3f}{'':>8}{a.get('GBps', 0):8.2f}"
-                                  f"{a.get('GBps', 0) / thr:10.2f}  (min/max, not p10/p90; load {_load():.2f})",
-                                  flush=True)
+                            print(
+                                f"{row['case']:<30}{isa:>8}{thr:>5}{1:>3}{'int8':>7}{a['ms_med']:9.3f}"
+                                f"{a['ms_min']:8.3f}{a['ms_max']:8.3f}{'':>8}{a.get('GBps', 0):8.2f}"
+                                f"{a.get('GBps', 0) / thr:10.2f}  (min/max, not p10/p90; load {_load():.2f})",
+                                flush=True,
+                            )
                             continue
-                        tier = ExpertTier(CpuTierConfig(threads=thr, cpus=pin, isa=isa,  # type: ignore[arg-type]
-                                                        precision=prec, slab_blocks=sb,
-                                                        amx_min_tokens=args.amx_min_tokens, prefetch_blocks=pf))
+                        tier = ExpertTier(
+                            CpuTierConfig(
+                                threads=thr,
+                                cpus=pin,
+                                isa=isa,  # type: ignore[arg-type]
+                                precision=prec,
+                                slab_blocks=sb,
+                                amx_min_tokens=args.amx_min_tokens,
+                                prefetch_blocks=pf,
+                            )
+                        )
                         tier.add_layer(0, *experts)
                         x = rng.standard_normal((m, hidden)).astype(np.float32)
-                        picks = Picks(np.repeat(np.arange(m, dtype=np.int32), ne),
-                                      np.tile(np.arange(ne, dtype=np.int32), m), np.full(m * ne, 0.5, np.float32))
+                        picks = Picks(
+                            np.repeat(np.arange(m, dtype=np.int32), ne),
+                            np.tile(np.arange(ne, dtype=np.int32), m),
+                            np.full(m * ne, 0.5, np.float32),
+                        )
                         out = np.empty((m, hidden), np.float32)
                         iters = max(1, args.iters if isa != "scalar" else 1)
                         times = []
@@ -398,39 +542,86 @@ def main(argv: list[str] | None = None) -> int:
                         ours_med.append(med * 1e3)
                         gbps = e_bytes / med / 1e9
                         gw = e_weights / med / 1e9
-                        rows.append({"case": case, "pool": pool, "slab_blocks": sb, "prefetch_blocks": pf,
-                                     "expert_bytes": e_bytes, "isa": isa, "threads": thr, "tokens": m,
-                                     "precision": prec, "codebook": cb, "round": rnd, "load_average": _load(),
-                                     "ms_per_expert": med * 1e3, "p10_ms": p10 * 1e3, "p90_ms": p90 * 1e3,
-                                     "job_ms_per_expert": [round(t * 1e3, 4) for t in times],
-                                     "Gweights_per_s": gw, "GBps": gbps, "GBps_per_core": gbps / thr,
-                                     "probe_GBps": bw, "ratio_to_probe": gbps / bw, "clock_GHz": ghz,
-                                     "cycles_per_weight": ghz * 1e9 * thr / (gw * 1e9),
-                                     "phase_ms_per_expert": dict(zip(
-                                         ("zero", "input", "gate_up", "swiglu_down_input", "down", "sum"),
-                                         (round(float(v) * 1e3, 4) for v in phases)))})
-                        print(f"{case:<30}{isa:>8}{thr:>5}{m:>3}{prec:>7}{med * 1e3:9.3f}{p10 * 1e3:8.3f}"
-                              f"{p90 * 1e3:8.3f}{gw:8.2f}{gbps:8.2f}{gbps / thr:10.2f}{bw:8.2f}{gbps / bw:7.2f}"
-                              f"{ghz * thr / gw:7.3f}", flush=True)
+                        rows.append(
+                            {
+                                "case": case,
+                                "pool": pool,
+                                "slab_blocks": sb,
+                                "prefetch_blocks": pf,
+                                "expert_bytes": e_bytes,
+                                "isa": isa,
+                                "threads": thr,
+                                "tokens": m,
+                                "precision": prec,
+                                "codebook": cb,
+                                "round": rnd,
+                                "load_average": _load(),
+                                "ms_per_expert": med * 1e3,
+                                "p10_ms": p10 * 1e3,
+                                "p90_ms": p90 * 1e3,
+                                "job_ms_per_expert": [round(t * 1e3, 4) for t in times],
+                                "Gweights_per_s": gw,
+                                "GBps": gbps,
+                                "GBps_per_core": gbps / thr,
+                                "probe_GBps": bw,
+                                "ratio_to_probe": gbps / bw,
+                                "clock_GHz": ghz,
+                                "cycles_per_weight": ghz * 1e9 * thr / (gw * 1e9),
+                                "phase_ms_per_expert": dict(
+                                    zip(
+                                        ("zero", "input", "gate_up", "swiglu_down_input", "down", "sum"),
+                                        (round(float(v) * 1e3, 4) for v in phases),
+                                    )
+                                ),
+                            }
+                        )
+                        print(
+                            f"{case:<30}{isa:>8}{thr:>5}{m:>3}{prec:>7}{med * 1e3:9.3f}{p10 * 1e3:8.3f}"
+                            f"{p90 * 1e3:8.3f}{gw:8.2f}{gbps:8.2f}{gbps / thr:10.2f}{bw:8.2f}{gbps / bw:7.2f}"
+                            f"{ghz * thr / gw:7.3f}",
+                            flush=True,
+                        )
                 if rounds > 1 or anchor_med:
                     o = np.asarray(ours_med)
-                    summary = {"case": "summary/" + case, "isa": isa, "threads": thr, "tokens": m, "rounds": rounds,
-                               "ours_ms_min_med_max": [float(o.min()), float(np.median(o)), float(o.max())]}
+                    summary = {
+                        "case": "summary/" + case,
+                        "isa": isa,
+                        "threads": thr,
+                        "tokens": m,
+                        "rounds": rounds,
+                        "ours_ms_min_med_max": [float(o.min()), float(np.median(o)), float(o.max())],
+                    }
                     text = f"ours {o.min():.3f}/{np.median(o):.3f}/{o.max():.3f}"
                     if anchor_med:
                         a = np.asarray(anchor_med)
                         r = a / o[: len(a)]
-                        summary.update({"anchor_ms_min_med_max": [float(a.min()), float(np.median(a)), float(a.max())],
-                                        "speedup_over_anchor_per_round": [round(float(v), 3) for v in r],
-                                        "speedup_over_anchor_of_medians": float(np.median(a) / np.median(o))})
-                        text += (f" | anchor {a.min():.3f}/{np.median(a):.3f}/{a.max():.3f} | ours faster by "
-                                 f"{np.median(a) / np.median(o):.2f}x (rounds {r.min():.2f}..{r.max():.2f})")
+                        summary.update(
+                            {
+                                "anchor_ms_min_med_max": [float(a.min()), float(np.median(a)), float(a.max())],
+                                "speedup_over_anchor_per_round": [round(float(v), 3) for v in r],
+                                "speedup_over_anchor_of_medians": float(np.median(a) / np.median(o)),
+                            }
+                        )
+                        text += (
+                            f" | anchor {a.min():.3f}/{np.median(a):.3f}/{a.max():.3f} | ours faster by "
+                            f"{np.median(a) / np.median(o):.2f}x (rounds {r.min():.2f}..{r.max():.2f})"
+                        )
                     rows.append(summary)
                     print(f"{'summary (ms/expert min/med/max)':<30}{isa:>8}{thr:>5}{m:>3}  {text}", flush=True)
     if args.json:
-        env = {"cpu": _cpu_model(), "cores": len(usable_cpus()), "features": cpu_features(), "git": _git(),
-               "python": sys.version.split()[0], "numpy": np.__version__, "experts_per_job": n_exp,
-               "expert_bytes": expert_bytes, "hidden": hidden, "intermediate": inter, "bits": K}
+        env = {
+            "cpu": _cpu_model(),
+            "cores": len(usable_cpus()),
+            "features": cpu_features(),
+            "git": _git(),
+            "python": sys.version.split()[0],
+            "numpy": np.__version__,
+            "experts_per_job": n_exp,
+            "expert_bytes": expert_bytes,
+            "hidden": hidden,
+            "intermediate": inter,
+            "bits": K,
+        }
         Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
     return 0
 

@@ -96,7 +96,11 @@ class CpuTierConfig:
         pfb = self.prefetch_blocks
         if isinstance(pfb, bool) or not isinstance(pfb, int) or not 0 <= pfb <= 4:
             raise ValueError(f"prefetch_blocks: must be an int in [0, 4] (0 = none), got {pfb!r}")
-        if isinstance(self.slab_blocks, bool) or not isinstance(self.slab_blocks, int) or not 0 <= self.slab_blocks <= 1024:
+        if (
+            isinstance(self.slab_blocks, bool)
+            or not isinstance(self.slab_blocks, int)
+            or not 0 <= self.slab_blocks <= 1024
+        ):
             raise ValueError(f"slab_blocks: must be an int in [0, 1024] (0 = band split), got {self.slab_blocks!r}")
 
     def resolved_threads(self) -> int:

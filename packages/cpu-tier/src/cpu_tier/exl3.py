@@ -212,10 +212,7 @@ def bits_from_trellis(trellis: np.ndarray) -> float:
     words = trellis.shape[-1]
     bits = words / 16
     if words % 8 != 0 or bits not in INTEGER_BITS + HALF_BITS:
-        raise ValueError(
-            f"trellis last dimension {words} is not 16*K for a supported K "
-            f"{INTEGER_BITS + HALF_BITS}"
-        )
+        raise ValueError(f"trellis last dimension {words} is not 16*K for a supported K {INTEGER_BITS + HALF_BITS}")
     return bits
 
 
@@ -319,9 +316,7 @@ def hadamard_128(x: np.ndarray, axis: int = -1) -> np.ndarray:
 # --------------------------------------------------------------------------------------- reconstruction
 
 
-def reconstruct(
-    trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray, codebook: Codebook
-) -> np.ndarray:
+def reconstruct(trellis: np.ndarray, suh: np.ndarray, svh: np.ndarray, codebook: Codebook) -> np.ndarray:
     """The original-basis weight ``W = diag(suh) H W_inner H diag(svh)`` (float32 ``(k, n)``, ``y = x @ W``)."""
     w_inner = decode(trellis, codebook)
     k, n = w_inner.shape
@@ -370,8 +365,7 @@ def _check_trellis(trellis: np.ndarray, name: str) -> None:
     tk, tn, words = trellis.shape
     if (16 * tk) % 128 or (16 * tn) % 128 or tk == 0 or tn == 0:
         raise ValueError(
-            f"{name}: k = {16 * tk} and n = {16 * tn} must be positive multiples of 128 "
-            f"(trellis shape {trellis.shape})"
+            f"{name}: k = {16 * tk} and n = {16 * tn} must be positive multiples of 128 (trellis shape {trellis.shape})"
         )
     try:
         bits_from_trellis(trellis)
@@ -379,9 +373,7 @@ def _check_trellis(trellis: np.ndarray, name: str) -> None:
         raise ValueError(f"{name}: {e}") from None
 
 
-def _check_vector(
-    v: np.ndarray, length: int, name: str, dtypes: tuple[type, ...] = (np.float16,)
-) -> np.ndarray:
+def _check_vector(v: np.ndarray, length: int, name: str, dtypes: tuple[type, ...] = (np.float16,)) -> np.ndarray:
     v = np.asarray(v)
     if v.dtype not in dtypes:
         allowed = ", ".join(np.dtype(d).name for d in dtypes)
@@ -417,8 +409,7 @@ def _unpack_signs(packed: np.ndarray, length: int, name: str) -> np.ndarray:
     """Legacy ``su``/``sv``: element ``16j+b`` is bit b of uint16 word j; set means -1."""
     if packed.dtype != np.int16 or packed.shape != (length // 16,):
         raise ValueError(
-            f"{name}: legacy sign vector must be int16 [{length // 16}], "
-            f"got {packed.dtype} {packed.shape}"
+            f"{name}: legacy sign vector must be int16 [{length // 16}], got {packed.dtype} {packed.shape}"
         )
     bits = (packed.view(np.uint16)[:, None] >> np.arange(16, dtype=np.uint16)) & 1
     return np.where(bits.reshape(-1) == 1, -1.0, 1.0).astype(np.float16)

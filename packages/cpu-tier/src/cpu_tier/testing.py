@@ -9,8 +9,9 @@ import numpy as np
 from . import exl3
 
 
-def ref_expert(x: np.ndarray, gate: exl3.Exl3Tensor, up: exl3.Exl3Tensor, down: exl3.Exl3Tensor,
-               limit: float | None) -> np.ndarray:
+def ref_expert(
+    x: np.ndarray, gate: exl3.Exl3Tensor, up: exl3.Exl3Tensor, down: exl3.Exl3Tensor, limit: float | None
+) -> np.ndarray:
     """float64 ``down(silu(min(gate(x), L)) * clamp(up(x), -L, L))`` for rows x; limit None = no clamp."""
     g = gate.linear(x).astype(np.float64)
     u = up.linear(x).astype(np.float64)
@@ -24,8 +25,9 @@ def ref_expert(x: np.ndarray, gate: exl3.Exl3Tensor, up: exl3.Exl3Tensor, down: 
     return out
 
 
-def ref_moe(x: np.ndarray, picks: Any, experts: tuple[list, list, list], limit: float | None,
-            only: np.ndarray | None = None) -> np.ndarray:
+def ref_moe(
+    x: np.ndarray, picks: Any, experts: tuple[list, list, list], limit: float | None, only: np.ndarray | None = None
+) -> np.ndarray:
     """float64 sum over picks (or over the pick indices ``only``) of weight * expert(x[token])."""
     gate, up, down = experts
     out = np.zeros((x.shape[0], gate[0].k), dtype=np.float64)

@@ -88,13 +88,25 @@ _runtimes_lock = threading.Lock()
 def _shared_runtime(config: CpuTierConfig) -> Any:
     """A worker pool per (isa, threads, cpus, spin, AMX threshold, prefetch distance) for exl3_matmul, created on first use."""
     isa = _loader.resolve_isa(config.isa)
-    key = (isa, config.resolved_threads(), config.cpus, config.spin_us, config.amx_min_tokens if isa == "amx" else 0,
-           config.prefetch_blocks)
+    key = (
+        isa,
+        config.resolved_threads(),
+        config.cpus,
+        config.spin_us,
+        config.amx_min_tokens if isa == "amx" else 0,
+        config.prefetch_blocks,
+    )
     with _runtimes_lock:
         rt = _runtimes.get(key)
         if rt is None:
-            rt = _loader.load(isa).Runtime(config.resolved_threads(), list(config.cpus), config.spin_us, amx=isa == "amx",
-                                           amx_min_tokens=config.amx_min_tokens, prefetch_blocks=config.prefetch_blocks)
+            rt = _loader.load(isa).Runtime(
+                config.resolved_threads(),
+                list(config.cpus),
+                config.spin_us,
+                amx=isa == "amx",
+                amx_min_tokens=config.amx_min_tokens,
+                prefetch_blocks=config.prefetch_blocks,
+            )
             _runtimes[key] = rt
     return rt
 
@@ -250,8 +262,14 @@ class ExpertTier:
         self.config = config
         self.isa = _loader.resolve_isa(config.isa)
         self._mod = _loader.load(self.isa)
-        self._rt = self._mod.Runtime(config.resolved_threads(), list(config.cpus), config.spin_us, amx=self.isa == "amx",
-                                     amx_min_tokens=config.amx_min_tokens, prefetch_blocks=config.prefetch_blocks)
+        self._rt = self._mod.Runtime(
+            config.resolved_threads(),
+            list(config.cpus),
+            config.spin_us,
+            amx=self.isa == "amx",
+            amx_min_tokens=config.amx_min_tokens,
+            prefetch_blocks=config.prefetch_blocks,
+        )
         self._layers: dict[int, _Layer] = {}
         self._pending: list[Job] = []
         self._closed = False
@@ -343,8 +361,16 @@ class ExpertTier:
                 raise ValueError("out: must not overlap x")
         tokens, experts, weights = self._check_picks(picks, t, lay, layer)
         native = self._rt.submit_moe(
-            lay.native, xa, tokens, experts, weights, oa, self.config.precision == "fast", _WAVE_CHUNKS,
-            self.config.slab_blocks, _test_cancel_after_chunks,
+            lay.native,
+            xa,
+            tokens,
+            experts,
+            weights,
+            oa,
+            self.config.precision == "fast",
+            _WAVE_CHUNKS,
+            self.config.slab_blocks,
+            _test_cancel_after_chunks,
         )
         job = Job(native, oa, (xa, oa, tokens, experts, weights, x, out, lay), int(tokens.shape[0]))
         self._pending = [j for j in self._pending if not j.done()]
