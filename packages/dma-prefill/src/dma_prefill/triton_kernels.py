@@ -18,7 +18,15 @@ from triton.language.extra import libdevice
 
 from cpu_tier.exl3 import LOP3_AND, LOP3_XOR, MUL1_BIAS, MUL1_SCALE
 
-__all__ = ["decode_kernel", "grouped_gemm_kernel", "post_swiglu_kernel", "row_hadamard_kernel", "row_sumsq_kernel"]
+__all__ = [
+    "decode_kernel",
+    "grouped_gemm_kernel",
+    "post_swiglu_kernel",
+    "row_hadamard_kernel",
+    "row_sumsq_kernel",
+    "tile_element",
+    "window_words",
+]
 
 # The format's constants (cpu_tier.exl3) as compile-time constants of the kernels.
 _MUL1_SCALE = tl.constexpr(MUL1_SCALE)  # half(0x1EEE)
@@ -56,6 +64,32 @@ def _bytesum(p, ASM: tl.constexpr):
 
 
 @triton.jit
+def tile_element(r, c):
+    """Trellis index ``t`` of row-major element ``(r, c)`` of a 16x16 tile: the inverse of the tensor-core
+    permutation (``cpu_tier.exl3``'s tile order), elementwise over broadcast ``r`` and ``c``."""
+    q = (c % 8) * 4 + (r % 8) // 2
+    j = (c // 8) * 4 + (r // 8) * 2 + (r % 2)
+    return 8 * q + j
+
+
+@triton.jit
+def window_words(t, K2: tl.constexpr):
+    """Where trellis element ``t``'s 16-bit state window sits in its tile's tail-biting stream of ``128 * K2`` bits:
+    the uint32 word offsets (from the tile's first word) of the two words holding it, and the window's bit offset
+    in the first. The window ends ``S(t)`` bits into the stream, the closed form of ``cpu_tier.exl3``'s window
+    ends (K = K2 / 2 bits per weight; half-integer K interleaves)."""
+    KA: tl.constexpr = K2 // 2
+    HALF: tl.constexpr = K2 % 2
+    NBITS: tl.constexpr = 128 * K2
+    NWORDS: tl.constexpr = 4 * K2
+    i = t & 15
+    s_end = (t >> 4) * (16 * KA + 8 * HALF) + (i + 1) * KA + HALF * ((i + 1) // 2)
+    start = (s_end - 16 + NBITS) % NBITS
+    i0 = start // 32
+    return i0, (i0 + 1) % NWORDS, start % 32
+
+
+@triton.jit
 def decode_kernel(
     SRC,  # int32*: trellis words (uint32 bit patterns)
     src_expert_stride,  # int32 units between consecutive experts' records
@@ -86,20 +120,9 @@ def decode_kernel(
         tn3 = (tnb * BLOCK_TN + tl.arange(0, BLOCK_TN))[:, None, None]
         r3 = tl.arange(0, 16)[None, :, None]  # row inside the tile (k offset)
         c3 = tl.arange(0, 16)[None, None, :]  # column inside the tile (n offset)
-        # trellis index t of row-major element (r, c): the inverse of the tensor-core permutation
-        q = (c3 % 8) * 4 + (r3 % 8) // 2
-        j = (c3 // 8) * 4 + (r3 // 8) * 2 + (r3 % 2)
-        t = 8 * q + j
-        KA: tl.constexpr = K2 // 2
-        HALF: tl.constexpr = K2 % 2
-        NBITS: tl.constexpr = 128 * K2
         NWORDS: tl.constexpr = 4 * K2
-        i = t & 15
-        s_end = (t >> 4) * (16 * KA + 8 * HALF) + (i + 1) * KA + HALF * ((i + 1) // 2)
-        start = (s_end - 16 + NBITS) % NBITS
-        i0 = start // 32
-        i1 = (i0 + 1) % NWORDS
-        sh = (start % 32).to(tl.uint32)
+        i0, i1, sh = window_words(tile_element(r3, c3), K2)
+        sh = sh.to(tl.uint32)
         # 32-bit offsets inside one expert's projection (< 2^31 words); the expert base is 64-bit
         base = SRC + e.to(tl.int64) * src_expert_stride + src_offset
         tile_w = (tk * TN + tn3) * NWORDS

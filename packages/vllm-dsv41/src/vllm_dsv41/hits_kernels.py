@@ -39,6 +39,8 @@ from dma_prefill.triton_kernels import (
     _fwht128,
     _row_scale,
     _window16,
+    tile_element,
+    window_words,
 )
 
 __all__ = ["gemv_kernel", "mid_kernel", "out_kernel", "prep_kernel"]
@@ -55,22 +57,10 @@ def _block_offsets(BK: tl.constexpr, BN: tl.constexpr, TN: tl.constexpr, K2: tl.
     its window ends ``S(t)`` bits into the tile's tail-biting stream of ``128 * K2`` bits (``cpu_tier.exl3``)."""
     kk = tl.arange(0, BK)[:, None]
     nn = tl.arange(0, BN)[None, :]
-    r = kk % 16
-    c = nn % 16
-    q = (c % 8) * 4 + (r % 8) // 2
-    j = (c // 8) * 4 + (r // 8) * 2 + (r % 2)
-    t = 8 * q + j
-    KA: tl.constexpr = K2 // 2
-    HALF: tl.constexpr = K2 % 2
-    NBITS: tl.constexpr = 128 * K2
     NWORDS: tl.constexpr = 4 * K2
-    i = t & 15
-    s_end = (t >> 4) * (16 * KA + 8 * HALF) + (i + 1) * KA + HALF * ((i + 1) // 2)
-    start = (s_end - 16 + NBITS) % NBITS
-    i0 = start // 32
-    i1 = (i0 + 1) % NWORDS
+    i0, i1, sh = window_words(tile_element(kk % 16, nn % 16), K2)
     tile = ((kk // 16) * TN + nn // 16) * NWORDS
-    return tile + i0, tile + i1, start % 32
+    return tile + i0, tile + i1, sh
 
 
 def _f16x2(v: float) -> str:
