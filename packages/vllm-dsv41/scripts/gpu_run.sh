@@ -8,8 +8,9 @@
 #   fidelity  python -m vllm_dsv41.fidelity: cpu vs all-in-vram, PIECEWISE CUDA graphs, VRAM capped at 24 GiB
 #   fast      the same with the CPU tier's fast precision
 #   eager     the same without CUDA graphs (greedy tokens compared with the PIECEWISE run)
-#   tiered    fidelity of the tiered runtime (VRAM cache of ~1/3 of the experts, misses split auto, then all over
-#             PCIe) vs all-in-vram, PIECEWISE graphs, VRAM capped at 24 GiB; its routing trace under $OUT
+#   tiered    fidelity of the tiered runtime (VRAM cache of ~1/3 of the experts; hit kernel auto with misses split
+#             auto, then the Triton hit kernel with every miss over PCIe) vs all-in-vram, PIECEWISE graphs, VRAM
+#             capped at 24 GiB; the first run's routing trace under $OUT
 #   tbench    benches/bench_tiered.py: decode through the tiered runtime at Flash layer sizes (TB_LAYERS real-size
 #             layers synthesized in /tmp, default 2) vs the roofline measured in the same run
 #   bench     benches/bench_dense_exl3.py (exllamav3 vs ours, every V4.1 dense shape)
@@ -75,7 +76,7 @@ PY
 fi
 if step tiered; then
     fid tiered --runtime tiered --tiered "{\"cache_gib\": 0.006, \"replan_every\": 4, \"trace_path\": \"$OUT/trace_tiered.npz\"}"
-    fid tiered_pcie --runtime tiered --tiered '{"cache_gib": 0.006, "replan_every": 4, "split": "pcie"}'
+    fid tiered_pcie_triton --runtime tiered --tiered '{"cache_gib": 0.006, "replan_every": 4, "split": "pcie", "hit_kernel": "triton"}'
 fi
 if step tbench; then
     log "tbench"
