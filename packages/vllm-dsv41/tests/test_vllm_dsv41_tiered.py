@@ -216,3 +216,90 @@ def test_refuses_what_it_cannot_do(home: ExpertHome) -> None:
             _step(auto, np.random.default_rng(0), 1)
     finally:
         auto.close()
+
+
+# ------------------------------------------------------------------------------------------ on a GPU
+
+
+@pytest.fixture(scope="module")
+def registered_home(demo_pack: Path) -> Iterator[ExpertHome]:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    with ExpertHome(demo_pack, register=True) as h:
+        yield h
+
+
+def _gpu_runtime(home: ExpertHome, slots: int, split: str, kernel: str, **tiered: object) -> TieredRuntime:
+    t = TieredConfig(split=split, hit_kernel=kernel, replan_every=2, **tiered)  # type: ignore[arg-type]
+    cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact"), runtime="tiered", tiered=t)
+    rt = TieredRuntime(cfg, home, "cuda", rates=RATES, cache_bytes=max(slots * _slot_bytes(home), 1))
+    for lx in home.layers():
+        rt.add_layer(lx, swiglu_limit=None)
+    return rt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["triton", "exllamav3"])
+@pytest.mark.parametrize("slots", [0, 5, LAYERS * EXPERTS])
+@pytest.mark.parametrize("split", ["cpu", "pcie", "auto"])
+def test_on_the_gpu_matches_the_reference(registered_home: ExpertHome, reference: ReferenceExperts, kernel: str,
+                                          slots: int, split: str) -> None:  # fmt: skip
+    """The composition on CUDA: hits from VRAM slots, PCIe reads of the registered home, the CPU tier through
+    pinned buffers, fills on the side stream; against the float64 reference (exllamav3's kernel takes fp16
+    activations: a looser bound)."""
+    if kernel == "exllamav3":
+        from vllm_dsv41.dense import exllamav3_available
+
+        if not exllamav3_available():
+            pytest.fail("exllamav3's CUDA extension does not import (stage it: scripts/gpu_stage_exl3.sh)")
+    tol = 3e-3 if kernel == "exllamav3" else 3e-5
+    rt = _gpu_runtime(registered_home, slots, split, kernel)
+    rng = np.random.default_rng(slots * 10 + len(split))
+    dev = torch.device("cuda")
+    try:
+        for step in range(8):
+            tokens = [1, 3, 17, 2][step % 4]
+            for layer in range(LAYERS):
+                x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
+                ids, w = _routing(rng, tokens, hot=5)
+                out = torch.full((tokens + 2, HIDDEN), float("nan"), device=dev)
+                rt.forward_into(layer, torch.from_numpy(x).to(dev), torch.from_numpy(ids).to(dev),
+                                torch.from_numpy(w).to(dev), out)  # fmt: skip
+                got = out.cpu()
+                assert torch.isnan(got[tokens:]).all()
+                expected = reference.forward(layer, x, ids, w)
+                np.testing.assert_allclose(got[:tokens].numpy(), expected, rtol=0, atol=tol * np.abs(expected).max())
+        s = rt.stats
+        assert rt.cache is not None and rt.cache.num_slots == slots
+        assert (s.hit_picks > 0) == (slots > 0)
+        if split == "pcie":
+            assert s.cpu_picks == 0 and (s.pcie_picks > 0 or slots == LAYERS * EXPERTS)
+        if split == "cpu":
+            assert s.pcie_picks == 0
+    finally:
+        rt.close()
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_automatic_cache_stays_inside_the_device_budget(registered_home: ExpertHome) -> None:
+    """cache_gib 0: the cache takes what is left of the given budget (vLLM's share of the card) after what
+    PyTorch has reserved, minus the margin; not the card's free memory."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    stride = _slot_bytes(registered_home)
+    t = TieredConfig(hit_kernel="triton", cache_gib=0.0, cache_margin_gib=0.0)
+    cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=2), runtime="tiered", tiered=t)
+    keep = torch.empty(1 << 20, dtype=torch.uint8, device=dev)  # something reserved
+    rt = TieredRuntime(cfg, registered_home, dev, rates=RATES, device_budget_bytes=1)
+    try:
+        for lx in registered_home.layers():
+            rt.add_layer(lx, swiglu_limit=None)  # (the hit kernels may reserve memory: the budget is set after)
+        rt._device_budget = torch.cuda.memory_reserved(dev) + 5 * stride + stride // 2
+        rt.allow_cache()
+        _ = keep
+        x = torch.zeros((1, HIDDEN), device=dev)
+        ids = torch.zeros((1, TOP_K), dtype=torch.int64, device=dev)
+        ids[0, 1] = 1
+        rt.forward_into(0, x, ids, torch.full((1, TOP_K), 0.5, device=dev), torch.empty((1, HIDDEN), device=dev))
+        assert rt.cache is not None and rt.cache.num_slots == 5
+    finally:
+        rt.close()

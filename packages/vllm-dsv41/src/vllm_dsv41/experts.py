@@ -264,9 +264,10 @@ class AllInVramRuntime:
 
 
 def make_runtime(config: Dsv41PluginConfig, device: torch.device | str, max_tokens: int = 0,
-                 home: Any = None) -> ExpertRuntime:  # fmt: skip
+                 home: Any = None, device_budget_bytes: int | None = None) -> ExpertRuntime:  # fmt: skip
     """The runtime ``config.runtime`` names, for a model on ``device``; ``home`` (the ``ExpertHome``, or a callable
-    returning it) is needed by the tiered runtime."""
+    returning it) is needed by the tiered runtime; ``device_budget_bytes`` (vLLM's share of the GPU) bounds the
+    tiered runtime's automatically sized cache."""
     if config.runtime == "cpu":
         return CpuExpertRuntime(config, max_tokens=max_tokens)
     if config.runtime == "all-in-vram":
@@ -276,7 +277,7 @@ def make_runtime(config: Dsv41PluginConfig, device: torch.device | str, max_toke
             raise ValueError("runtime 'tiered': needs the host home of the experts")
         from .tiered import TieredRuntime
 
-        return TieredRuntime(config, home, device)
+        return TieredRuntime(config, home, device, device_budget_bytes=device_budget_bytes)
     raise ValueError(f"runtime: unknown expert runtime {config.runtime!r}")
 
 

@@ -172,7 +172,12 @@ class Exl3Config(QuantizationConfig):
             cfg = self.plugin_config()
             device = torch.device(getattr(getattr(vcfg, "device_config", None), "device", None) or "cpu")
             max_tokens = int(getattr(getattr(vcfg, "scheduler_config", None), "max_num_batched_tokens", 0) or 0)
-            self._runtime = make_runtime(cfg, device, max_tokens=max_tokens, home=self.home)
+            budget = None  # the device memory vLLM may use (its gpu_memory_utilization): the cache stays inside it
+            util = getattr(getattr(vcfg, "cache_config", None), "gpu_memory_utilization", None)
+            if device.type == "cuda" and isinstance(util, (int, float)) and 0 < util <= 1:
+                budget = int(util * torch.cuda.get_device_properties(device).total_memory)
+            self._runtime = make_runtime(cfg, device, max_tokens=max_tokens, home=self.home,
+                                         device_budget_bytes=budget)  # fmt: skip
             self._runtime_handle = register_runtime(self._runtime)
             extra = f", cpu-tier {self._runtime.isa}, {cfg.effective_threads} threads, {cfg.cpu.precision}" \
                 if cfg.runtime in ("cpu", "tiered") else ""  # fmt: skip

@@ -163,6 +163,9 @@ class TieredRuntime:
     hits_factory : ``(layer_experts, device) -> HitKernel`` (default: ``vllm_dsv41.hits.make_hits`` with
         ``config.tiered.hit_kernel``); tests inject the reference.
     cache_bytes : the cache's size in bytes, overriding ``config.tiered.cache_gib`` (tests, benchmarks).
+    device_budget_bytes : the device memory this process may use (vLLM's ``gpu_memory_utilization`` x the GPU's
+        memory). With ``cache_gib`` 0 the cache takes ``min(free memory, budget - memory PyTorch has reserved)``
+        minus ``cache_margin_gib``: what vLLM leaves inside its budget, not the whole card when vLLM was capped.
     """
 
     name = "tiered"
@@ -177,6 +180,7 @@ class TieredRuntime:
         rates: Rates | None = None,
         hits_factory: Callable[[LayerExperts, torch.device], Any] | None = None,
         cache_bytes: int | None = None,
+        device_budget_bytes: int | None = None,
     ) -> None:
         from cpu_tier import ExpertTier, Picks
 
@@ -194,6 +198,7 @@ class TieredRuntime:
         self._hits: dict[int, Any] = {}
         self._hits_factory = hits_factory
         self._cache_bytes = cache_bytes
+        self._device_budget = device_budget_bytes
         self._rates = rates
         self._cache: Any = None
         self._index: dict[int, int] = {}  # MoE layer id -> cache layer index
@@ -270,7 +275,12 @@ class TieredRuntime:
             replan_every=t.replan_every,
             admit_limit=t.admit_limit,
         )
-        self._cache = ExpertCache(cfg, src.rows, self.device)
+        free = None
+        if budget is None and self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+            if self._device_budget:
+                free = max(0, min(free, self._device_budget - torch.cuda.memory_reserved(self.device)))
+        self._cache = ExpertCache(cfg, src.rows, self.device, free_bytes=free)
         if self._rates is None:
             self._rates = self._measure_rates()
         slots = self._cache.num_slots
