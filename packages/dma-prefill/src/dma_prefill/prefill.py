@@ -14,7 +14,7 @@ from .cpu_tail import CpuTail
 from .device import CudaDevice, Device
 from .plan import PrefillPlan
 from .ring import StagingRing
-from .store import HostExpertStore
+from .store import ExpertStore
 from .triton_compute import TritonCompute
 
 __all__ = ["DmaPrefill", "PipelineStats"]
@@ -71,10 +71,12 @@ class DmaPrefill:
 
     Parameters
     ----------
-    store : the host expert store (all layers share one record layout).
+    store : the expert store (``HostExpertStore`` or ``ExternalExpertStore``; all layers share one record layout).
     config : ``PrefillConfig``.
     device : ``CudaDevice`` (default when CUDA is available) or ``FakeDevice``.
     timing : record timing events around every copy batch and every batch compute (for ``stats``).
+    ring_buffer : device memory for the staging slots (``StagingRing.required_bytes``), e.g. lent by the VRAM
+        expert cache; default: a new allocation.
 
     Examples
     --------
@@ -85,17 +87,18 @@ class DmaPrefill:
 
     def __init__(
         self,
-        store: HostExpertStore,
+        store: ExpertStore,
         config: PrefillConfig | None = None,
         *,
         device: Device | None = None,
         timing: bool = False,
+        ring_buffer: torch.Tensor | None = None,
     ) -> None:
         self.store = store
         self.config = config or PrefillConfig()
         self.device: Device = device if device is not None else CudaDevice()
         self.timing = timing
-        self.ring = StagingRing(store, self.config, self.device, timing=timing)
+        self.ring = StagingRing(store, self.config, self.device, timing=timing, buffer=ring_buffer)
         backend = self.config.backend
         is_cuda = isinstance(self.device, CudaDevice)
         if backend == "auto":

@@ -18,7 +18,7 @@ from .layout import ExpertLayout
 from .ops_torch import hadamard_pm1
 from .plan import PrefillPlan
 from .ring import Staged, StagingRing
-from .store import HostExpertStore
+from .store import ExpertStore
 from .triton_ops import decode_into, grouped_gemm, post_swiglu, row_hadamard, row_sumsq
 
 __all__ = ["TritonCompute", "make_tiles"]
@@ -63,7 +63,7 @@ class TritonCompute(BatchCompute):
     decode_block_tn: int = 8
 
     def __init__(
-        self, store: HostExpertStore, config: PrefillConfig, device: Device, torch_device: torch.device
+        self, store: ExpertStore, config: PrefillConfig, device: Device, torch_device: torch.device
     ) -> None:
         super().__init__(store, config, device)
         self.torch_device = torch_device
