@@ -104,10 +104,10 @@ def test_ring_on_a_given_buffer(small_store, external, make_routing) -> None:
     need = StagingRing.required_bytes(external, cfg)
     assert need == 2 * 4 * external.layout(0).stride + external.tail_pad
     with pytest.raises(ValueError, match="at least"):
-        DmaPrefill(external, cfg, device=FakeDevice(), ring_buffer=torch.zeros(need - 1, dtype=torch.uint8))
+        DmaPrefill(external, cfg, device=FakeDevice(), buffer=torch.zeros(need - 1, dtype=torch.uint8))
     lent = torch.zeros(need + 64, dtype=torch.uint8)
     dev = FakeDevice()
-    pf = DmaPrefill(external, cfg, device=dev, ring_buffer=lent)
+    pf = DmaPrefill(external, cfg, device=dev, buffer=lent)
     assert pf.ring.buffer.data_ptr() == lent.data_ptr()
     ids, w = make_routing(16, 16, 4, seed=9)
     x = torch.randn(16, 256)
