@@ -153,20 +153,38 @@ def main() -> int:
         rows.append(row)
         print(f"{row['case']:>15}: {1e3 * min(times):9.1f} / {1e3 * med:9.1f} / {1e3 * max(times):9.1f} ms "
               f"(min/med/max) for {len(lids)} layers, {prompt / med:9.0f} tok/s, ceiling {1e3 * ceiling:9.1f} ms, "
-              f"MoE share of the ceiling {ceiling / med:.3f} (best {ceiling / min(times):.3f})", flush=True)  # fmt: skip
+              f"MoE share of the ceiling {ceiling / med:.3f} (best {ceiling / min(times):.3f})",
+              flush=True)  # fmt: skip
     after = decode(steps[a.decode_steps :])
     short = [moe_pass(a.short) for _ in range(a.runs)]
     rows.append({"case": f"short {a.short}", "s_min": min(short), "s_med": statistics.median(short),
                  "s_max": max(short), "streamed": pf.wants(a.short, K)})  # fmt: skip
-    print(f"short {a.short}-token call through {len(lids)} layers: {1e3 * min(short):.2f} / "
-          f"{1e3 * statistics.median(short):.2f} / {1e3 * max(short):.2f} ms, streamed: {pf.wants(a.short, K)}")
+    print(
+        f"short {a.short}-token call through {len(lids)} layers: {1e3 * min(short):.2f} / "
+        f"{1e3 * statistics.median(short):.2f} / {1e3 * max(short):.2f} ms, streamed: {pf.wants(a.short, K)}"
+    )
     peak = torch.cuda.max_memory_reserved(device) if cuda else 0
-    print(f"decode hit rate, first {a.decode_steps} steps: before the prefills {before:.3f}, after {after:.3f}; "
-          f"peak VRAM reserved {peak / GiB:.2f} GiB (cap {a.vram_gib} GiB); {pf.stats.describe()}", flush=True)
+    print(
+        f"decode hit rate, first {a.decode_steps} steps: before the prefills {before:.3f}, after {after:.3f}; "
+        f"peak VRAM reserved {peak / GiB:.2f} GiB (cap {a.vram_gib} GiB); {pf.stats.describe()}",
+        flush=True,
+    )
     rt.close()
     if a.json:
-        a.json.write_text(json.dumps({"rows": rows, "h2d_bps": h2d, "layer_bytes": layer_bytes, "hit_before": before,
-                                      "hit_after": after, "peak_vram": peak, "layers": len(lids)}, indent=1))
+        a.json.write_text(
+            json.dumps(
+                {
+                    "rows": rows,
+                    "h2d_bps": h2d,
+                    "layer_bytes": layer_bytes,
+                    "hit_before": before,
+                    "hit_after": after,
+                    "peak_vram": peak,
+                    "layers": len(lids),
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

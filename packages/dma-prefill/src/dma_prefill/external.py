@@ -157,8 +157,10 @@ class ExternalExpertStore:
         src_buf, src_off, dst, size = src_buf[order], src_off[order], dst[order], size[order]
         # a tensor continues the previous segment when both its source and its destination follow on directly
         cont = np.zeros(dst.size, bool)
-        cont[1:] = (src_buf[1:] == src_buf[:-1]) & (src_off[1:] == src_off[:-1] + size[:-1]) & (
-            dst[1:] == dst[:-1] + size[:-1]
+        cont[1:] = (
+            (src_buf[1:] == src_buf[:-1])
+            & (src_off[1:] == src_off[:-1] + size[:-1])
+            & (dst[1:] == dst[:-1] + size[:-1])
         )
         starts = np.flatnonzero(~cont)
         ends = np.append(starts[1:], dst.size)

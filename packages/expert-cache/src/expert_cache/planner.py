@@ -123,7 +123,15 @@ class CacheController:
         self._c = {
             k: 0
             for k in (
-                "steps", "decode_steps", "prefill_steps", "admits", "evicts", "replans", "releases", "rewarms", "lends",
+                "steps",
+                "decode_steps",
+                "prefill_steps",
+                "admits",
+                "evicts",
+                "replans",
+                "releases",
+                "rewarms",
+                "lends",
             )
         }
 

@@ -315,8 +315,10 @@ class StagedPrefill:
         c = self.calibration
         cal = (f"copy {c.h2d_bps / 1e9:.2f} GB/s, staged compute {1e6 * c.gpu_expert_s:.1f} us/expert + "
                f"{1e9 * c.gpu_row_s:.1f} ns/row ({c.source})") if c else "not calibrated"  # fmt: skip
-        return (f"ring {self.pcfg.num_slots} x {self.pcfg.experts_per_batch} experts "
-                f"({self.required_bytes() / (1 << 30):.2f} GiB with the decode scratch, lent by the cache); {cal}")
+        return (
+            f"ring {self.pcfg.num_slots} x {self.pcfg.experts_per_batch} experts "
+            f"({self.required_bytes() / (1 << 30):.2f} GiB with the decode scratch, lent by the cache); {cal}"
+        )
 
 
 def next_moe_layer(layer_ids: tuple[int, ...], layer: int) -> int | None:
