@@ -90,6 +90,13 @@ def test_flags_map_onto_the_configs(tmp_path: Path) -> None:
     assert dict(cfg.plugin_overrides) == {"runtime": "tiered", "tiered": {
         "cache_gib": 6.5, "cache_margin_gib": 0.5, "policy": "decayed", "split": "pcie", "hit_kernel": "triton",
         "cpu_gbps": 40.0, "pcie_gbps": 20.0, "trace_path": str(tmp_path / "r.npz"), "stats_every": 0}}  # fmt: skip
+    cfg, _ = parse_args(["--no-prefill", "--prefill-min-tokens", "1024", "--prefill-ring-slots", "4",
+                         "--prefill-experts-per-batch", "16", "--prefill-cpu-tail-batches", "2",
+                         "--prefill-chunk", "4096"])  # fmt: skip
+    assert dict(cfg.plugin_overrides) == {"tiered": {
+        "prefill": False, "prefill_min_tokens": 1024, "prefill_ring_slots": 4, "prefill_experts_per_batch": 16,
+        "prefill_cpu_tail_batches": 2}}  # fmt: skip
+    assert cfg.prefill_chunk_tokens == 4096
 
 
 @pytest.mark.parametrize(
@@ -102,6 +109,8 @@ def test_flags_map_onto_the_configs(tmp_path: Path) -> None:
         (["--cpu-prefetch-blocks", "7"], "prefetch_blocks"),
         (["--cache-gib", "-2"], "cache_gib"),
         (["--tier-stats-every", "-1"], "stats_every"),
+        (["--prefill-ring-slots", "0"], "prefill_ring_slots"),
+        (["--prefill-chunk", "8"], "prefill_chunk_tokens"),
     ],
 )
 def test_bad_flag_values_name_the_setting(argv: list[str], needle: str) -> None:
@@ -130,6 +139,12 @@ def test_vllm_arguments_per_pack_kind(tmp_path: Path) -> None:
     assert "--api-key" not in demo + v41
     assert v41[v41.index("--dtype") + 1] == "bfloat16" and "--gpu-memory-utilization" in v41
     assert "--gpu-memory-utilization" not in demo
+    assert v41[v41.index("--max-num-batched-tokens") + 1] == "8192" and "--max-num-batched-tokens" not in demo
+    chunked = ServerConfig(pack=tmp_path, prefill_chunk_tokens=4096)
+    assert (
+        vllm_argv(chunked, tmp_path, V41)[vllm_argv(chunked, tmp_path, V41).index("--max-num-batched-tokens") + 1]
+        == "4096"
+    )
     assert vllm_env(cfg, DEMO)["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(cfg, V41)
     # vLLM imports the V4.1 model before it turns breakable graphs on: the server turns them on first

@@ -376,3 +376,79 @@ def test_observe_is_one_device_op(make_home) -> None:
         cache.observe(1, ids)
     assert r.ops == ["index_add_"]
     cache.after_step()
+
+
+def _in_region(cache: ExpertCache, loan) -> np.ndarray:  # type: ignore[no-untyped-def]
+    """Pointer-table entries that point into the lent slots."""
+    lo = loan.buffer.data_ptr()
+    hi = lo + loan.buffer.numel()
+    ptrs = cache.pointer_table.cpu().numpy()
+    return np.argwhere((ptrs >= lo) & (ptrs < hi))
+
+
+def test_lend_evicts_the_coldest_and_hands_over_the_tail(make_home, check_tables) -> None:
+    cfg = small_cfg(num_slots=6, replan_every=1, admit_limit=6, rewarm_limit=1, slot_alignment=128)
+    home = make_home(cfg)
+    cache = ExpertCache(cfg, home)
+    # decode steps make keys 0..5 of layer 0 resident with distinct heat (expert e picked 6 - e times per step)
+    for _ in range(3):
+        cache.before_step(1)
+        cache.observe(0, torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 4, 4, 5]]))
+        cache.after_step()
+    before = cache.resident()
+    assert sorted(before) == [0, 1, 2, 3, 4, 5] and check_tables(cache, home) == 6
+    prio = cache._ctl.policy.priorities()
+    coldest = sorted(before, key=lambda k: (prio[k], -k))[:2]
+    loan = cache.lend(cfg.slot_stride + 1)  # rounds up to two slots: the last two
+    assert (loan.first_slot, loan.num_slots) == (4, 2) and loan.buffer.numel() == 2 * cfg.slot_stride
+    assert loan.buffer.data_ptr() == cache.pool.data_ptr() + 4 * cfg.slot_stride  # type: ignore[union-attr]
+    assert loan.ready is None and loan.evicted == 2  # CPU device: the moves are done at once
+    after = cache.resident()
+    assert set(after) == set(before) - set(coldest) and max(after.values()) < 4
+    assert len(_in_region(cache, loan)) == 0  # nothing reads the lent slots any more
+    assert check_tables(cache, home) == 4  # moved experts read their bytes from their new slots
+    loan.buffer.fill_(0xEE)  # the borrower overwrites the region: no pointer reads it
+    assert check_tables(cache, home) == 4
+    # replans during the loan never hand out a lent slot
+    cache.before_step(1)
+    cache.observe(1, torch.tensor([[5, 5, 5, 6, 6, 6, 7, 7, 7] * 4]))
+    cache.after_step()
+    assert max(cache.resident().values()) < 4 and len(_in_region(cache, loan)) == 0
+    loan.buffer.fill_(0x11)
+    assert check_tables(cache, home) == len(cache.resident())
+    with pytest.raises(RuntimeError, match="already lent"):
+        cache.lend(1)
+    with pytest.raises(RuntimeError, match="lent"):
+        cache.release()
+    with pytest.raises(ValueError, match="slots"):
+        ExpertCache(cfg, home).lend(7 * cfg.slot_stride)
+    # give back: the evicted experts come back at most rewarm_limit (1) per step, with the right bytes
+    cache.give_back(loan)
+    assert cache.loan is None
+    with pytest.raises(RuntimeError, match="not the current loan"):
+        cache.give_back(loan)
+    waiting = []
+    for _ in range(3):
+        cache.before_step(1)
+        cache.after_step()  # (the replan after the refill may evict the refilled again: the policy decides)
+        waiting.append(cache._ctl.refill_keys.size)
+        assert check_tables(cache, home) == len(cache.resident())
+    assert waiting == [1, 0, 0]  # one re-admission per step
+    assert max(cache.resident().values()) >= 4  # the region is in use again
+    assert cache.stats().lends == 1
+
+
+def test_lend_with_every_slot_free_and_the_whole_pool(make_home, check_tables) -> None:
+    cfg = small_cfg(num_slots=4)
+    home = make_home(cfg)
+    cache = ExpertCache(cfg, home)
+    loan = cache.lend(4 * cfg.slot_stride)
+    assert (loan.first_slot, loan.num_slots, loan.evicted, loan.moved) == (0, 4, 0, 0)
+    cache.before_step(1)
+    cache.observe(2, torch.tensor([[1, 2, 3]]))
+    cache.after_step()
+    cache.replan()
+    assert cache.resident() == {} and check_tables(cache, home) == 0  # nothing may be admitted while all is lent
+    cache.give_back(loan)
+    cache.replan()
+    assert len(cache.resident()) == 3 and check_tables(cache, home) == 3

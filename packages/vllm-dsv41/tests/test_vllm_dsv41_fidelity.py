@@ -116,3 +116,23 @@ def test_fidelity_against_a_saved_reference(demo_pack: Path, tmp_path: Path) -> 
                         "--reference", str(ref), *common[:3], "64", *common[4:]], capture_output=True, text=True,
                        timeout=600)  # fmt: skip
     assert r.returncode != 0 and "recorded on other prompts" in r.stderr
+
+
+@pytest.mark.slow
+def test_staged_prefill_served_by_vllm_equals_the_oracle(demo_pack: Path, tmp_path: Path) -> None:
+    """The tiered runtime with the staged prefill inside vLLM's CPU build: the prompts' MoE calls (>= 32 tokens)
+    stream through the ring lent by the cache, the decode steps after them use the cache; against the oracle."""
+    out = tmp_path / "fidelity.json"
+    tiered = {"cache_gib": 0.0005, "replan_every": 2, "split": "cpu", "prefill_min_tokens": 32,
+              "prefill_ring_slots": 2, "prefill_experts_per_batch": 2}  # fmt: skip
+    cmd = [sys.executable, "-m", "vllm_dsv41.fidelity", str(demo_pack), "--runtime", "tiered", "--against",
+           "all-in-vram", "--positions", "256", "--length", "64", "--greedy-prompts", "2", "--greedy-tokens", "8",
+           "--cpu-threads", "2", "--json", str(out), "--min-top1", "0.999", "--max-kl-mean", "1e-4",
+           "--tiered", json.dumps(tiered)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["top1_agreement"] == 1.0 and res["greedy_match"]
+    pf = res["runtime_stats"]["prefill"]
+    assert pf["calls"] > 0 and pf["tokens"] >= 256 and pf["violations"] == []
+    assert res["runtime_stats"]["hit_picks"] > 0  # decode steps after the prefill still hit the cache

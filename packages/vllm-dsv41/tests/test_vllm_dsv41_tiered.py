@@ -46,6 +46,7 @@ def _slot_bytes(home: ExpertHome) -> int:
 
 def _runtime(home: ExpertHome, slots: int, split: str = "auto", rates: Rates = RATES,
              **tiered: object) -> TieredRuntime:  # fmt: skip
+    tiered.setdefault("prefill", False)  # the decode composition (the staged prefill: test_vllm_dsv41_prefill.py)
     t = TieredConfig(split=split, hit_kernel="reference", replan_every=2, **tiered)  # type: ignore[arg-type]
     cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact"), runtime="tiered", tiered=t)
     rt = TieredRuntime(cfg, home, "cpu", rates=rates, cache_bytes=max(slots * _slot_bytes(home), 1))
@@ -207,7 +208,7 @@ def test_refuses_what_it_cannot_do(home: ExpertHome) -> None:
             rt.add_layer(home.layer(0), swiglu_limit=None)
     finally:
         rt.close()
-    cfg = Dsv41PluginConfig(runtime="tiered", tiered=TieredConfig(hit_kernel="reference"))
+    cfg = Dsv41PluginConfig(runtime="tiered", tiered=TieredConfig(hit_kernel="reference", prefill=False))
     auto = TieredRuntime(cfg, home, "cpu", rates=RATES)
     try:
         for lx in home.layers():

@@ -122,6 +122,31 @@ def _parser() -> argparse.ArgumentParser:
         metavar="STEPS",
         help="log hit rate, miss shares and ms per step every this many steps (default 256; 0: never)",
     )
+    t.add_argument(
+        "--prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="stream the experts of big MoE calls through a VRAM ring lent by the cache (default on)",
+    )
+    t.add_argument(
+        "--prefill-min-tokens",
+        type=int,
+        metavar="TOKENS",
+        help="MoE calls of at least this many tokens stream (default 0: the step cost model calibrated at startup)",
+    )
+    t.add_argument("--prefill-ring-slots", type=int, help="staging slots of the prefill ring (default 8)")
+    t.add_argument("--prefill-experts-per-batch", type=int, help="experts per staging slot (default 8)")
+    t.add_argument(
+        "--prefill-cpu-tail-batches",
+        type=int,
+        help="on mid-size calls, batches left to the CPU tier instead of streamed (default 0)",
+    )
+    t.add_argument(
+        "--prefill-chunk",
+        type=int,
+        metavar="TOKENS",
+        help="vLLM's max-num-batched-tokens (the prefill chunk; default 8192 on GPU packs)",
+    )
     p.add_argument(
         "--max-request-bytes", type=int, default=None,
         help="largest request body accepted, larger ones get 413 (default: 32 bytes per context token, at least 1 MiB)",
@@ -163,7 +188,10 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
     tiered_fields = {"cache_gib": "cache_gib", "cache_margin_gib": "cache_margin_gib", "cache_policy": "policy",
                      "miss_split": "split", "hit_kernel": "hit_kernel", "cpu_gbps": "cpu_gbps",
                      "pcie_gbps": "pcie_gbps", "record_routing": "trace_path",
-                     "tier_stats_every": "stats_every"}  # fmt: skip
+                     "tier_stats_every": "stats_every", "prefill": "prefill",
+                     "prefill_min_tokens": "prefill_min_tokens", "prefill_ring_slots": "prefill_ring_slots",
+                     "prefill_experts_per_batch": "prefill_experts_per_batch",
+                     "prefill_cpu_tail_batches": "prefill_cpu_tail_batches"}  # fmt: skip
     tiered = {f: getattr(a, n) for n, f in tiered_fields.items() if getattr(a, n) is not None}
     if "trace_path" in tiered:
         tiered["trace_path"] = str(tiered["trace_path"])
@@ -179,6 +207,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
             served_model_name=a.served_model_name,
             max_model_len=a.max_model_len,
             max_num_seqs=a.max_num_seqs,
+            prefill_chunk_tokens=a.prefill_chunk,
             kv_cache_gib=a.kv_cache_gib,
             gpu_memory_utilization=a.gpu_memory_utilization,
             plugin_overrides=plugin,

@@ -53,6 +53,8 @@ class ServerConfig:
     served_model_name : the model id clients use (default: the pack kind's name).
     max_model_len : context length (default: the pack kind's).
     max_num_seqs : concurrent sequences.
+    prefill_chunk_tokens : vLLM's ``max_num_batched_tokens`` (the prefill chunk); None: vLLM's default on CPU packs,
+        ``vllm_dsv41.config.DEFAULT_PREFILL_CHUNK_TOKENS`` on GPU packs.
     kv_cache_gib : KV-cache size on CPU, in GiB.
     gpu_memory_utilization : fraction of VRAM vLLM may use (GPU packs).
     plugin_overrides : vllm-dsv41 plugin settings (``Dsv41PluginConfig`` fields) that override the pack's.
@@ -71,6 +73,7 @@ class ServerConfig:
     served_model_name: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 4
+    prefill_chunk_tokens: int | None = None
     kv_cache_gib: int = 1
     gpu_memory_utilization: float = 0.90
     plugin_overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -85,6 +88,8 @@ class ServerConfig:
             raise ValueError(f"max_model_len: expected at least 16, got {self.max_model_len}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs: expected at least 1, got {self.max_num_seqs}")
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 16:
+            raise ValueError(f"prefill_chunk_tokens: expected at least 16, got {self.prefill_chunk_tokens}")
         if self.kv_cache_gib < 1:
             raise ValueError(f"kv_cache_gib: expected at least 1 (GiB), got {self.kv_cache_gib}")
         if not 0.05 <= self.gpu_memory_utilization <= 1.0:

@@ -95,7 +95,12 @@ def kind_vllm_args(kind: PackKind, cfg: ServerConfig) -> list[str]:
         *kind.extra_vllm_args,
     ]  # fmt: skip
     if kind.device == "cuda":
+        from vllm_dsv41.config import DEFAULT_PREFILL_CHUNK_TOKENS
+
         argv += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+        argv += ["--max-num-batched-tokens", str(cfg.prefill_chunk_tokens or DEFAULT_PREFILL_CHUNK_TOKENS)]
+    elif cfg.prefill_chunk_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(cfg.prefill_chunk_tokens)]
     return argv
 
 

@@ -12,12 +12,13 @@ from importlib.metadata import version as _version
 from .config import PROJECTIONS, V41_FLASH, LayerSpec, PrefillConfig, ProjSpec, StepPath, StoreConfig, choose_path
 from .cpu_tail import CpuTail, CpuTierTail
 from .device import CudaDevice, FakeDevice
+from .external import ExternalExpertStore
 from .layout import ExpertLayout
 from .plan import PrefillPlan
 from .prefill import DmaPrefill, PipelineStats
 from .ring import Staged, StagingRing
 from .steps import StepCostModel, derive_thresholds
-from .store import HostExpertStore
+from .store import ExpertStore, HostExpertStore
 
 try:
     __version__ = _version("dma-prefill")
@@ -31,6 +32,8 @@ __all__ = [
     "CudaDevice",
     "DmaPrefill",
     "ExpertLayout",
+    "ExpertStore",
+    "ExternalExpertStore",
     "FakeDevice",
     "HostExpertStore",
     "LayerSpec",

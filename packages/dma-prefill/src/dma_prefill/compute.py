@@ -19,7 +19,7 @@ from .layout import ExpertLayout
 from .ops_torch import decode_torch, expert_torch
 from .plan import PrefillPlan
 from .ring import Staged, StagingRing
-from .store import HostExpertStore
+from .store import ExpertStore
 
 __all__ = ["BatchCompute", "LayerPrep", "TorchCompute"]
 
@@ -38,7 +38,7 @@ class LayerPrep:
 class BatchCompute:
     """Base: ``prepare`` once per layer, ``run_batch`` once per staged batch; ``computed`` logs (layer, expert)."""
 
-    def __init__(self, store: HostExpertStore, config: PrefillConfig, device: Device) -> None:
+    def __init__(self, store: ExpertStore, config: PrefillConfig, device: Device) -> None:
         self.store = store
         self.config = config
         self.device = device

@@ -18,7 +18,7 @@ from cpu_tier import ExpertTier, Picks
 
 from .config import PROJECTIONS
 from .plan import PrefillPlan
-from .store import HostExpertStore
+from .store import ExpertStore
 
 __all__ = ["CpuTail", "CpuTierTail"]
 
@@ -57,20 +57,25 @@ class CpuTierTail:
     tier : an open ``ExpertTier`` (its precision and threads are the caller's choice).
     swiglu_limit : the routed experts' SwiGLU clamp (``PrefillConfig.swiglu_limit``; None = none).
     layers : the store's layers to register (default: all).
+    register : False when ``tier`` already holds these layers under the store's layer ids (e.g. a served model's
+        decode tier over the same home copy); the tail then only submits to it.
     """
 
     def __init__(
         self,
-        store: HostExpertStore,
+        store: ExpertStore,
         tier: ExpertTier,
         *,
         swiglu_limit: float | None,
         layers: tuple[int, ...] | None = None,
+        register: bool = True,
     ) -> None:
         self.store = store
         self.tier = tier
         self.swiglu_limit = swiglu_limit
         self.layers = tuple(store.layer_ids if layers is None else layers)
+        if not register:  # the tier already holds these layers (the same experts, under the same ids)
+            return
         for lid in self.layers:
             views = {p: [store.view(lid, e, p) for e in range(store.spec(lid).num_experts)] for p in PROJECTIONS}
             tier.add_layer(lid, views["gate"], views["up"], views["down"], swiglu_limit=swiglu_limit)

@@ -7,6 +7,7 @@ host memory (one DMA), and a staging slot holds records in the same layout.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
@@ -36,11 +37,23 @@ class ExpertLayout:
     stride: int
 
     @classmethod
-    def build(cls, spec: LayerSpec, align: int = 256) -> ExpertLayout:
+    def build(
+        cls, spec: LayerSpec, align: int = 256, order: Sequence[tuple[Projection, str]] | None = None
+    ) -> ExpertLayout:
+        """The record of ``spec``: its nine tensors in ``order`` (default: the three trellises, then the six
+        scale vectors), each starting on an ``align``-byte boundary.
+
+        A store over someone else's memory (``ExternalExpertStore``) passes the order in which an expert's tensors
+        lie in its source, so that tensors adjacent there stay adjacent in the record and copy as one run.
+        """
         offsets: dict[tuple[Projection, str], int] = {}
         sizes: dict[tuple[Projection, str], int] = {}
         pos = 0
-        order = [(p, "trellis") for p in PROJECTIONS] + [(p, t) for p in PROJECTIONS for t in ("suh", "svh")]
+        default = [(p, "trellis") for p in PROJECTIONS] + [(p, t) for p in PROJECTIONS for t in ("suh", "svh")]
+        if order is None:
+            order = default
+        elif sorted(order) != sorted(default):
+            raise ValueError(f"ExpertLayout order must list each of {default} once, got {list(order)}")
         for p, t in order:
             ps = spec.proj(p)
             size = ps.trellis_bytes if t == "trellis" else 2 * (ps.k if t == "suh" else ps.n)

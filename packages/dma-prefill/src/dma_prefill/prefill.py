@@ -14,7 +14,7 @@ from .cpu_tail import CpuTail
 from .device import CudaDevice, Device
 from .plan import PrefillPlan
 from .ring import StagingRing
-from .store import HostExpertStore
+from .store import ExpertStore
 from .triton_compute import TritonCompute
 
 __all__ = ["DmaPrefill", "PipelineStats"]
@@ -71,10 +71,12 @@ class DmaPrefill:
 
     Parameters
     ----------
-    store : the host expert store (all layers share one record layout).
+    store : the expert store (``HostExpertStore`` or ``ExternalExpertStore``; all layers share one record layout).
     config : ``PrefillConfig``.
     device : ``CudaDevice`` (default when CUDA is available) or ``FakeDevice``.
     timing : record timing events around every copy batch and every batch compute (for ``stats``).
+    buffer : device memory for the staging slots and the Triton backend's decode scratch (1-D uint8 of
+        ``required_bytes``), e.g. lent by the VRAM expert cache; default: new allocations.
 
     Examples
     --------
@@ -85,31 +87,54 @@ class DmaPrefill:
 
     def __init__(
         self,
-        store: HostExpertStore,
+        store: ExpertStore,
         config: PrefillConfig | None = None,
         *,
         device: Device | None = None,
         timing: bool = False,
+        buffer: torch.Tensor | None = None,
     ) -> None:
         self.store = store
         self.config = config or PrefillConfig()
         self.device: Device = device if device is not None else CudaDevice()
         self.timing = timing
-        self.ring = StagingRing(store, self.config, self.device, timing=timing)
-        backend = self.config.backend
-        is_cuda = isinstance(self.device, CudaDevice)
-        if backend == "auto":
-            backend = "triton" if is_cuda else "torch"
+        backend = self.resolve_backend(self.config, self.device)
+        ring_bytes = StagingRing.required_bytes(store, self.config)
+        scratch = None
+        if buffer is not None:
+            need = self.required_bytes(store, self.config, self.device)
+            if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < need:
+                raise ValueError(f"DmaPrefill: buffer must be 1-D uint8 of at least {need} bytes (ring and "
+                                 f"scratch), got {buffer.dtype} {tuple(buffer.shape)}")  # fmt: skip
+            scratch = buffer[ring_bytes:need] if backend == "triton" else None
+            buffer = buffer[:ring_bytes]
+        self.ring = StagingRing(store, self.config, self.device, timing=timing, buffer=buffer)
         self.backend = backend
         self.compute: BatchCompute
         if backend == "triton":
             tdev = self.device.device if isinstance(self.device, CudaDevice) else torch.device("cpu")
-            self.compute = TritonCompute(store, self.config, self.device, tdev)
+            self.compute = TritonCompute(store, self.config, self.device, tdev, scratch=scratch)
         else:
             self.compute = TorchCompute(store, self.config, self.device)
         self._batch_events: list[tuple[Any, Any]] = []
         self._window: tuple[Any, int, int, int] | None = None
         self.layers_run = 0
+
+    @staticmethod
+    def resolve_backend(config: PrefillConfig, device: Device) -> str:
+        """The backend ``config.backend`` means on ``device`` ("auto": triton on CUDA, else torch)."""
+        if config.backend == "auto":
+            return "triton" if isinstance(device, CudaDevice) else "torch"
+        return config.backend
+
+    @classmethod
+    def required_bytes(cls, store: ExpertStore, config: PrefillConfig, device: Device) -> int:
+        """Device bytes the runner's persistent buffers take: the staging ring, plus the Triton backend's decode
+        scratch (``buffer`` must hold this many). Per-batch and per-layer activations come on top."""
+        n = StagingRing.required_bytes(store, config)
+        if cls.resolve_backend(config, device) == "triton":
+            n += TritonCompute.scratch_bytes(store, config)
+        return n
 
     # --------------------------------------------------------------------------------------- layers
 

@@ -16,7 +16,7 @@ from cpu_tier import exl3
 
 from .config import PROJECTIONS, LayerSpec, StoreConfig
 from .ops_torch import expert_torch
-from .store import HostExpertStore
+from .store import ExpertStore, HostExpertStore
 
 __all__ = [
     "SyntheticStack",
@@ -43,7 +43,7 @@ def fill_random(store: HostExpertStore, seed: int = 0) -> None:
 
 
 def reference_expert(
-    store: HostExpertStore, layer: int, expert: int, x: torch.Tensor, *, limit: float | None = None,
+    store: ExpertStore, layer: int, expert: int, x: torch.Tensor, *, limit: float | None = None,
     dtype: torch.dtype = torch.float64, sequential: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """One expert on CPU rows ``x`` in ``dtype`` (float64: the reference; float32: the fp32-noise yardstick,
@@ -58,7 +58,7 @@ def reference_expert(
 
 
 def reference_moe(
-    store: HostExpertStore,
+    store: ExpertStore,
     layer: int,
     x: torch.Tensor,
     topk_ids: torch.Tensor,

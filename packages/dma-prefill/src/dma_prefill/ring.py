@@ -18,9 +18,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from .config import PrefillConfig
 from .device import Device, RowTag
-from .store import HostExpertStore
+from .store import ExpertStore
 
 __all__ = ["Staged", "StagingRing"]
 
@@ -56,13 +58,23 @@ class StagingRing:
 
     Parameters
     ----------
-    store : the host store the batches are copied from.
+    store : the expert store the batches are copied from (``HostExpertStore`` or ``ExternalExpertStore``).
     config : ``PrefillConfig`` (``num_slots``, ``experts_per_batch``).
     device : ``CudaDevice`` or ``FakeDevice``.
     timing : record a timing event pair around every batch's copies (for busy fractions and GB/s).
+    buffer : device memory to use for the slots (1-D uint8, at least ``required_bytes``), e.g. VRAM lent by the
+        expert cache; default: a new allocation.
     """
 
-    def __init__(self, store: HostExpertStore, config: PrefillConfig, device: Device, *, timing: bool = False) -> None:
+    def __init__(
+        self,
+        store: ExpertStore,
+        config: PrefillConfig,
+        device: Device,
+        *,
+        timing: bool = False,
+        buffer: torch.Tensor | None = None,
+    ) -> None:
         self.store = store
         self.config = config
         self.device = device
@@ -75,8 +87,17 @@ class StagingRing:
             raise ValueError(f"StagingRing: all layers must share one record layout, got strides {sorted(strides)}")
         self.slot_bytes = self.experts_per_batch * self.stride
         # One allocation; every slot is followed by at least store tail_pad bytes so no kernel reads past it.
-        self._pad = store.config.tail_pad
-        self.buffer = device.alloc(self.num_slots * self.slot_bytes + self._pad)
+        self._pad = store.tail_pad
+        need = self.required_bytes(store, config)
+        if buffer is None:
+            buffer = device.alloc(need)
+        elif buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < need:
+            raise ValueError(
+                f"StagingRing: buffer must be a 1-D uint8 tensor of at least {need} bytes "
+                f"({self.num_slots} slots x {self.slot_bytes} + {self._pad} pad), got {buffer.dtype} "
+                f"{tuple(buffer.shape)}"
+            )
+        self.buffer = buffer
         self.slots = [self.buffer[i * self.slot_bytes : (i + 1) * self.slot_bytes] for i in range(self.num_slots)]
         self.copy_stream = device.new_stream("copy")
         self._ready = [device.new_event() for _ in range(self.num_slots)]
@@ -87,6 +108,15 @@ class StagingRing:
         self.seq = 0
         self.bytes_issued = 0
         self.history: list[Staged] = []  # every issued batch (timing events included when ``timing``)
+        self.copies = 0  # copy runs issued (each is one or more DMAs: ``store.copy_segments``)
+
+    @staticmethod
+    def required_bytes(store: ExpertStore, config: PrefillConfig) -> int:
+        """Bytes of the ring's buffer: ``num_slots * experts_per_batch`` records plus the store's tail pad."""
+        strides = {store.layout(lid).stride for lid in store.layer_ids}
+        if len(strides) != 1:
+            raise ValueError(f"StagingRing: all layers must share one record layout, got strides {sorted(strides)}")
+        return config.num_slots * config.experts_per_batch * strides.pop() + store.tail_pad
 
     # ---------------------------------------------------------------------------------------- issue
 
@@ -136,14 +166,17 @@ class StagingRing:
         if self.timing:
             st.t_start = dev.new_event(timing=True)
             dev.record(st.t_start, cs)
-        records = self.store.records(layer)
         stride = self.stride
         dst_slot = self.slots[slot]
         for a, b in runs:
-            src = records[a:b].reshape(-1)
-            dst = dst_slot[(a - e0) * stride : (b - e0) * stride]
-            dev.copy(cs, dst, src, writes=[(slot, e - e0, (layer, e)) for e in range(a, b)])
-            st.nbytes += (b - a) * stride
+            base = (a - e0) * stride
+            for src, off in self.store.copy_segments(layer, a, b):
+                n = src.numel()
+                first, last = (base + off) // stride, (base + off + n - 1) // stride
+                writes = [(slot, r, (layer, e0 + r)) for r in range(first, last + 1)]
+                dev.copy(cs, dst_slot[base + off : base + off + n], src, writes=writes)
+                st.nbytes += n
+            self.copies += 1
         dev.record(self._ready[slot], cs)
         if self.timing:
             st.t_end = dev.new_event(timing=True)

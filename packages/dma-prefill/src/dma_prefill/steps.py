@@ -136,20 +136,23 @@ class StepCostModel:
                 best = (t, f)
         return best
 
-    def best_path(self, tokens: int) -> StepPath:
-        """The path of least predicted time (ties go to the simpler path: decode, then dma)."""
+    def best_path(self, tokens: int, *, hybrid: bool = True) -> StepPath:
+        """The path of least predicted time (ties go to the simpler path: decode, then dma); ``hybrid=False``
+        leaves the hybrid path out (a runner without a CPU tail)."""
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
-        d, s, (h, _) = self.decode_s(tokens), self.dma_s(tokens), self.hybrid_s(tokens)
+        d, s = self.decode_s(tokens), self.dma_s(tokens)
+        h = self.hybrid_s(tokens)[0] if hybrid else math.inf
         if d <= min(s, h):
             return "decode"
         return "dma" if s <= h else "hybrid"
 
 
-def derive_thresholds(model: StepCostModel, max_tokens: int = 65_536) -> tuple[int, int]:
+def derive_thresholds(model: StepCostModel, max_tokens: int = 65_536, *, hybrid: bool = True) -> tuple[int, int]:
     """``(decode_max_tokens, hybrid_max_tokens)`` for ``PrefillConfig``: the largest step size at which the decode
     path is still the best, and the largest at which the hybrid path beats streaming everything (equal to the
-    first when hybrid never wins). Step sizes are scanned exactly up to 4096, then on a power-of-two grid."""
+    first when hybrid never wins, or with ``hybrid=False``: decode against streaming only). Step sizes are scanned
+    exactly up to 4096, then on a power-of-two grid."""
     sizes = list(range(1, min(max_tokens, 4096) + 1))
     t = 8192
     while t <= max_tokens:
@@ -158,7 +161,7 @@ def derive_thresholds(model: StepCostModel, max_tokens: int = 65_536) -> tuple[i
     decode_max = 0
     hybrid_max = 0
     for n in sizes:
-        p = model.best_path(n)
+        p = model.best_path(n, hybrid=hybrid)
         if p == "decode":
             decode_max = n
         elif p == "hybrid":

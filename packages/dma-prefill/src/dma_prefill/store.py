@@ -13,7 +13,7 @@ import mmap
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -24,9 +24,39 @@ from . import _cudart
 from .config import PROJECTIONS, TENSORS, LayerSpec, Projection, StoreConfig
 from .layout import ExpertLayout
 
-__all__ = ["HostExpertStore"]
+__all__ = ["ExpertStore", "HostExpertStore"]
 
 _PAGE = mmap.PAGESIZE
+
+
+class ExpertStore(Protocol):
+    """What the staging ring, the compute backends, the CPU tail and the references need from a store of routed
+    experts: ``HostExpertStore`` (its own pinned records) or ``ExternalExpertStore`` (someone else's memory)."""
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def tail_pad(self) -> int:
+        """Bytes a kernel may read past a record (every staging slot is followed by at least this many)."""
+        ...
+
+    def spec(self, layer: int) -> LayerSpec: ...
+
+    def layout(self, layer: int) -> ExpertLayout:
+        """The record layout of a layer in a staging slot."""
+        ...
+
+    def copy_segments(self, layer: int, e0: int, e1: int) -> list[tuple[torch.Tensor, int]]:
+        """The copies that put records ``[e0, e1)`` into a slot: ``(uint8 host source, byte offset from the start
+        of record e0)``; together they write every byte of the records' tensors."""
+        ...
+
+    def tensor(self, layer: int, expert: int, proj: Projection, name: str) -> torch.Tensor: ...
+
+    def numpy(self, layer: int, expert: int, proj: Projection, name: str) -> np.ndarray: ...
+
+    def view(self, layer: int, expert: int, proj: Projection) -> Exl3Tensor: ...
 
 
 class _Layer:
@@ -150,6 +180,14 @@ class HostExpertStore:
     def allocated_bytes(self, layer: int) -> int:
         """Bytes of the layer's allocation as exposed (payload + tail pad)."""
         return self._layer(layer).size
+
+    @property
+    def tail_pad(self) -> int:
+        return self.config.tail_pad
+
+    def copy_segments(self, layer: int, e0: int, e1: int) -> list[tuple[torch.Tensor, int]]:
+        """Records ``[e0, e1)`` are consecutive here: one copy."""
+        return [(self.records(layer)[e0:e1].reshape(-1), 0)]
 
     def is_registered(self, layer: int) -> bool:
         return self._layer(layer).registered

@@ -18,7 +18,7 @@ from .layout import ExpertLayout
 from .ops_torch import hadamard_pm1
 from .plan import PrefillPlan
 from .ring import Staged, StagingRing
-from .store import HostExpertStore
+from .store import ExpertStore
 from .triton_ops import decode_into, grouped_gemm, post_swiglu, row_hadamard, row_sumsq
 
 __all__ = ["TritonCompute", "make_tiles"]
@@ -63,7 +63,12 @@ class TritonCompute(BatchCompute):
     decode_block_tn: int = 8
 
     def __init__(
-        self, store: HostExpertStore, config: PrefillConfig, device: Device, torch_device: torch.device
+        self,
+        store: ExpertStore,
+        config: PrefillConfig,
+        device: Device,
+        torch_device: torch.device,
+        scratch: torch.Tensor | None = None,
     ) -> None:
         super().__init__(store, config, device)
         self.torch_device = torch_device
@@ -72,10 +77,25 @@ class TritonCompute(BatchCompute):
         self.hpm = hadamard_pm1(torch.float16, torch_device)
         spec = store.spec(store.layer_ids[0])
         B = config.experts_per_batch
-        self.w = {
-            p: torch.empty((B, spec.proj(p).k, spec.proj(p).n), dtype=torch.float16, device=torch_device)
-            for p in PROJECTIONS
-        }
+        shapes = {p: (B, spec.proj(p).k, spec.proj(p).n) for p in PROJECTIONS}
+        if scratch is None:
+            self.w = {p: torch.empty(sh, dtype=torch.float16, device=torch_device) for p, sh in shapes.items()}
+        else:  # carved out of a given uint8 buffer (e.g. VRAM lent by the expert cache)
+            need = self.scratch_bytes(store, config)
+            if scratch.dtype != torch.uint8 or scratch.dim() != 1 or scratch.numel() < need:
+                raise ValueError(f"TritonCompute: scratch must be 1-D uint8 of at least {need} bytes, got "
+                                 f"{scratch.dtype} {tuple(scratch.shape)}")  # fmt: skip
+            self.w, pos = {}, 0
+            for p, sh in shapes.items():
+                n = 2 * sh[0] * sh[1] * sh[2]
+                self.w[p] = scratch[pos : pos + n].view(torch.float16).view(sh)
+                pos += n
+
+    @staticmethod
+    def scratch_bytes(store: ExpertStore, config: PrefillConfig) -> int:
+        """Bytes of the decoded fp16 weights of one batch (gate, up, down of ``experts_per_batch`` experts)."""
+        spec = store.spec(store.layer_ids[0])
+        return sum(2 * config.experts_per_batch * spec.proj(p).k * spec.proj(p).n for p in PROJECTIONS)
 
     def prepare(self, plan: PrefillPlan, x: torch.Tensor) -> LayerPrep:
         busy = plan.counts[plan.counts > 0]

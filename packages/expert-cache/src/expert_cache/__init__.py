@@ -5,7 +5,8 @@ See README.md. Public API:
 * :class:`ExpertCacheConfig`, :class:`ProjectionSpec` - the one frozen config, and the policy it chooses:
   :class:`DecayedConfig`, :class:`LruConfig`, :class:`LfuConfig`, :class:`ArcConfig`, :class:`HybridConfig`
   (:func:`policy_config` builds one from a name);
-* :class:`ExpertCache` - the slot pool, per-layer ``slot_of`` maps and projection-major pointer tables on a device;
+* :class:`ExpertCache` - the slot pool, per-layer ``slot_of`` maps and projection-major pointer tables on a device
+  (:meth:`ExpertCache.lend` lends its coldest slots' memory out as a :class:`Loan`);
 * :class:`ExpertRows` - an address-based home (rows anywhere in pinned or CUDA-registered host buffers);
 * :mod:`expert_cache.policies` - ``decayed`` (the reference), ``lru``, ``lfu``, ``arc``, ``hybrid``;
 * :mod:`expert_cache.trace` - the trace format, :class:`TraceRecorder`, the synthetic generator;
@@ -34,7 +35,7 @@ from .planner import CacheController, CacheStats, Swap
 from .policies import Policy, load_profile, make_policy, save_profile
 
 if TYPE_CHECKING:
-    from .cache import ExpertCache
+    from .cache import ExpertCache, Loan
     from .home import ExpertRows
     from .sim import belady_hit_rate, belady_hits, simulate, static_oracle_hit_rate
     from .trace import SyntheticTraceConfig, Trace, TraceRecorder, generate, load_trace
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 # command line (``python -m expert_cache.sim`` / ``.trace``) must not be imported by the package itself.
 _LAZY = {
     "ExpertCache": "cache",
+    "Loan": "cache",
     "ExpertRows": "home",
     "belady_hit_rate": "sim",
     "belady_hits": "sim",
@@ -83,6 +85,7 @@ __all__ = [
     "ExpertRows",
     "HybridConfig",
     "LfuConfig",
+    "Loan",
     "LruConfig",
     "Policy",
     "PolicyConfig",

@@ -35,6 +35,7 @@ replan waits for that copy (one sync, like the reference) unless ``async_observe
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,7 +47,24 @@ from .home import ExpertRows
 from .planner import CacheController, CacheStats, Swap
 from .policies import HybridPolicy, save_profile
 
-__all__ = ["ExpertCache"]
+__all__ = ["ExpertCache", "Loan"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Loan:
+    """Pool memory lent out by :meth:`ExpertCache.lend`.
+
+    ``buffer`` is the uint8 view of slots ``[first_slot, first_slot + num_slots)`` (contiguous, ``num_slots *
+    slot_stride`` bytes, ``slot_alignment``-aligned). The borrower's first write must wait for ``ready`` (a CUDA
+    event on the cache's side stream, after every copy that reads or writes those slots; None on a CPU device).
+    """
+
+    buffer: torch.Tensor
+    first_slot: int
+    num_slots: int
+    evicted: int
+    moved: int
+    ready: Any = None
 
 
 class ExpertCache:
@@ -143,6 +161,8 @@ class ExpertCache:
         self._prefill_rows = 0
         self._step_rows = 0
         self._fills = 0
+        self._moves = 0
+        self._loan: Loan | None = None
         self._allocate()
 
     # ---- validation and helpers ------------------------------------------------------------------------------
@@ -348,6 +368,8 @@ class ExpertCache:
             self._prefill_rows += self._step_rows
         if self._cuda:
             self._poll()
+        if self._ctl.refill_keys.size and self._loan is None and self._pool is not None:
+            self._execute(self._ctl.refill(self.config.rewarm_limit or self.config.admit_limit))
         if self._ctl.end_step(kind):  # type: ignore[arg-type]
             self.replan()
 
@@ -402,12 +424,89 @@ class ExpertCache:
         self._execute(swaps)
         return swaps
 
+    def slots_for(self, nbytes: int) -> int:
+        """Slots that hold ``nbytes`` contiguous bytes (what :meth:`lend` takes for them)."""
+        return -(-int(nbytes) // self._stride)
+
+    def lend(self, nbytes: int) -> Loan:
+        """Lend ``nbytes`` of the pool (rounded up to whole slots, the last ones) to another user of the device,
+        e.g. a prefill step's staging ring; the coldest residents make room.
+
+        The hottest residents that fit in the remaining slots stay resident; those sitting in the lent region move
+        to slots freed by the evictions (a device-to-device copy on the side stream; until it is done they are read
+        from home). Every evicted or moving expert's pointers go home on the compute stream first, so no kernel
+        enqueued after this call reads the lent slots; the borrower waits for ``Loan.ready``, recorded on the side
+        stream after the moves, which themselves wait for everything the compute stream had enqueued (kernels
+        still reading the region). The planner leaves the lent slots alone until :meth:`give_back`.
+        """
+        if self._loan is not None:
+            raise RuntimeError("lend: the pool is already lent out (give it back first)")
+        if self._pool is None:
+            raise RuntimeError("lend: no pool (released, or a cache of 0 slots)")
+        if nbytes <= 0:
+            raise ValueError(f"lend: nbytes must be > 0, got {nbytes}")
+        n = self.slots_for(nbytes)
+        if n > self.num_slots:
+            raise ValueError(
+                f"lend: {nbytes} bytes need {n} slots of {self._stride} bytes, the pool has {self.num_slots}"
+            )
+        evicted, moves = self._ctl.lend(n)
+        mk = np.array([m[0] for m in moves], np.int64)
+        fr = np.array([m[1] for m in moves], np.int64)
+        to = np.array([m[2] for m in moves], np.int64)
+        home = np.concatenate([evicted, mk])
+        self._write_tables(home, self._home_ptr[home], np.full(home.size, -1))
+        ready = None
+        if self._cuda:
+            ev_a = torch.cuda.Event()
+            ev_a.record(self._compute)
+            self._side.wait_event(ev_a)
+            ctx: Any = torch.cuda.stream(self._side)
+        else:
+            ctx = torch.no_grad()
+        with ctx:
+            for a, b in zip(fr.tolist(), to.tolist(), strict=True):
+                self._pool[b].copy_(self._pool[a], non_blocking=self._cuda)
+        self._moves += mk.size
+        if self._cuda:
+            ready = torch.cuda.Event()
+            ready.record(self._side)
+            if self.config.async_fill:
+                self._pending.append((ready, mk, to))
+            else:
+                self._compute.wait_event(ready)
+                self._activate(mk, to)
+        else:
+            self._activate(mk, to)
+        first = self.num_slots - n
+        self._loan = Loan(self._pool[first:].view(-1), first, n, int(evicted.size), int(mk.size), ready)
+        return self._loan
+
+    def give_back(self, loan: Loan, after: Any = None) -> None:
+        """End a :meth:`lend`. ``after``: a CUDA event recorded after the borrower's last use of the memory (the
+        compute stream waits for it before any fill is queued); without it the borrower's work must already be
+        ordered before the compute stream's next work. The evicted experts are re-admitted over the following
+        steps, at most ``rewarm_limit`` (``admit_limit`` when 0) per :meth:`after_step`, fills on the side stream."""
+        if loan is not self._loan:
+            raise RuntimeError("give_back: not the current loan")
+        if self._cuda and after is not None:
+            self._compute.wait_event(after)
+        self._ctl.give_back()
+        self._loan = None
+
+    @property
+    def loan(self) -> Loan | None:
+        """The current loan, or None."""
+        return self._loan
+
     def release(self) -> None:
         """Give the whole pool back (every pointer goes home); the residents are remembered for :meth:`rewarm`."""
         if self._kind is not None:
             raise RuntimeError("release: not allowed inside a step")
         if self._ctl.released:
             return
+        if self._loan is not None:
+            raise RuntimeError("release: part of the pool is lent (give it back first)")
         self._release_now()
 
     def _release_now(self) -> None:

@@ -48,6 +48,7 @@ class CacheStats:
     replans: int = 0
     releases: int = 0
     rewarms: int = 0
+    lends: int = 0
     bytes_copied: int = 0
     num_slots: int = 0
 
@@ -76,6 +77,8 @@ class CacheStats:
 
 
 StepKind = Literal["decode", "prefill"]
+#: ``CacheController.slot_key`` of a lent slot.
+LENT = -2
 #: What an executor hands the controller at a flush: (step_keys, picks, prefill_picks or None, prefill_rows).
 Observation = tuple[Sequence[np.ndarray], np.ndarray, "np.ndarray | None", int]
 
@@ -110,12 +113,26 @@ class CacheController:
         self.slot_of = np.full(config.num_keys, -1, np.int64)
         self.released = False
         self.keep = np.zeros(0, np.int64)
+        #: slots at the end of the pool lent out (``lend``); their ``slot_key`` is ``LENT``
+        self.lent = 0
+        #: keys evicted by the last ``lend``, best first, not yet re-admitted (``refill``)
+        self.refill_keys = np.zeros(0, np.int64)
         self.decode_streak = 0
         self.steps_since_replan = 0
         self._held: Callable[[], Observation] | None = None
         self._c = {
             k: 0
-            for k in ("steps", "decode_steps", "prefill_steps", "admits", "evicts", "replans", "releases", "rewarms")
+            for k in (
+                "steps",
+                "decode_steps",
+                "prefill_steps",
+                "admits",
+                "evicts",
+                "replans",
+                "releases",
+                "rewarms",
+                "lends",
+            )
         }
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
@@ -158,8 +175,83 @@ class CacheController:
             self.steps_since_replan += 1
         return self.steps_since_replan >= self.config.replan_every
 
+    # ---- lending slots ---------------------------------------------------------------------------------------
+
+    @property
+    def usable(self) -> int:
+        """Slots the planner may fill: all but the lent ones."""
+        return self.num_slots - self.lent
+
+    def lend(self, n: int) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+        """Free the last ``n`` slots for someone else: the hottest residents that fit in the other slots stay (those
+        sitting in the lent region move to slots freed below it), the coldest are evicted.
+
+        Returns
+        -------
+        (evicted, moves)
+            ``evicted``: the evicted keys, best first (remembered in ``refill_keys``); ``moves``: ``(key, from_slot,
+            to_slot)`` of the residents that leave the lent region (their bytes must be copied slot to slot).
+        """
+        if self.lent:
+            raise RuntimeError(f"lend: {self.lent} slots are already lent (give them back first)")
+        if self.released:
+            raise RuntimeError("lend: the pool is released")
+        if not 0 < n <= self.num_slots:
+            raise ValueError(f"lend: n must be in [1, {self.num_slots}], got {n}")
+        keep_n = self.num_slots - n
+        res = self.slot_key[self.slot_key >= 0]
+        prio = self.policy.priorities()
+        ranked = res[np.lexsort((res, -prio[res]))]  # best first
+        keep, evicted = ranked[:keep_n], ranked[keep_n:]
+        self.slot_key[self.slot_of[evicted]] = -1
+        self.slot_of[evicted] = -1
+        movers = keep[self.slot_of[keep] >= keep_n]
+        free = np.flatnonzero(self.slot_key[:keep_n] == -1)
+        moves: list[tuple[int, int, int]] = []
+        for k, to in zip(movers.tolist(), free[: movers.size].tolist(), strict=True):
+            fr = int(self.slot_of[k])
+            self.slot_key[fr] = -1
+            self.slot_key[to] = k
+            self.slot_of[k] = to
+            moves.append((k, fr, to))
+        self.slot_key[keep_n:] = LENT
+        self.lent = n
+        self.refill_keys = evicted.copy()
+        self._c["lends"] += 1
+        self._c["evicts"] += evicted.size
+        self.policy.notify(np.zeros(0, np.int64), evicted)
+        return evicted, moves
+
+    def give_back(self) -> None:
+        """The lent slots are free again (``refill`` re-admits the evicted keys into them)."""
+        if not self.lent:
+            raise RuntimeError("give_back: no slots are lent")
+        self.slot_key[self.num_slots - self.lent :] = -1
+        self.lent = 0
+
+    def refill(self, limit: int) -> list[Swap]:
+        """Re-admit up to ``limit`` of the keys the last ``lend`` evicted (best first by the current priorities) into
+        free slots; the rest wait for the next call (or the replans)."""
+        if self.lent or self.released or not self.refill_keys.size:
+            return []
+        cand = self.refill_keys[self.slot_of[self.refill_keys] < 0]
+        prio = self.policy.priorities()
+        cand = cand[np.lexsort((cand, -prio[cand]))]
+        free = np.flatnonzero(self.slot_key == -1)
+        take = cand[: min(limit, free.size)]
+        swaps = [Swap(int(slot), -1, int(k)) for slot, k in zip(free.tolist(), take.tolist(), strict=False)]
+        for sw in swaps:
+            self.slot_key[sw.slot] = sw.new_key
+            self.slot_of[sw.new_key] = sw.slot
+        self.refill_keys = cand[take.size :] if free.size > take.size else np.zeros(0, np.int64)
+        self._c["admits"] += len(swaps)
+        self.policy.notify(take, np.zeros(0, np.int64))
+        return swaps
+
     def release(self) -> np.ndarray:
         """Forget all residents (remembered in ``keep``, best first); returns the evicted keys by slot order."""
+        if self.lent:
+            raise RuntimeError(f"release: {self.lent} slots are lent (give them back first)")
         residents = self.slot_key[self.slot_key >= 0]
         prio = self.policy.priorities()
         self.keep = residents[np.lexsort((residents, -prio[residents]))]
@@ -229,7 +321,7 @@ class CacheController:
 
     def _want(self, prio: np.ndarray) -> np.ndarray:
         """The top ``num_slots`` keys of positive priority (ties: lower key first), unordered."""
-        n = self.num_slots
+        n = self.usable
         pos = np.flatnonzero(prio > 0)
         if pos.size <= n:
             return pos
@@ -249,7 +341,7 @@ class CacheController:
         self.steps_since_replan = 0
         self._c["replans"] += 1
         self.policy.tick_replan()
-        if self.released or self.num_slots == 0:
+        if self.released or self.usable == 0:
             return []
         prio = self.policy.priorities()
         want = self._want(prio)
@@ -257,7 +349,7 @@ class CacheController:
         if cand.size == 0:
             return []
         cand = cand[np.lexsort((cand, -prio[cand]))][: self.config.admit_limit]
-        free = np.flatnonzero(self.slot_key < 0)
+        free = np.flatnonzero(self.slot_key == -1)  # (lent slots are LENT)
         in_want = np.zeros(self.config.num_keys, bool)
         in_want[want] = True
         res = self.slot_key[self.slot_key >= 0]

@@ -38,6 +38,11 @@ SPLITS: tuple[str, ...] = ("auto", "cpu", "pcie")
 HIT_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton", "reference")
 ENGRAM_MODES: tuple[str, ...] = ("mmap", "upstream")
 ATTENTIONS: tuple[str, ...] = ("auto", "upstream", "triton")
+PREFILL_BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
+#: vLLM's ``max_num_batched_tokens`` (the prefill chunk) the server sets for GPU packs: 8192 keeps the staged
+#: prefill's activations (~1 GB at V4.1-Flash sizes, on top of the ring lent by the cache) under a 24 GB card's
+#: margin at 262k-token context settings (the reference system's 16k chunks ran out of memory on 24 GB).
+DEFAULT_PREFILL_CHUNK_TOKENS = 8192
 #: The nested settings objects of the plugin config (merged field by field, one level deep): cpu-tier's, the
 #: tiered runtime's and engram-mmap's table config.
 _NESTED = ("cpu", "tiered", "engram_table")
@@ -45,6 +50,7 @@ _NESTED = ("cpu", "tiered", "engram_table")
 __all__ = [
     "ATTENTIONS",
     "CONFIG_KEY",
+    "DEFAULT_PREFILL_CHUNK_TOKENS",
     "DENSE_KERNELS",
     "ENGRAM_MODES",
     "HIT_KERNELS",
@@ -91,6 +97,19 @@ class TieredConfig:
     trace_path : record the served routing (``expert_cache.trace`` format, ``.npz``) to this path at exit; the
         policies can then be replayed on it with ``python -m expert_cache.sim``. Empty: no recording.
     stats_every : log the tier's statistics every this many decode steps (0: never).
+    prefill : run MoE calls of many tokens through the staged prefill (``vllm_dsv41.prefill``: the experts
+        streamed from the host home through a ring of VRAM slots lent by the cache, computed as GEMMs).
+    prefill_min_tokens : calls of at least this many tokens stream; 0: the crossover of the step cost model
+        calibrated at startup (measured copy and staged-compute rates against the decode path's).
+    prefill_ring_slots, prefill_experts_per_batch : the staging ring: slots, and experts per slot (one batch).
+        The ring and the decode scratch of one batch (``~(slots + 3.4) x experts`` expert sizes; 1.4 GB at
+        V4.1-Flash sizes with the defaults) are lent by the VRAM cache while prefill runs.
+    prefill_cpu_tail_batches : on calls up to the model's hybrid limit, the last batches are computed by the CPU
+        tier instead of being streamed (0: off).
+    prefill_hit_rate : the decode path's expected cache hit rate, for the step cost model (the reference system
+        measured 0.38-0.44 on served routes).
+    prefill_h2d_gbps : the copy engine's rate from the host home (GB/s); 0 = measured at startup.
+    prefill_backend : the staged compute: "auto" (Triton on a GPU), "triton", "torch".
     """
 
     cache_gib: float = 0.0
@@ -106,6 +125,14 @@ class TieredConfig:
     deadline_floor_ms: float = 2.0
     trace_path: str = ""
     stats_every: int = 256
+    prefill: bool = True
+    prefill_min_tokens: int = 0
+    prefill_ring_slots: int = 8
+    prefill_experts_per_batch: int = 8
+    prefill_cpu_tail_batches: int = 0
+    prefill_hit_rate: float = 0.4
+    prefill_h2d_gbps: float = 0.0
+    prefill_backend: str = "auto"
 
     def __post_init__(self) -> None:
         from expert_cache.config import POLICIES
@@ -127,6 +154,16 @@ class TieredConfig:
         if not isinstance(self.trace_path, str):
             raise ValueError(f"trace_path: expected a path string, got {self.trace_path!r}")
         _integer("stats_every", self.stats_every, 0)
+        if not isinstance(self.prefill, bool):
+            raise ValueError(f"prefill: expected true or false, got {self.prefill!r}")
+        _integer("prefill_min_tokens", self.prefill_min_tokens, 0)
+        _integer("prefill_ring_slots", self.prefill_ring_slots, 1)
+        _integer("prefill_experts_per_batch", self.prefill_experts_per_batch, 1)
+        _integer("prefill_cpu_tail_batches", self.prefill_cpu_tail_batches, 0)
+        _number("prefill_hit_rate", self.prefill_hit_rate, 0.0, 1.0)
+        _number("prefill_h2d_gbps", self.prefill_h2d_gbps, 0.0)
+        if self.prefill_backend not in PREFILL_BACKENDS:
+            raise ValueError(f"prefill_backend: expected one of {PREFILL_BACKENDS}, got {self.prefill_backend!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -203,6 +203,10 @@ def _runtime_stats(model: torch.nn.Module) -> dict[str, Any]:
     out["describe"] = stats.describe() if hasattr(stats, "describe") else ""
     cache = getattr(rt, "cache", None)
     out["cache_slots"] = int(cache.num_slots) if cache is not None else 0
+    pf = getattr(rt, "prefill", None)  # the tiered runtime's staged prefill
+    if pf is not None:
+        out["prefill"] = {**dataclasses.asdict(pf.stats), "violations": list(pf.violations)}
+        out["describe"] += "; staged prefill: " + pf.stats.describe()
     return out
 
 

@@ -112,6 +112,7 @@ class _Pending:
     timeout: float | None = None
     submitted: float = 0.0
     t0: float = 0.0
+    staged: torch.Tensor | None = None  # the staged prefill's fp32 result (``vllm_dsv41.prefill``)
 
 
 class _Buffers:
@@ -212,6 +213,8 @@ class TieredRuntime:
         self._step_ids: dict[int, np.ndarray] = {}
         self._pending: _Pending | None = None
         self._closed = False
+        self._limits: dict[int, float | None] = {}
+        self._prefill: Any = None  # vllm_dsv41.prefill.StagedPrefill, built with the cache
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -222,6 +225,7 @@ class TieredRuntime:
                              swiglu_limit=swiglu_limit)  # fmt: skip
         self._layers[experts.layer] = experts
         self._hidden[experts.layer] = experts.hidden
+        self._limits[experts.layer] = swiglu_limit
         factory = self._hits_factory
         if factory is None:
             from .hits import make_hits
@@ -283,10 +287,29 @@ class TieredRuntime:
         self._cache = ExpertCache(cfg, src.rows, self.device, free_bytes=free)
         if self._rates is None:
             self._rates = self._measure_rates()
+        if self.tcfg.prefill:
+            self._prefill_setup(home)
         slots = self._cache.num_slots
         logger.info("dsv41 tiered: VRAM expert cache of %d slots (%.2f GiB, %.1f%% of %d experts), policy %s; %s",
                     slots, slots * cfg.slot_stride / GiB, 100.0 * slots / cfg.num_keys, cfg.num_keys, t.policy,
                     self._rates.describe())  # fmt: skip
+
+    def _prefill_setup(self, home: ExpertHome) -> None:
+        """The staged prefill (``vllm_dsv41.prefill``), its step rule calibrated now (memory lent by the cache)."""
+        from .prefill import StagedPrefill
+
+        limits = set(self._limits.values())
+        if len(limits) != 1:
+            raise ValueError(f"staged prefill: the MoE layers clamp SwiGLU differently ({sorted(map(str, limits))})")
+        assert self._rates is not None
+        self._prefill = StagedPrefill(self.tcfg, home, self._layers, self._tier, self.device, limits.pop())
+        self._prefill.calibrate(self._rates, self._cache)
+        logger.info("dsv41 prefill: %s", self._prefill.describe())
+
+    @property
+    def prefill(self) -> Any:
+        """The staged prefill (``vllm_dsv41.prefill.StagedPrefill``; None until the cache exists or when off)."""
+        return self._prefill
 
     def _measure_rates(self) -> Rates:
         """Rates from the configuration, measured where 0 (CPU tier: one forward over distinct experts)."""
@@ -405,7 +428,17 @@ class TieredRuntime:
             raise RuntimeError(f"MoE layer {layer}: begin() while layer {self._pending.layer} is not finished")
         t0 = time.perf_counter()
         self._begin_layer(layer, t)
-        self._pending = self._begin(layer, x, topk_ids, topk_weights, t) if t else _Pending(layer, 0, t0=t0)
+        pf = self._prefill
+        if pf is not None and t and pf.wants(t, topk_ids.shape[1]):  # the staged prefill (vllm_dsv41.prefill)
+            if self._cache is not None:
+                self._cache.observe(self._index[layer], topk_ids)
+            lids = tuple(sorted(self._layers))
+            nxt = lids[lids.index(layer) + 1] if layer != lids[-1] else None
+            self._pending = _Pending(layer, t, staged=pf.run(layer, x, topk_ids, topk_weights, nxt, cache=self._cache))
+        else:
+            if pf is not None and pf.active:  # the first call after a prefill episode: the cache gets its VRAM back
+                pf.end_episode(self._cache)
+            self._pending = self._begin(layer, x, topk_ids, topk_weights, t) if t else _Pending(layer, 0, t0=t0)
         self._pending.t0 = t0
 
     def finish(self, layer: int, out: torch.Tensor) -> None:
@@ -419,7 +452,10 @@ class TieredRuntime:
             if out.ndim != 2 or out.shape[0] < p.t or out.shape[1] != h or out.device != self.device:
                 raise ValueError(f"MoE layer {layer}: out must be [>= {p.t}, {h}] on {self.device}, got "
                                  f"{tuple(out.shape)} on {out.device}")  # fmt: skip
-            self._finish(p, out)
+            if p.staged is not None:
+                out[: p.t].copy_(p.staged)
+            else:
+                self._finish(p, out)
         self.stats.layer_calls += 1
         self.stats.layer_seconds += time.perf_counter() - p.t0
 
@@ -569,6 +605,10 @@ class TieredRuntime:
             self._pending.job.cancel()
             self._pending.job.wait()
         self._pending = None
+        if self._prefill is not None:
+            self._prefill.end_episode(self._cache)
+            if self._prefill.stats.calls:
+                logger.info("dsv41 prefill: %s", self._prefill.stats.describe())
         if self._step_open:
             self._end_step(replan=False)
         if self._recorder is not None:
