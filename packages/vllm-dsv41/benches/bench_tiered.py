@@ -181,8 +181,15 @@ def main() -> int:
     cache_bytes = int(a.cache_mib * (1 << 20)) if a.cache_mib else int(a.cache_gib_full * GiB * a.layers / FULL_LAYERS)
 
     def runtime(split: str, rates: Rates | None) -> TieredRuntime:
-        tcfg = TieredConfig(split=split, policy=a.policy, hit_kernel=a.hit_kernel,  # type: ignore[arg-type]
-                            replan_every=a.replan_every, deadline_factor=0.0, stats_every=0)  # fmt: skip
+        tcfg = TieredConfig(
+            split=split,
+            policy=a.policy,
+            hit_kernel=a.hit_kernel,  # type: ignore[arg-type]
+            replan_every=a.replan_every,
+            deadline_factor=0.0,
+            stats_every=0,
+            prefill=False,
+        )  # fmt: skip (decode only: no staged-prefill calibration)
         cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=a.cpu_threads), runtime="tiered", tiered=tcfg)
         rt = TieredRuntime(cfg, home, device, cache_bytes=cache_bytes, rates=rates)
         for lx in layers:
