@@ -49,7 +49,7 @@ PY
 fi
 if step tests; then
     log "tests"
-    timeout 300 python3 -m pytest packages/vllm-dsv41/tests -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
+    timeout 540 python3 -m pytest packages/vllm-dsv41/tests -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
         2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
     r=${PIPESTATUS[0]}; log "tests rc=$r"; rc=$((rc || r))
 fi
