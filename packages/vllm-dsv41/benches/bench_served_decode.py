@@ -441,7 +441,7 @@ def main() -> int:
         runtime="tiered",
         tiered=tiered0,
         eager=a.eager,
-        max_model_len=a.prompt_tokens + a.gen_tokens + 64,
+        max_model_len=max(1024, a.prompt_tokens + a.gen_tokens + 64),
         gpu_memory_gib=a.gpu_memory_gib,
         cpu_threads=a.cpu_threads,
         extra=extra,
