@@ -16,6 +16,11 @@
 #   bench     benches/bench_dense_exl3.py (exllamav3 vs ours, every V4.1 dense shape)
 #   serve     the server on the pack, driven by the openai client (scripts/gpu_serve_check.py)
 #   flash     load time and RSS of a Flash-shaped pack with real-size layers (scripts/gpu_flash_load.py)
+#   flashpack build + verify the flash-v41 pack (DEC_LAYERS real-size Flash layers, default 4: ~21 GB) in /tmp/dsv41/served
+#             (benches/bench_served_decode.py --build-only; reused by later calls of the same lease)
+#   decode    benches/bench_served_decode.py on that pack: served decode tok/s at 1/2/4 streams for the runtimes
+#             none / tiered (misses cpu, auto, pcie) / cpu vs the roofline of the same run; VRAM capped at 24 GiB,
+#             PIECEWISE; DEC_RUNTIMES picks the cases (none first), DEC_TAG names the outputs; traces under $OUT
 #   savejit   tar the JIT caches (TileLang, Triton, vLLM/DeepGEMM) into $OUT/jitcache.tgz; a later machine restores
 #             them from .jitcache/jitcache.tgz when that folder is carried (saves the cold compile, ~2-3 min)
 set -uo pipefail
@@ -100,6 +105,21 @@ if step flash; then
     log "flash"
     timeout 560 python3 packages/vllm-dsv41/scripts/gpu_flash_load.py "$OUT" 2>&1 | tee "$OUT/flash_load.log" | tail -30
     r=${PIPESTATUS[0]}; log "flash rc=$r"; rc=$((rc || r))
+fi
+if step flashpack; then
+    log "flashpack"
+    timeout 560 python3 packages/vllm-dsv41/benches/bench_served_decode.py --build-only --layers "${DEC_LAYERS:-4}" \
+        --root /tmp/dsv41/served 2>&1 | tee "$OUT/flashpack.log" | grep -v "it/s\]" | tail -8
+    r=${PIPESTATUS[0]}; log "flashpack rc=$r"; rc=$((rc || r))
+fi
+if step decode; then
+    log "decode"
+    mkdir -p "$OUT/decode${DEC_TAG:-}"
+    timeout 560 python3 packages/vllm-dsv41/benches/bench_served_decode.py --layers "${DEC_LAYERS:-4}" --root /tmp/dsv41/served \
+        --runtimes "${DEC_RUNTIMES:-none,tiered:auto,tiered:cpu,tiered:pcie,cpu}" --streams 1,2,4 --runs 3 --cpu-threads 8 \
+        --time-budget-s "${DEC_BUDGET:-430}" --json "$OUT/decode${DEC_TAG:-}/bench_served_decode.json" \
+        2>&1 | tee "$OUT/decode${DEC_TAG:-}/bench_served_decode.log" | grep -v "INFO\|DEBUG\|WARNING" | tail -40
+    r=${PIPESTATUS[0]}; log "decode rc=$r"; rc=$((rc || r))
 fi
 if step savejit; then
     (cd "$HOME" && tar czf "$OUT/jitcache.tgz" $(ls -d .cache/vllm .triton .tilelang 2>/dev/null))

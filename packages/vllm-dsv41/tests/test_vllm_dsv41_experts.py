@@ -15,6 +15,7 @@ from vllm_dsv41 import Dsv41PluginConfig
 from vllm_dsv41.experts import (
     AllInVramRuntime,
     CpuExpertRuntime,
+    NoExpertsRuntime,
     get_runtime,
     register_runtime,
     replace_runtime,
@@ -166,3 +167,29 @@ def test_runtime_slot_can_be_swapped(home: ExpertHome) -> None:
         unregister_runtime(h)
     with pytest.raises(KeyError, match="no expert runtime"):
         get_runtime(h)
+
+
+def test_no_experts_runtime_writes_zeros_and_is_not_configurable(home: ExpertHome) -> None:
+    rt = NoExpertsRuntime()
+    for lx in home.layers():
+        rt.add_layer(lx, swiglu_limit=None)
+    h = register_runtime(rt)
+    try:
+        rng = np.random.default_rng(5)
+        x = torch.from_numpy(rng.standard_normal((3, HIDDEN)).astype(np.float32))
+        ids, w = (torch.from_numpy(v) for v in _routing(rng, 3))
+        out = torch.full((5, HIDDEN), float("nan"))
+        torch.ops.dsv41.routed_experts_out(x, ids, w, out, h, 1)
+        assert (out[:3] == 0).all() and torch.isnan(out[3:]).all()  # zeros for the T rows, the rest untouched
+        with pytest.raises(KeyError, match="layer 7"):
+            routed_experts(x, ids, w, h, 7)
+        out2 = torch.full((5, HIDDEN), float("nan"))  # the two halves, as a model compiled with the tiered runtime
+        rt.begin(0, x[:2], ids[:2], w[:2])
+        rt.finish(0, out2)
+        assert (out2[:2] == 0).all() and torch.isnan(out2[2:]).all()
+        with pytest.raises(RuntimeError, match="finish\\(\\) without its begin"):
+            rt.finish(0, out2)
+    finally:
+        unregister_runtime(h)
+    with pytest.raises(ValueError, match="runtime: expected one of"):
+        Dsv41PluginConfig(runtime="none")  # type: ignore[arg-type]

@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
         help="write a synthetic preset (deterministic by seed)",
         description=(
             "Presets: tiny-v41 (both build inputs with the real V4.1 names at tiny sizes), flash-layer (one "
-            "Flash-shaped MoE layer, 384 experts H=5120 I=2304 mul1 K=3, ~5 GB), tiny-demo (a small "
+            "Flash-shaped MoE layer, 384 experts H=5120 I=2304 mul1 K=3, ~5 GB), flash-v41 (both build inputs of a "
+            "servable V4.1 of --layers real-size Flash layers, ~5.2 GB each), tiny-demo (a small "
             "vLLM-CPU-runnable demo pack)."
         ),
     )
@@ -108,7 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--experts", type=int, help="flash-layer: routed experts (default 384)")
     s.add_argument("--hidden", type=int, help="flash-layer: hidden size (default 5120)")
     s.add_argument("--intermediate", type=int, help="flash-layer: expert intermediate size (default 2304)")
-    s.add_argument("--shard-mb", type=int, help="flash-layer: shard size in MiB (default 512)")
+    s.add_argument("--shard-mb", type=int, help="flash-layer / flash-v41: shard size in MiB (default 512 / 1024)")
+    s.add_argument("--layers", type=int, help="flash-v41: real-size decoder layers (default 4, at least 3)")
     s.add_argument("--quiet", action="store_true")
     return p
 
@@ -187,10 +189,17 @@ def _cmd_synth(a: argparse.Namespace) -> int:
     if a.preset == "flash-layer":
         options.update(given)
         options["progress"] = not a.quiet
+    elif a.preset == "flash-v41" and set(given) <= {"shard_bytes"}:
+        options.update(given)
+        if a.layers is not None:
+            options["layers"] = a.layers
+        options["progress"] = not a.quiet
     elif given:
-        raise PackError(
-            f"--{next(iter(given)).replace('_bytes', '-mb').replace('_', '-')}: only for --preset flash-layer"
-        )
+        key = next(iter(given))
+        where = "flash-layer or flash-v41" if key == "shard_bytes" else "flash-layer"
+        raise PackError(f"--{key.replace('_bytes', '-mb').replace('_', '-')}: only for --preset {where}")
+    if a.layers is not None and a.preset != "flash-v41":
+        raise PackError("--layers: only for --preset flash-v41")
     try:
         out = synth(a.preset, a.out, seed=a.seed, **options)
     except ValueError as e:

@@ -13,6 +13,9 @@ caller-owned output buffer (the buffer a captured CUDA graph segment reads next)
 * ``AllInVramRuntime``: the oracle. Every routed expert dequantized once (``cpu_tier.exl3``, float32) into the
   model's device memory and computed by plain fp32 matmuls, so it differs from any tier only in where the
   experts run.
+* ``NoExpertsRuntime``: writes zeros (the routed experts switched off). For benchmarks only: it times the rest of
+  a decode step (attention, router, shared expert, head, sampling); not a configurable runtime, so a server
+  refuses it.
 
 The forward goes through one ``torch.library`` custom op, ``dsv41::routed_experts_out`` (it mutates ``out``;
 shape-only fake), so a ``torch.compile``-d model sees one opaque call; on CUDA the fused-MoE method calls it
@@ -38,6 +41,7 @@ __all__ = [
     "AllInVramRuntime",
     "CpuExpertRuntime",
     "ExpertRuntime",
+    "NoExpertsRuntime",
     "make_runtime",
     "register_runtime",
     "replace_runtime",
@@ -261,6 +265,47 @@ class AllInVramRuntime:
 
     def close(self) -> None:
         self._w.clear()
+
+
+class NoExpertsRuntime:
+    """The routed experts switched off: ``forward_into`` writes zeros (benchmarks: the time of everything else).
+
+    Not a ``Dsv41PluginConfig.runtime`` value (a served model cannot select it); a benchmark puts it in a loaded
+    model's runtime slot (``Exl3Config.set_runtime``). Graph safe (one device memset, no host sync). It also has the
+    tiered runtime's two halves (``begin`` / ``finish``), so it can replace that runtime in a model compiled with it
+    (whose graphs call the halves as two eager breaks).
+    """
+
+    name = "none"
+    graph_safe = True
+
+    def __init__(self) -> None:
+        self._hidden: dict[int, int] = {}
+        self._pending: tuple[int, int] | None = None
+
+    def add_layer(self, experts: LayerExperts, swiglu_limit: float | None) -> None:
+        self._hidden[experts.layer] = experts.hidden
+
+    def forward_into(
+        self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        t = _check_args(self._hidden, layer, x, topk_ids, topk_weights, out)
+        out[:t].zero_()
+
+    def begin(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """First half (nothing to start): remembers the layer's token count for ``finish``."""
+        self._pending = (layer, _check_args(self._hidden, layer, x, topk_ids, topk_weights, x))
+
+    def finish(self, layer: int, out: torch.Tensor) -> None:
+        """Second half: zeros into ``out[:T]``."""
+        if self._pending is None or self._pending[0] != layer:
+            raise RuntimeError(f"MoE layer {layer}: finish() without its begin()")
+        t = self._pending[1]
+        self._pending = None
+        out[:t].zero_()
+
+    def close(self) -> None:
+        self._hidden.clear()
 
 
 def make_runtime(config: Dsv41PluginConfig, device: torch.device | str, max_tokens: int = 0,

@@ -6,6 +6,8 @@ Each preset lives in its own module and is imported lazily by :func:`synth` (and
 * ``pack_tools.presets.tiny_v41``: the real DeepSeek-V4.1-Flash tensor names and layout at tiny sizes
   (the two build inputs);
 * ``pack_tools.presets.flash_layer``: one Flash-shaped MoE layer (384 experts, H=5120, I=2304, mul1 K=3);
+* ``pack_tools.presets.flash_v41``: a servable V4.1 model of N real-size Flash layers (tiny-v41's generator,
+  written shard by shard);
 * ``pack_tools.presets.tiny_demo``: a small vLLM-CPU-runnable demo pack (``synth_tiny_demo``),
   maintained by the vLLM-plugin/server side.
 """
@@ -22,6 +24,7 @@ from pack_tools.errors import PackError
 PRESETS: dict[str, tuple[str, str]] = {
     "tiny-v41": ("pack_tools.presets.tiny_v41", "synth_tiny_v41"),
     "flash-layer": ("pack_tools.presets.flash_layer", "synth_flash_layer"),
+    "flash-v41": ("pack_tools.presets.flash_v41", "synth_flash_v41"),
     "tiny-demo": ("pack_tools.presets.tiny_demo", "synth_tiny_demo"),
 }
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,10 +29,22 @@ import numpy as np
 
 from pack_tools.origin import ENGRAM, EXL3
 from pack_tools.presets import _common as c
-from pack_tools.st import RawTensor, atomic_write_bytes, atomic_write_json
+from pack_tools.st import RawTensor, atomic_write_bytes, atomic_write_json, raw
 from pack_tools.v41 import engram_primes
 
-__all__ = ["FLASH", "DataGen", "Spec", "SpecGen", "TinyV41", "synth_tiny_v41", "tiny_v41_config"]
+__all__ = [
+    "FLASH",
+    "DataGen",
+    "Lazy",
+    "LazyGen",
+    "Spec",
+    "SpecGen",
+    "TinyV41",
+    "plan_shards",
+    "synth_tiny_v41",
+    "tiny_v41_config",
+    "write_streamed_shards",
+]
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
@@ -191,6 +204,118 @@ class SpecGen:
             f"{prefix}.svh": Spec("F16", (n,)),
             f"{prefix}.mul1": Spec("I32", (), MARKERS["mul1"]),
         }
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lazy:
+    """A tensor not made yet: its spec, the unit it belongs to (the tensors made together and kept in one shard:
+    one EXL3 linear's tensor set, or a single tensor) and ``make``, which returns the whole unit's data."""
+
+    spec: Spec
+    unit: str
+    make: Callable[[], dict[str, Any]]
+
+
+class LazyGen:
+    """Specs now, data on demand (:class:`DataGen`'s, so the bytes equal an in-memory build's): for writing a
+    checkpoint shard by shard with bounded memory (:func:`write_streamed_shards`)."""
+
+    def __init__(self, seed: int) -> None:
+        self._data = DataGen(seed)
+        self._specs = SpecGen()
+
+    def _one(self, name: str, spec: Spec, make: Callable[[], Any]) -> Lazy:
+        return Lazy(spec, name, lambda: {name: make()})
+
+    def bf16(self, name: str, shape: tuple[int, ...], scale: float = 0.02, offset: float = 0.0) -> Lazy:
+        return self._one(name, Spec("BF16", shape), lambda: self._data.bf16(name, shape, scale, offset))
+
+    def f32(self, name: str, shape: tuple[int, ...], scale: float = 0.02, offset: float = 0.0) -> Lazy:
+        return self._one(name, Spec("F32", shape), lambda: self._data.f32(name, shape, scale, offset))
+
+    def fp8_e4m3(self, name: str, shape: tuple[int, ...]) -> Lazy:
+        return self._one(name, Spec("F8_E4M3", shape), lambda: self._data.fp8_e4m3(name, shape))
+
+    def e8m0_scales(self, name: str, shape: tuple[int, ...]) -> Lazy:
+        return self._one(name, Spec("F8_E8M0", shape), lambda: self._data.e8m0_scales(name, shape))
+
+    def raw_int8(self, name: str, shape: tuple[int, ...]) -> Lazy:
+        return self._one(name, Spec("I8", shape), lambda: self._data.raw_int8(name, shape))
+
+    def exl3(self, prefix: str, k: int, n: int, bits: float) -> dict[str, Lazy]:
+        def make() -> dict[str, Any]:
+            return dict(self._data.exl3(prefix, k, n, bits))
+
+        return {name: Lazy(spec, prefix, make) for name, spec in self._specs.exl3(prefix, k, n, bits).items()}
+
+
+def plan_shards(tensors: dict[str, Lazy], shard_bytes: int) -> list[dict[str, Any]]:
+    """Units in first-appearance order, packed into shards of at most ``shard_bytes`` (a bigger unit alone).
+
+    Returns ``[{"file", "units": [unit, ...], "tensors": [(name, spec), ...], "bytes"}]``; nothing is made.
+    """
+    if shard_bytes <= 0:
+        raise ValueError(f"shard_bytes: must be positive, got {shard_bytes}")
+    units: dict[str, list[str]] = {}
+    for name, lz in tensors.items():
+        units.setdefault(lz.unit, []).append(name)
+    shards: list[dict[str, Any]] = []
+    cur: dict[str, Any] = {"units": [], "tensors": [], "bytes": 0}
+    for unit, names in units.items():
+        size = sum(tensors[n].spec.nbytes for n in names)
+        if cur["units"] and cur["bytes"] + size > shard_bytes:
+            shards.append(cur)
+            cur = {"units": [], "tensors": [], "bytes": 0}
+        cur["units"].append(unit)
+        cur["tensors"].extend((n, tensors[n].spec) for n in names)
+        cur["bytes"] += size
+    shards.append(cur)
+    for i, sh in enumerate(shards, start=1):
+        sh["file"] = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+    return shards
+
+
+def write_streamed_shards(root: Path, tensors: dict[str, Lazy], shard_bytes: int, *, progress: bool = False,
+                          desc: str = "") -> dict[str, str]:  # fmt: skip
+    """Write ``tensors`` shard by shard (:func:`plan_shards`), making each shard's data just before writing it,
+    plus the index; memory holds one shard at a time. Returns the weight map.
+
+    Every made tensor is checked against its spec (dtype size x shape), so the plan and the files agree.
+    """
+    from pack_tools.manifest import INDEX_NAME
+    from pack_tools.st import write_safetensors
+
+    shards = plan_shards(tensors, shard_bytes)
+    total = sum(sh["bytes"] for sh in shards)
+    bar: Any = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc or f"shards -> {root}")
+    weight_map: dict[str, str] = {}
+    try:
+        for sh in shards:
+            made: dict[str, Any] = {}
+            for unit in sh["units"]:
+                first = next(n for n, _ in sh["tensors"] if tensors[n].unit == unit)
+                made.update(tensors[first].make())
+            ordered: dict[str, Any] = {}
+            for name, spec in sh["tensors"]:
+                t = made[name] if isinstance(made[name], RawTensor) else raw(made[name])
+                if t.dtype != spec.dtype or tuple(t.shape) != spec.shape:
+                    raise AssertionError(f"{name}: made {t.dtype} {tuple(t.shape)}, planned {spec}")
+                ordered[name] = t
+            write_safetensors(root / sh["file"], ordered, {"format": "pt"})
+            weight_map.update({name: sh["file"] for name in ordered})
+            del made, ordered
+            if bar is not None:
+                bar.update(sh["bytes"])
+    finally:
+        if bar is not None:
+            bar.close()
+    atomic_write_json(root / INDEX_NAME, {"metadata": {"total_size": total},
+                                          "weight_map": dict(sorted(weight_map.items()))})  # fmt: skip
+    return weight_map
 
 
 def tiny_v41_config(d: TinyV41 = TinyV41(), compressed_vocab: int | None = None) -> dict[str, Any]:
@@ -416,10 +541,16 @@ def engram_release_tensors(d: TinyV41, g: Gen) -> tuple[dict[int, dict[str, Any]
     return shards, absent
 
 
-def synth_tiny_v41(out: Path, seed: int = 0, dims: TinyV41 | None = None) -> Path:
+def synth_tiny_v41(out: Path, seed: int = 0, dims: TinyV41 | None = None, *, shard_bytes: int | None = None,
+                   progress: bool = False, preset: str = "tiny-v41") -> Path:  # fmt: skip
     """Write the tiny V4.1 EXL3 checkpoint and Engram release under ``out`` (see module docstring).
 
-    Returns ``out``. Deterministic: the same (dims, seed) gives byte-identical files.
+    ``shard_bytes``: write the EXL3 checkpoint shard by shard (``write_streamed_shards``: shards of at most this
+    many bytes, each made just before it is written, so memory stays bounded at any ``dims``; ``progress`` shows a
+    bar) instead of ``dims.exl3_shards`` shards made in memory; the input receipt then lists sizes only (no
+    sha256 of every byte). ``preset`` is the name recorded in the receipts.
+
+    Returns ``out``. Deterministic: the same (dims, seed, shard_bytes) gives byte-identical files.
     """
     d = dims or TinyV41()
     out = Path(out)
@@ -435,8 +566,13 @@ def synth_tiny_v41(out: Path, seed: int = 0, dims: TinyV41 | None = None) -> Pat
 
     _, compressed_vocab = build_token_map(str(ex / "tokenizer.json"))
     cfg = tiny_v41_config(d, compressed_vocab)
-    tensors, groups = exl3_checkpoint_tensors(d, DataGen(seed))
-    c.write_shards(ex, tensors, d.exl3_shards, groups=groups)
+    if shard_bytes is None:
+        tensors, groups = exl3_checkpoint_tensors(d, DataGen(seed))
+        c.write_shards(ex, tensors, d.exl3_shards, groups=groups)
+        del tensors
+    else:
+        lazy, _ = exl3_checkpoint_tensors(d, LazyGen(seed))
+        write_streamed_shards(ex, lazy, shard_bytes, progress=progress, desc=f"{preset} -> {ex}")
     ex_cfg = dict(cfg)
     ex_cfg["quantization_config"] = {
         "quant_method": "exl3",
@@ -473,9 +609,12 @@ def synth_tiny_v41(out: Path, seed: int = 0, dims: TinyV41 | None = None) -> Pat
         b"# inference/engram.py. The pack does not read this file; it is here so the directory has the\n"
         b"# same file set as the real partial download.\n",
     )
-    info = {"preset": "tiny-v41", "seed": seed, "dims": dataclasses.asdict(d)}
-    c.write_input_receipt(ex, source="synth", extra={"repo_id": EXL3.repo_id, "revision": None, **info})
-    c.write_input_receipt(en, source="synth", extra={"repo_id": ENGRAM.repo_id, "revision": None, **info})
+    info = {"preset": preset, "seed": seed, "dims": dataclasses.asdict(d)}
+    hashes = shard_bytes is None
+    c.write_input_receipt(ex, source="synth", hash_files=hashes,
+                          extra={"repo_id": EXL3.repo_id, "revision": None, **info})  # fmt: skip
+    c.write_input_receipt(en, source="synth", hash_files=hashes,
+                          extra={"repo_id": ENGRAM.repo_id, "revision": None, **info})  # fmt: skip
     return out
 
 
