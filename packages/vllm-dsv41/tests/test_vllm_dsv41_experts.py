@@ -193,3 +193,39 @@ def test_no_experts_runtime_writes_zeros_and_is_not_configurable(home: ExpertHom
         unregister_runtime(h)
     with pytest.raises(ValueError, match="runtime: expected one of"):
         Dsv41PluginConfig(runtime="none")  # type: ignore[arg-type]
+
+
+def test_the_call_path_is_fixed_by_the_runtime_the_model_is_built_with() -> None:
+    """How the model calls its runtime (experts.call_path) and which runtimes may replace the one it was built with:
+    with CUDA graphs, a graph-safe runtime's calls are captured, so nothing may replace it."""
+    from vllm_dsv41.experts import call_path
+    from vllm_dsv41.quant import Exl3Config
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=1))
+    oracle, host, none = AllInVramRuntime(cpu), CpuExpertRuntime(cfg), NoExpertsRuntime()
+
+    class Halves:  # a runtime with the tiered runtime's two halves
+        name, graph_safe = "halves", False
+
+        def begin(self) -> None: ...
+
+    try:
+        assert [call_path(r, cuda) for r in (oracle, host, Halves(), none)] == ["eager", "eager", "split", "op"]
+        assert {call_path(r, cpu) for r in (oracle, host, Halves(), none)} == {"op"}
+        for path, graphs, allowed in (("op", True, False), ("op", False, True), ("eager", True, True),
+                                      ("split", True, True)):  # fmt: skip
+            q = Exl3Config({"quant_method": "exl3"})
+            q._runtime, q._runtime_handle = oracle, register_runtime(oracle)
+            q._call_path, q._cuda_graphs = path, graphs
+            try:
+                if allowed:
+                    assert q.set_runtime(host) is oracle and q.expert_runtime()[0] is host
+                else:
+                    with pytest.raises(RuntimeError, match="captured in the graphs"):
+                        q.set_runtime(host)
+                    assert q.expert_runtime()[0] is oracle
+            finally:
+                unregister_runtime(q._runtime_handle)
+    finally:
+        host.close()

@@ -81,8 +81,11 @@ class TieredConfig:
     Attributes
     ----------
     cache_gib : VRAM for the expert cache. 0 (auto): what vLLM leaves free once its KV cache is allocated, minus
-        ``cache_margin_gib`` (vLLM's share is ``gpu_memory_utilization``).
+        ``cache_margin_gib`` (vLLM's share is ``gpu_memory_utilization``: set it to what the weights and the KV
+        cache need, e.g. 0.5 on a 24 GB card, and the expert cache takes the rest).
     cache_margin_gib : VRAM left free beside the cache (CUDA graphs, the allocator's slack, other processes).
+    device_gib : the device memory this process may use in all, GiB (0: the whole card). The automatic cache size
+        is capped by it minus what PyTorch has reserved: set it to mimic a smaller card (the H200 as a 24 GB one).
     policy : the cache policy (``expert_cache.POLICIES``; "hybrid" by default, "decayed" = the reference's).
     replan_every : decode steps between two replans of the cache.
     admit_limit : most experts admitted into the cache per replan (bounds the copy traffic).
@@ -114,6 +117,7 @@ class TieredConfig:
 
     cache_gib: float = 0.0
     cache_margin_gib: float = 1.0
+    device_gib: float = 0.0
     policy: str = "hybrid"
     replan_every: int = 16
     admit_limit: int = 48
@@ -139,6 +143,7 @@ class TieredConfig:
 
         _number("cache_gib", self.cache_gib, 0.0)
         _number("cache_margin_gib", self.cache_margin_gib, 0.0)
+        _number("device_gib", self.device_gib, 0.0)
         if self.policy not in POLICIES:
             raise ValueError(f"policy: expected one of {tuple(POLICIES)}, got {self.policy!r}")
         _integer("replan_every", self.replan_every, 1)

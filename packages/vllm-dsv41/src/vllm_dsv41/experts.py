@@ -308,11 +308,25 @@ class NoExpertsRuntime:
         self._hidden.clear()
 
 
+def call_path(runtime: Any, device: torch.device) -> str:
+    """How a model on ``device`` built with ``runtime`` calls its expert runtime; fixed for the model's life, since
+    torch.compile bakes the branch into the compiled code and CUDA graphs capture what the op launched:
+
+    * "op": the custom op inline (a graph-safe runtime on CUDA: captured in the graphs; or any runtime on the CPU,
+      where there are no graphs);
+    * "eager": the op as one eager break of vLLM's breakable CUDA graphs (runs the current runtime every call);
+    * "split": two eager breaks around the shared expert, ``begin`` / ``finish`` (a runtime that has them: the
+      tiered one; any other runtime then runs whole in the first).
+    """
+    if device.type != "cuda" or runtime.graph_safe:
+        return "op"
+    return "split" if hasattr(runtime, "begin") else "eager"
+
+
 def make_runtime(config: Dsv41PluginConfig, device: torch.device | str, max_tokens: int = 0,
-                 home: Any = None, device_budget_bytes: int | None = None) -> ExpertRuntime:  # fmt: skip
+                 home: Any = None) -> ExpertRuntime:  # fmt: skip
     """The runtime ``config.runtime`` names, for a model on ``device``; ``home`` (the ``ExpertHome``, or a callable
-    returning it) is needed by the tiered runtime; ``device_budget_bytes`` (vLLM's share of the GPU) bounds the
-    tiered runtime's automatically sized cache."""
+    returning it) is needed by the tiered runtime."""
     if config.runtime == "cpu":
         return CpuExpertRuntime(config, max_tokens=max_tokens)
     if config.runtime == "all-in-vram":
@@ -322,7 +336,7 @@ def make_runtime(config: Dsv41PluginConfig, device: torch.device | str, max_toke
             raise ValueError("runtime 'tiered': needs the host home of the experts")
         from .tiered import TieredRuntime
 
-        return TieredRuntime(config, home, device, device_budget_bytes=device_budget_bytes)
+        return TieredRuntime(config, home, device)
     raise ValueError(f"runtime: unknown expert runtime {config.runtime!r}")
 
 

@@ -451,8 +451,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.save_reference and a.reference:
         ap.error("--save-reference and --reference exclude each other")
     reference = Reference.load(a.reference) if a.reference else None
-    # the model is built with the runtime that runs first (the reference's, unless it comes from a file)
-    llm = build_llm(a.pack, runtime=a.runtime if reference else a.against, eager=a.eager,
+    # The model is built with the runtime under test: how the model calls its expert runtime is fixed when it is
+    # built (with CUDA graphs a graph-safe runtime's calls are captured, and no other runtime could replace it),
+    # while the graph-safe reference runs in the tested runtime's eager breaks (experts.call_path).
+    llm = build_llm(a.pack, runtime=a.against if a.save_reference else a.runtime, eager=a.eager,
                     max_model_len=a.max_model_len, gpu_memory_gib=a.gpu_memory_gib, cpu_threads=a.cpu_threads,
                     precision=a.precision, tiered=a.tiered, engram=a.engram)  # fmt: skip
     kw: dict[str, Any] = dict(positions=a.positions, length=a.length, greedy_prompts=a.greedy_prompts,

@@ -142,15 +142,20 @@ def _eager_split() -> tuple[Any, Any]:
     is queued on the GPU between them, while the CPU tier computes the misses."""
     from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 
-    def begin(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, runtime: int, layer: int) -> None:
+    def begin(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, runtime: int,
+              layer: int) -> None:  # fmt: skip
         rt: Any = _experts.get_runtime(runtime)
         if getattr(rt, "cache_allowed", True) is False and _kv_cache_bound():
             rt.allow_cache()
-        rt.begin(layer, x, ids, w)
+        if hasattr(rt, "begin"):
+            rt.begin(layer, x, ids, w)
+        else:  # a runtime switched in without the two halves (e.g. the oracle in the fidelity tool): whole, here
+            torch.ops.dsv41.routed_experts_out(x, ids, w, out, runtime, layer)
 
     def finish(out: torch.Tensor, runtime: int, layer: int) -> None:
         rt: Any = _experts.get_runtime(runtime)
-        rt.finish(layer, out)
+        if hasattr(rt, "finish"):
+            rt.finish(layer, out)
 
     return eager_break_during_capture(begin), eager_break_during_capture(finish)
 
@@ -253,18 +258,19 @@ class Exl3HostExpertsMethod(FusedMoEMethodBase):
         out = self.out
         if t > out.shape[0] or out.device != x.device or out.dtype != x.dtype:
             out = self.out = self.quant_config.moe_out_buffer(t, x.shape[1], x.dtype, device=x.device)
-        runtime, handle = self.quant_config.expert_runtime()
-        split = x.device.type == "cuda" and hasattr(runtime, "begin") and not runtime.graph_safe
+        _, handle = self.quant_config.expert_runtime()
+        path = self.quant_config.call_path  # fixed when the model was built (experts.call_path)
+        split = path == "split"
         if split:  # the runtime's CPU work starts before the shared expert is queued, and overlaps it
             begin, finish = _eager_split()
-            begin(x, topk_ids, topk_weights, handle, self.layer_index)
+            begin(x, topk_ids, topk_weights, out, handle, self.layer_index)
         if shared_experts is not None and shared_experts_input is not None:
             from vllm.model_executor.layers.fused_moe.runner.shared_experts import SharedExpertsOrder
 
             shared_experts(shared_experts_input, SharedExpertsOrder.MK_INTERNAL_OVERLAPPED)
         if split:
             finish(out, handle, self.layer_index)
-        elif runtime.graph_safe or x.device.type != "cuda":
+        elif path == "op":
             torch.ops.dsv41.routed_experts_out(x, topk_ids, topk_weights, out, handle, self.layer_index)
         else:
             _eager_routed()(x, topk_ids, topk_weights, out, handle, self.layer_index)

@@ -47,13 +47,15 @@ class Exl3Config(QuantizationConfig):
     def _reset_instance_state(self) -> None:
         self._runtime: Any = None
         self._runtime_handle: int | None = None
+        self._call_path: str | None = None
+        self._cuda_graphs = False
         self._home: Any = None
         self._plugin_config: Dsv41PluginConfig | None = None
         self._out_buffers: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def __getstate__(self) -> dict[str, Any]:  # the runtime and the home live in the worker that built the model
         state = self.__dict__.copy()
-        for k in ("_runtime", "_runtime_handle", "_home", "_plugin_config"):
+        for k in ("_runtime", "_runtime_handle", "_call_path", "_home", "_plugin_config"):
             state[k] = None
         state["_out_buffers"] = {}
         return state
@@ -166,18 +168,17 @@ class Exl3Config(QuantizationConfig):
         if self._runtime is None:
             from vllm.config import get_current_vllm_config
 
-            from .experts import make_runtime, register_runtime
+            from .experts import call_path, make_runtime, register_runtime
 
             vcfg = get_current_vllm_config()
             cfg = self.plugin_config()
             device = torch.device(getattr(getattr(vcfg, "device_config", None), "device", None) or "cpu")
             max_tokens = int(getattr(getattr(vcfg, "scheduler_config", None), "max_num_batched_tokens", 0) or 0)
-            budget = None  # the device memory vLLM may use (its gpu_memory_utilization): the cache stays inside it
-            util = getattr(getattr(vcfg, "cache_config", None), "gpu_memory_utilization", None)
-            if device.type == "cuda" and isinstance(util, (int, float)) and 0 < util <= 1:
-                budget = int(util * torch.cuda.get_device_properties(device).total_memory)
-            self._runtime = make_runtime(cfg, device, max_tokens=max_tokens, home=self.home,
-                                         device_budget_bytes=budget)  # fmt: skip
+            self._runtime = make_runtime(cfg, device, max_tokens=max_tokens, home=self.home)
+            self._call_path = call_path(self._runtime, device)
+            mode = getattr(getattr(vcfg, "compilation_config", None), "cudagraph_mode", None)
+            eager = bool(getattr(getattr(vcfg, "model_config", None), "enforce_eager", False))
+            self._cuda_graphs = device.type == "cuda" and not eager and str(getattr(mode, "name", mode)) != "NONE"
             self._runtime_handle = register_runtime(self._runtime)
             extra = f", cpu-tier {self._runtime.isa}, {cfg.effective_threads} threads, {cfg.cpu.precision}" \
                 if cfg.runtime in ("cpu", "tiered") else ""  # fmt: skip
@@ -194,10 +195,24 @@ class Exl3Config(QuantizationConfig):
         from .experts import replace_runtime
 
         old, _ = self.expert_runtime()
+        if self._cuda_graphs and self._call_path == "op" and runtime is not old:
+            raise RuntimeError(
+                f"the model was built with the graph-safe expert runtime {old.name!r} and CUDA graphs: its expert "
+                f"calls are captured in the graphs, so {getattr(runtime, 'name', runtime)!r} cannot replace it. Build "
+                "the model with the runtime under test and switch the graph-safe one in (vllm_dsv41.fidelity does)"
+            )
+        # the eager call paths run any runtime ("split" calls forward_into in its first half for one without
+        # begin/finish); on the CPU the op runs the current runtime on every call
         assert self._runtime_handle is not None
         replace_runtime(self._runtime_handle, runtime)
         self._runtime = runtime
         return old
+
+    @property
+    def call_path(self) -> str | None:
+        """How the model calls the expert runtime, fixed when it is built (``experts.call_path``): "op",
+        "eager" or "split" (None before the runtime exists)."""
+        return self._call_path
 
     def attach_home(self, home: Any) -> None:
         """Give the model its host home of the experts (the plugin's model loader calls this)."""

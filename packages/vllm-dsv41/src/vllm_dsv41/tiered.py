@@ -164,9 +164,9 @@ class TieredRuntime:
     hits_factory : ``(layer_experts, device) -> HitKernel`` (default: ``vllm_dsv41.hits.make_hits`` with
         ``config.tiered.hit_kernel``); tests inject the reference.
     cache_bytes : the cache's size in bytes, overriding ``config.tiered.cache_gib`` (tests, benchmarks).
-    device_budget_bytes : the device memory this process may use (vLLM's ``gpu_memory_utilization`` x the GPU's
-        memory). With ``cache_gib`` 0 the cache takes ``min(free memory, budget - memory PyTorch has reserved)``
-        minus ``cache_margin_gib``: what vLLM leaves inside its budget, not the whole card when vLLM was capped.
+    device_budget_bytes : the device memory this process may use in all (default ``config.tiered.device_gib``;
+        0/None: the card). With ``cache_gib`` 0 the cache takes ``min(free memory, budget - memory PyTorch has
+        reserved)`` minus ``cache_margin_gib``: a 24 GB card mimicked on a larger one.
     """
 
     name = "tiered"
@@ -199,7 +199,7 @@ class TieredRuntime:
         self._hits: dict[int, Any] = {}
         self._hits_factory = hits_factory
         self._cache_bytes = cache_bytes
-        self._device_budget = device_budget_bytes
+        self._device_budget = device_budget_bytes or int(self.tcfg.device_gib * GiB) or None
         self._rates = rates
         self._cache: Any = None
         self._index: dict[int, int] = {}  # MoE layer id -> cache layer index
@@ -290,6 +290,11 @@ class TieredRuntime:
         if self.tcfg.prefill:
             self._prefill_setup(home)
         slots = self._cache.num_slots
+        if free is not None and slots < 0.05 * cfg.num_keys:
+            logger.warning("dsv41 tiered: the automatically sized expert cache holds only %d of %d experts (%.2f GiB "
+                           "free for it): vLLM's share of the GPU (gpu_memory_utilization) leaves little; lower it to "
+                           "what the weights and the KV cache need, or set cache_gib", slots, cfg.num_keys,
+                           free / GiB)  # fmt: skip
         logger.info("dsv41 tiered: VRAM expert cache of %d slots (%.2f GiB, %.1f%% of %d experts), policy %s; %s",
                     slots, slots * cfg.slot_stride / GiB, 100.0 * slots / cfg.num_keys, cfg.num_keys, t.policy,
                     self._rates.describe())  # fmt: skip
