@@ -97,6 +97,12 @@ def test_the_home_as_an_external_store(home: ExpertHome) -> None:
 
 def test_staged_calls_match_the_reference_and_hand_the_memory_back(home: ExpertHome,
                                                                    reference: ReferenceExperts) -> None:  # fmt: skip
+    from prometheus_client import REGISTRY
+
+    def metric(name: str, **labels: str) -> float:  # the plugin's dsv41_* series (in-process registry here)
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    streamed0, staged0 = metric("dsv41_expert_picks_total", tier="streamed"), metric("dsv41_prefill_staged_bytes_total")
     rt = _runtime(home)
     rng = np.random.default_rng(7)
     try:
@@ -106,6 +112,7 @@ def test_staged_calls_match_the_reference_and_hand_the_memory_back(home: ExpertH
         cache = rt.cache
         pf = rt.prefill
         assert pf is not None and pf.calibration is not None and cache is not None
+        calibration_bytes = pf.stats.bytes_copied
         resident = len(cache.resident())
         assert resident > 0 and cache.loan is None
         # a prefill chunk (and a mixed chunk: same rule, on the call's token count)
@@ -124,6 +131,9 @@ def test_staged_calls_match_the_reference_and_hand_the_memory_back(home: ExpertH
         assert pf.violations == []  # every slot read found its own copy, none overwritten while read
         assert cache.stats().lends >= 1
         assert rt.stats.picks == TOP_K * (4 * 2 + 4 * 3) * LAYERS  # the decode calls only
+        # metrics: the streamed picks and the episode's bytes (not the calibration's)
+        assert metric("dsv41_expert_picks_total", tier="streamed") - streamed0 == TOP_K * (40 + 31) * LAYERS
+        assert metric("dsv41_prefill_staged_bytes_total") - staged0 == pf.stats.bytes_copied - calibration_bytes > 0
     finally:
         rt.close()
 

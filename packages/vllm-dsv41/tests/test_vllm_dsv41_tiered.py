@@ -176,18 +176,28 @@ def test_deadline_fallback_recomputes_on_the_gpu_and_counts(home: ExpertHome, re
 
 
 def test_steps_replans_and_the_routing_trace(home: ExpertHome, tmp_path: Path) -> None:
+    from prometheus_client import REGISTRY
+
     from expert_cache import load_trace
+
+    def metric(name: str, **labels: str) -> float:  # the plugin's dsv41_* series (in-process registry here)
+        return REGISTRY.get_sample_value(name, labels) or 0.0
 
     path = tmp_path / "routing.npz"
     rt = _runtime(home, 4, "cpu", trace_path=str(path))
     rng = np.random.default_rng(2)
     steps = [(1, 2), (2, 2), (1, 2), (3, 2), (1, 2), (1, 2)]  # (tokens, hot experts)
+    fills0, hits0 = metric("dsv41_expert_cache_fills_total"), metric("dsv41_expert_picks_total", tier="gpu_cache")
+    lookups0 = metric("dsv41_expert_cache_lookups_total", result="hit")
     try:
         for tokens, hot in steps:
             _step(rt, rng, tokens, hot)
         assert rt.stats.steps == len(steps)
         resident = set(rt.cache.resident())
         assert resident and all(k % EXPERTS < 2 for k in resident)  # only the two hot experts of each layer
+        assert metric("dsv41_expert_cache_fills_total") - fills0 == rt.cache.fills_issued >= len(resident)
+        assert metric("dsv41_expert_picks_total", tier="gpu_cache") - hits0 == rt.stats.hit_picks > 0
+        assert metric("dsv41_expert_cache_lookups_total", result="hit") - lookups0 == rt.stats.hit_picks
     finally:
         rt.close()
     trace = load_trace(path)

@@ -579,6 +579,11 @@ class ExpertCache:
         """The home address of one expert projection (the kernel address: what the table holds when not resident)."""
         return int(self._home_ptr[layer * self.config.num_experts + expert, projection])
 
+    @property
+    def fills_issued(self) -> int:
+        """Experts copied into slots since construction (queued fills included; host-side, no sync)."""
+        return self._fills
+
     def stats(self) -> CacheStats:
         """Counters since construction (reads the device counters: one sync)."""
         acc, hits, pick_hits, picks = (int(v) for v in self._dev_counters.cpu().tolist())

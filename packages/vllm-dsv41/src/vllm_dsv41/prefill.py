@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from . import metrics
 from .config import TieredConfig
 from .home import ExpertHome, LayerExperts
 from .split import Rates
@@ -133,6 +134,8 @@ class StagedPrefill:
         self._rates: Rates | None = None
         self._thresholds: dict[int, tuple[int, int]] = {}  # top_k -> (min tokens to stream, hybrid max)
         self._episode: _Episode | None = None
+        self._episode_t0 = 0.0
+        self._calibrating = False
         self.violations: list[str] = []  # FakeDevice's order checks (CPU device)
 
     # ------------------------------------------------------------------------------------------ sizes
@@ -158,6 +161,15 @@ class StagedPrefill:
         h2d = t.prefill_h2d_gbps * 1e9
         if h2d == 0:
             h2d = self._measure_copy(lid)
+        self._calibrating = True
+        try:
+            return self._calibrate(rates, cache, h2d)
+        finally:
+            self._calibrating = False
+
+    def _calibrate(self, rates: Rates, cache: Any, h2d: float) -> Calibration:
+        t = self.tcfg
+        lid = self.layer_ids[0]
         E = self.num_experts
         k = min(6, E)
         tokens = (max(E, 64), max(8 * E, 512))
@@ -271,6 +283,7 @@ class StagedPrefill:
         self.stats.episodes += 1
         self.stats.lent_bytes = need if loan is not None else 0
         self._episode = _Episode(pf, dev, loan, self.device.type != "cuda")
+        self._episode_t0 = time.perf_counter()
         return self._episode
 
     def end_episode(self, cache: Any) -> None:
@@ -288,6 +301,8 @@ class StagedPrefill:
             ev.record(ep.pf.ring.copy_stream)
             torch.cuda.current_stream(self.device).wait_event(ev)
         self.stats.bytes_copied += ep.pf.ring.bytes_issued
+        if not self._calibrating:  # dsv41_prefill_staged_*: the episode's bytes over its wall time (queued work
+            metrics.staged_prefill(ep.pf.ring.bytes_issued, time.perf_counter() - self._episode_t0)  # included)
         if ep.loan is not None and cache is not None:
             cache.give_back(ep.loan, after=ev)
 
@@ -308,6 +323,8 @@ class StagedPrefill:
             ep.device.synchronize()
         self.stats.calls += 1
         self.stats.tokens += T
+        if not self._calibrating:
+            metrics.picks("streamed", T * k)
         self.stats.seconds += time.perf_counter() - t0
         return out
 

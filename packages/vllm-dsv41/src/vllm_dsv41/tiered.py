@@ -384,7 +384,10 @@ class TieredRuntime:
     def _end_step(self, replan: bool = True) -> None:
         self._step_open = False
         if self._cache is not None and replan:  # (the cache's tensors may be inference tensors: replans run in
-            self._cache.after_step()  # the model's forward, never at close)
+            before = self._cache.fills_issued  # the model's forward, never at close)
+            self._cache.after_step()
+            if (n := self._cache.fills_issued - before) > 0:
+                metrics.cache_fill(n, n * self._cache.config.expert_bytes)
         if self._step_ids:
             self._record_step()
         self._step_ids.clear()
