@@ -242,8 +242,8 @@ def test_pipeline_check(demo_pack: Path) -> None:
     assert "pipeline stages run one per GPU, for GPU packs" in check_pipeline(2, plugin, DEMO, {}, gpus=2)[0]
     assert check_pipeline(2, plugin, V41, flash, gpus=1) == ["--pipeline-parallel-size 2: needs 2 GPUs (one per "
                                                              "stage), 1 visible"]  # fmt: skip
-    assert "the pack has 1 layers, fewer than the stages" in check_pipeline(2, plugin, V41,
-                                                                            {"num_hidden_layers": 1}, gpus=2)[0]
+    (p,) = check_pipeline(2, plugin, V41, {"num_hidden_layers": 1}, gpus=2)
+    assert "the pack has 1 layers, fewer than the stages" in p
     core = min(os.sched_getaffinity(0))
     (p,) = check_pipeline(2, plugin_config(demo_pack, {"cpu": {"cpus": [core]}}), V41, flash, gpus=2)
     assert "(--cpu-cores / --cpu-threads): cpu.cpus: 1 cores" in p and "for 2 pipeline ranks" in p

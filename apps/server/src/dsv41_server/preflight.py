@@ -220,7 +220,7 @@ def check_pipeline(stages: int, plugin: Any, kind: PackKind, pack_config: Mappin
         try:
             rank_cpu_config(plugin, rank, stages)
         except ValueError as e:
-            flag = "--pp-cores" if "pp_cpus" in str(e) else "--cpu-cores / --cpu-threads"
+            flag = "--pp-cores" if str(e).startswith("pp_cpus") else "--cpu-cores / --cpu-threads"
             problems.append(f"CPU expert tier cores for {stages} pipeline stage{'s' * (stages > 1)} ({flag}): {e}")
             break
     return problems

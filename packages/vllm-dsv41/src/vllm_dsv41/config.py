@@ -257,8 +257,10 @@ def _check_pp_cpus(cfg: Dsv41PluginConfig) -> None:
             raise ValueError(f"pp_cpus[{rank}]: cores {twice} are given twice (each core serves one rank)")
         seen.update(cores)
     if lists and isinstance(cfg.cpu, CpuTierConfig) and cfg.cpu.cpus:
-        raise ValueError(f"pp_cpus and cpu.cpus: give the cores one way (pp_cpus per rank, or cpu.cpus split evenly "
-                         f"between the ranks), got both {[list(c) for c in lists]} and {list(cfg.cpu.cpus)}")  # fmt: skip
+        raise ValueError(
+            f"pp_cpus and cpu.cpus: give the cores one way (pp_cpus per rank, or cpu.cpus split evenly between the "
+            f"ranks), got both {[list(c) for c in lists]} and {list(cfg.cpu.cpus)}"
+        )
     object.__setattr__(cfg, "pp_cpus", lists)
 
 

@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engram", choices=("mmap", "upstream"), default=None,
                     help="where V4.1's Engram tables live (Dsv41PluginConfig.engram; default: the pack's)")  # fmt: skip
     ap.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
-                    help="vLLM pipeline stages (one GPU each); compare against a --save-reference of 1 stage")  # fmt: skip
+                    help="vLLM pipeline stages (one GPU each); compare with a --save-reference of 1 stage")  # fmt: skip
     ap.add_argument("--save-reference", type=Path, metavar="FILE",
                     help="run only the reference (--against); save its logits and greedy tokens to FILE")  # fmt: skip
     ap.add_argument("--reference", type=Path, metavar="FILE",
