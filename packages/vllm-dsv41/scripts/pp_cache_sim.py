@@ -32,11 +32,10 @@ def _hits_fixed(keys: np.ndarray, slots: int) -> int:
 
 
 def main() -> int:
+    from cpu_tier.geometry import V41_FLASH
     from expert_cache import ExpertCacheConfig, SyntheticTraceConfig, generate, policy_config
     from expert_cache.sim import access_stream, belady_hits, simulate
     from expert_cache.trace import Trace
-
-    from cpu_tier.geometry import V41_FLASH
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1500, help="decode steps of the synthetic trace")
