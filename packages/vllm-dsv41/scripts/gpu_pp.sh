@@ -10,8 +10,9 @@
 #             64 x 512 heads, expert 5120 x 2304 at 3 bpw, top-6) with FLASH_LAYERS layers (default 4) of
 #             FLASH_EXPERTS routed experts (default 96: 1.27 GB a layer); skipped when it exists
 #   speed     the Flash-shaped pack served at PP=1 and PP=2 (runtime RUNTIME, default tiered; PIECEWISE graphs):
-#             prefill tok/s (PREFILL prompts of 1024 tokens, one token out) and decode tok/s at 1, 2 and 4 concurrent
-#             streams (DECODE tokens each), REPS runs each, min/median/max; then per row PP=2 / PP=1 and, for 2+
+#             prefill tok/s (PREFILL prompts of PREFILL_LEN tokens, default 8 x 1024, one token out) and decode
+#             tok/s at 1, 2 and 4 concurrent streams (DECODE tokens each, default 64), REPS runs each (default 3),
+#             min/median/max; then per row PP=2 / PP=1 and, for 2+
 #             streams, PP=2 against the ideal 2x of a full two-stage pipeline
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
@@ -98,20 +99,20 @@ def main():
     from vllm_dsv41.fidelity import build_llm
     t = time.time()
     llm = build_llm(pack, runtime=runtime, gpu_memory_gib=24, cpu_threads=int(os.environ.get("CPU_THREADS", 16)),
-                    max_model_len=4096, pipeline_parallel_size=pp, extra={"max_num_seqs": 8})
+                    max_model_len=int(os.environ.get("MAX_MODEL_LEN", 4096)), pipeline_parallel_size=pp, extra={"max_num_seqs": 8})
     print(f"PP={pp} {runtime}: engine up in {time.time() - t:.0f} s", flush=True)
-    vocab = llm.get_tokenizer().vocab_size
+    vocab = len(llm.get_tokenizer())  # with the added (reserved filler) tokens
     def prompts(n, length, seed):
         import random
         r = random.Random(seed)
-        return [{"prompt_token_ids": [r.randrange(1000, vocab - 1) for _ in range(length)]} for _ in range(n)]
+        return [{"prompt_token_ids": [r.randrange(300, vocab - 1) for _ in range(length)]} for _ in range(n)]
     def timed(ps, tokens):
         sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter(); llm.generate(ps, sp, use_tqdm=False); return time.perf_counter() - t0
     timed(prompts(2, 256, 0), 8)  # warm-up: graphs, caches
     rows = {}
-    sec = [timed(prompts(prefill_n, 1024, 10 + i), 1) for i in range(reps)]
-    rows["prefill"] = [prefill_n * 1024 / s for s in sec]
+    sec = [timed(prompts(prefill_n, int(os.environ.get("PREFILL_LEN", 1024)), 10 + i), 1) for i in range(reps)]
+    rows["prefill"] = [prefill_n * int(os.environ.get("PREFILL_LEN", 1024)) / s for s in sec]
     for streams in (1, 2, 4):
         rates = []
         for i in range(reps):
