@@ -24,6 +24,7 @@ from dsv41_server.preflight import (
     check_host_ram,
     check_memlock,
     check_pack,
+    check_pipeline,
     check_port,
     plugin_config,
     preflight,
@@ -232,6 +233,46 @@ def test_plugin_settings_merge_and_cpu_checks(demo_pack: Path) -> None:
         plugin_config(demo_pack, {"cpu": {"cpus": (4095,)}})
     with pytest.raises(ValueError, match="threads"):
         plugin_config(demo_pack, {"cpu": {"threads": -3}})
+
+
+def test_pipeline_flags_reach_vllm_and_the_plugin(tmp_path: Path) -> None:
+    cfg, _ = parse_args(["--pack", str(tmp_path), "--pipeline-parallel-size", "2", "--pp-cores", "0-1",
+                         "--pp-cores", "2,3"])  # fmt: skip
+    assert cfg.pipeline_parallel_size == 2 and dict(cfg.plugin_overrides) == {"pp_cpus": ((0, 1), (2, 3))}
+    argv = vllm_argv(cfg, tmp_path, V41)
+    assert argv[argv.index("--pipeline-parallel-size") + 1] == "2"
+    assert json.loads(argv[argv.index("--additional-config") + 1]) == {"dsv41": {"pp_cpus": [[0, 1], [2, 3]]}}
+    assert "--pipeline-parallel-size" not in vllm_argv(parse_args([])[0], tmp_path, V41)  # 1 stage: vLLM's default
+    with pytest.raises(ServerError, match="pipeline_parallel_size: expected 1..64"):
+        parse_args(["--pipeline-parallel-size", "0"])
+    with pytest.raises(ServerError, match=r"pp_cpus\[1\]: cores \[1\] are given twice"):
+        parse_args(["--pp-cores", "0-1", "--pp-cores", "1"])
+
+
+def test_pipeline_check(demo_pack: Path) -> None:
+    plugin = plugin_config(demo_pack, {})
+    flash = {"text_config": {"num_hidden_layers": 43}}
+    assert check_pipeline(1, plugin, DEMO, {}) == []
+    assert check_pipeline(2, plugin, V41, flash, gpus=2) == []
+    assert "pipeline stages run one per GPU, for GPU packs" in check_pipeline(2, plugin, DEMO, {}, gpus=2)[0]
+    assert check_pipeline(2, plugin, V41, flash, gpus=1) == ["--pipeline-parallel-size 2: needs 2 GPUs (one per "
+                                                             "stage), 1 visible"]  # fmt: skip
+    (p,) = check_pipeline(2, plugin, V41, {"num_hidden_layers": 1}, gpus=2)
+    assert "the pack has 1 layers, fewer than the stages" in p
+    core = min(os.sched_getaffinity(0))
+    (p,) = check_pipeline(2, plugin_config(demo_pack, {"cpu": {"cpus": [core]}}), V41, flash, gpus=2)
+    assert "(--cpu-cores / --cpu-threads): cpu.cpus: 1 cores" in p and "for 2 pipeline ranks" in p
+    (p,) = check_pipeline(2, plugin_config(demo_pack, {"pp_cpus": [[core], [core + 1], [core + 2]]}), V41, flash,
+                          gpus=2)  # fmt: skip
+    assert "(--pp-cores): pp_cpus: 3 core lists for pipeline_parallel_size 2" in p
+    (p,) = check_pipeline(1, plugin_config(demo_pack, {"pp_cpus": [[core], [core + 1]]}), DEMO, {})
+    assert "pp_cpus: 2 core lists for pipeline_parallel_size 1" in p
+
+
+def test_pipeline_stages_on_the_demo_stop_before_vllm(demo_pack: Path, tmp_path: Path) -> None:
+    proc = _run_server(["--pack", str(demo_pack), "--port", str(free_port()), "--pipeline-parallel-size", "2",
+                        "--check"], tmp_path)  # fmt: skip
+    _assert_one_error(proc, "--pipeline-parallel-size 2: pipeline stages run one per GPU")
 
 
 def test_gpu_check_on_this_machine() -> None:

@@ -158,6 +158,17 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--check", action="store_true", help="run the preflight checks and exit")
+    pp = p.add_argument_group("Parallelism (GPU packs)")
+    pp.add_argument(
+        "--pipeline-parallel-size", type=int, default=1, metavar="N",
+        help="vLLM pipeline stages, one GPU each: each stage runs a contiguous range of layers with its own expert "
+        "cache and CPU-tier threads (default 1)",
+    )  # fmt: skip
+    pp.add_argument(
+        "--pp-cores", type=_cores, action="append", metavar="CPUS",
+        help="the CPU tier's cores of one pipeline stage, once per stage in order (e.g. --pp-cores 0-15 --pp-cores "
+        "16-31); default: --cpu-cores split evenly between the stages, or an even share of the cores unpinned",
+    )  # fmt: skip
     return p
 
 
@@ -197,6 +208,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
         tiered["trace_path"] = str(tiered["trace_path"])
     if tiered:
         plugin["tiered"] = tiered
+    if a.pp_cores:
+        plugin["pp_cpus"] = tuple(a.pp_cores)
     try:
         cfg = ServerConfig(
             pack=a.pack,
@@ -214,6 +227,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
             log_level=a.log_level,
             max_request_bytes=a.max_request_bytes,
             shutdown_grace_s=a.shutdown_grace,
+            pipeline_parallel_size=a.pipeline_parallel_size,
         )
     except ValueError as e:
         raise ServerError(f"bad option: {e}") from None

@@ -63,6 +63,8 @@ class ServerConfig:
         of the context length.
     shutdown_grace_s : on SIGTERM/SIGINT, how long requests in flight may still run before they are ended
         with an error.
+    pipeline_parallel_size : vLLM pipeline stages, one GPU each (GPU packs; the plugin's ``pp_cpus`` splits the
+        CPU tier's cores between them).
     """
 
     pack: Path | None = None
@@ -80,6 +82,7 @@ class ServerConfig:
     log_level: str = "info"
     max_request_bytes: int | None = None
     shutdown_grace_s: float = 30.0
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -102,6 +105,8 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes: expected at least 1024, got {self.max_request_bytes}")
         if not 0 <= self.shutdown_grace_s <= 3600:
             raise ValueError(f"shutdown_grace_s: expected 0..3600 seconds, got {self.shutdown_grace_s}")
+        if not 1 <= self.pipeline_parallel_size <= 64:
+            raise ValueError(f"pipeline_parallel_size: expected 1..64 stages, got {self.pipeline_parallel_size}")
 
     @property
     def demo(self) -> bool:

@@ -27,6 +27,7 @@ __all__ = [
     "check_host_ram",
     "check_memlock",
     "check_pack",
+    "check_pipeline",
     "check_port",
     "plugin_config",
     "preflight",
@@ -101,6 +102,16 @@ def plugin_config(pack: Path, overrides: Mapping[str, Any]) -> Any:
         pack_defaults = {}  # reported by the pack verification
     Dsv41PluginConfig.from_mapping(pack_defaults, f"{pack / 'config.json'} {CONFIG_KEY!r}")
     return Dsv41PluginConfig.from_mapping(merge_settings(pack_defaults, overrides), "plugin settings")
+
+
+def _pack_config(pack: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        cfg = json.loads((pack / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}  # reported by the pack verification
+    return cfg if isinstance(cfg, dict) else {}
 
 
 def check_cpu(plugin: Any, require_simd: bool) -> list[str]:
@@ -179,6 +190,42 @@ def check_gpu(vram_need: int, utilization: float) -> list[str]:
     return []
 
 
+def check_pipeline(stages: int, plugin: Any, kind: PackKind, pack_config: Mapping[str, Any],
+                   gpus: int | None = None) -> list[str]:  # fmt: skip
+    """``stages`` pipeline stages can serve this pack: a GPU pack, a GPU per stage (``gpus``: visible CUDA devices,
+    None = ask torch), at least one layer per stage, and the CPU tier's cores splittable between the stages
+    (``vllm_dsv41.parallel.rank_cpu_config``: its errors name the setting)."""
+    from vllm_dsv41.parallel import rank_cpu_config
+
+    problems: list[str] = []
+    if stages > 1 and kind.device != "cuda":
+        return [f"--pipeline-parallel-size {stages}: pipeline stages run one per GPU, for GPU packs; the "
+                f"{kind.name} pack is served by one CPU process"]  # fmt: skip
+    if stages > 1:
+        if gpus is None:
+            try:
+                import torch
+
+                gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            except ImportError:
+                gpus = 0
+        if gpus < stages:
+            problems.append(f"--pipeline-parallel-size {stages}: needs {stages} GPUs (one per stage), "
+                            f"{gpus} visible")  # fmt: skip
+        text = pack_config.get("text_config")
+        layers = (text if isinstance(text, Mapping) else pack_config).get("num_hidden_layers")
+        if isinstance(layers, int) and layers < stages:
+            problems.append(f"--pipeline-parallel-size {stages}: the pack has {layers} layers, fewer than the stages")
+    for rank in range(stages):
+        try:
+            rank_cpu_config(plugin, rank, stages)
+        except ValueError as e:
+            flag = "--pp-cores" if str(e).startswith("pp_cpus") else "--cpu-cores / --cpu-threads"
+            problems.append(f"CPU expert tier cores for {stages} pipeline stage{'s' * (stages > 1)} ({flag}): {e}")
+            break
+    return problems
+
+
 def check_api_key(cfg: ServerConfig) -> tuple[str | None, list[str]]:
     """The API key from ``cfg.api_key_file``; required when binding beyond loopback."""
     path = cfg.api_key_file
@@ -252,6 +299,7 @@ def preflight(cfg: ServerConfig, pack: Path, kind: PackKind) -> PreflightResult:
         problems.append(str(e))
     else:
         problems += check_cpu(plugin, require_simd=kind.device == "cuda")
+        problems += check_pipeline(cfg.pipeline_parallel_size, plugin, kind, _pack_config(pack))
     if info:
         host = int(info["host_ram_bytes"])
         vram = int(info["vram_bytes"])
@@ -261,7 +309,7 @@ def preflight(cfg: ServerConfig, pack: Path, kind: PackKind) -> PreflightResult:
         else:
             problems += check_host_ram(host + RUNTIME_OVERHEAD["cuda"])
             problems += check_memlock(host)
-            problems += check_gpu(vram, cfg.gpu_memory_utilization)
+            problems += check_gpu(vram // cfg.pipeline_parallel_size, cfg.gpu_memory_utilization)  # per stage
     if problems:
         head = f"cannot serve {pack} ({kind.name}):"
         raise ServerError(head + "".join(f"\n  - {p}" for p in problems))

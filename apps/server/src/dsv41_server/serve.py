@@ -69,6 +69,7 @@ def vllm_argv(cfg: ServerConfig, pack: Path, kind: PackKind) -> list[str]:
         "--additional-config", json.dumps({CONFIG_KEY: _jsonable(cfg.plugin_overrides)}),
         "--uvicorn-log-level", cfg.log_level,
         *kind_vllm_args(kind, cfg),
+        *(["--pipeline-parallel-size", str(cfg.pipeline_parallel_size)] if cfg.pipeline_parallel_size > 1 else []),
     ]  # fmt: skip
 
 

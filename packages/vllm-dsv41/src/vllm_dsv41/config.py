@@ -213,8 +213,10 @@ class Dsv41PluginConfig:
     tiered: TieredConfig = dataclasses.field(default_factory=TieredConfig)
     engram: EngramMode = "mmap"
     engram_table: TableConfig = dataclasses.field(default_factory=TableConfig)
+    pp_cpus: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
+        _check_pp_cpus(self)
         if not isinstance(self.cpu, CpuTierConfig):
             raise ValueError(f"cpu: expected a CpuTierConfig, got {type(self.cpu).__name__}")
         if not isinstance(self.tiered, TieredConfig):
@@ -260,7 +262,8 @@ class Dsv41PluginConfig:
         return {"cpu": cpu, "runtime": self.runtime, "dense_kernel": self.dense_kernel,
                 "register_host_memory": self.register_host_memory, "attention": self.attention,
                 "tiered": dataclasses.asdict(self.tiered), "engram": self.engram,
-                "engram_table": dataclasses.asdict(self.engram_table)}  # fmt: skip
+                "engram_table": dataclasses.asdict(self.engram_table),
+                "pp_cpus": [list(c) for c in self.pp_cpus]}  # fmt: skip
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> Dsv41PluginConfig:
@@ -279,6 +282,28 @@ class Dsv41PluginConfig:
             cls.from_mapping(override, f"additional_config {CONFIG_KEY!r}")  # validate on its own first
             merged = merge_settings(merged, override)
         return cls.from_mapping(merged, "merged plugin config")
+
+
+def _check_pp_cpus(cfg: Dsv41PluginConfig) -> None:
+    """``pp_cpus`` as a tuple of tuples (lists accepted), each non-empty, disjoint, and not given with ``cpu.cpus``."""
+    value = cfg.pp_cpus
+    if not isinstance(value, (list, tuple)) or any(not isinstance(c, (list, tuple, range)) for c in value):
+        raise ValueError(f"pp_cpus: expected one list of cores per pipeline rank, e.g. [[0, 1], [2, 3]], got {value!r}")
+    lists = tuple(tuple(c) for c in value)
+    seen: set[int] = set()
+    for rank, cores in enumerate(lists):
+        if not cores or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in cores):
+            raise ValueError(f"pp_cpus[{rank}]: expected a non-empty list of core numbers, got {list(cores)!r}")
+        twice = sorted(seen.intersection(cores) | {c for c in cores if cores.count(c) > 1})
+        if twice:
+            raise ValueError(f"pp_cpus[{rank}]: cores {twice} are given twice (each core serves one rank)")
+        seen.update(cores)
+    if lists and isinstance(cfg.cpu, CpuTierConfig) and cfg.cpu.cpus:
+        raise ValueError(
+            f"pp_cpus and cpu.cpus: give the cores one way (pp_cpus per rank, or cpu.cpus split evenly between the "
+            f"ranks), got both {[list(c) for c in lists]} and {list(cfg.cpu.cpus)}"
+        )
+    object.__setattr__(cfg, "pp_cpus", lists)
 
 
 def _known_fields(cls: type, values: Any, source: str, what: str) -> dict[str, Any]:

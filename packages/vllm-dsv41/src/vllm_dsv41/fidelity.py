@@ -181,7 +181,7 @@ def _switch(model: torch.nn.Module, runtime: str) -> str:
 
         new: Any = AllInVramRuntime(device, torch.float64)
     else:
-        new = make_runtime(dc.replace(q.plugin_config(), runtime=runtime), device, home=q.home())
+        new = make_runtime(dc.replace(q.rank_plugin_config(), runtime=runtime), device, home=q.home())
     limits = _swiglu_limits(model)
     for layer in q.home().layers():
         new.add_layer(layer, limits.get(layer.layer))
@@ -296,7 +296,10 @@ def _logits_of(llm: Any, ids: list[int]) -> np.ndarray:
     llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
                  use_tqdm=False)  # fmt: skip
     llm.apply_model(functools.partial(_record, on=False))
-    calls = llm.apply_model(_take)[0]
+    per_worker = [c for c in llm.apply_model(_take) if c]  # with pipeline stages only the last computes logits
+    if len(per_worker) != 1:
+        raise RuntimeError(f"expected the logits of one worker (the last pipeline stage), got {len(per_worker)}")
+    calls = per_worker[0]
     n = len(ids)
     ones = [i for i, c in enumerate(calls) if c.shape[0] == 1]
     if not ones:
@@ -375,10 +378,13 @@ def run_fidelity(
 def build_llm(pack: str | Path, *, runtime: str = "all-in-vram", eager: bool = False, max_model_len: int = 1024,
               gpu_memory_gib: float | None = None, cpu_threads: int = 0, precision: str = "exact",
               dtype: str | None = None, extra: dict[str, Any] | None = None,
-              tiered: dict[str, Any] | None = None, engram: str | None = None) -> Any:  # fmt: skip
+              tiered: dict[str, Any] | None = None, engram: str | None = None,
+              pipeline_parallel_size: int = 1) -> Any:  # fmt: skip
     """An ``LLM`` of a dsv41 pack, set up the way the server runs it (loader, text-only, PIECEWISE graphs);
     ``tiered``: the tiered runtime's settings (``TieredConfig`` fields); ``engram``: where V4.1's Engram tables
-    live (``Dsv41PluginConfig.engram``; None: the pack's setting)."""
+    live (``Dsv41PluginConfig.engram``; None: the pack's setting); ``pipeline_parallel_size``: vLLM's pipeline
+    stages (one GPU each; on vLLM's CPU build, one process each, which needs ``VLLM_CPU_OMP_THREADS_BIND`` set
+    when the host has one NUMA node)."""
     from vllm import LLM
 
     pack = Path(pack)
@@ -408,6 +414,14 @@ def build_llm(pack: str | Path, *, runtime: str = "all-in-vram", eager: bool = F
         kw["gpu_memory_utilization"] = gpu_memory_gib * (1 << 30) / torch.cuda.get_device_properties(0).total_memory
     if not cuda:
         kw["kv_cache_memory_bytes"] = 1 << 30  # vLLM-CPU otherwise reserves most of the host's memory
+    if pipeline_parallel_size != 1:
+        kw["pipeline_parallel_size"] = pipeline_parallel_size
+        if not cuda:
+            # vLLM 0.32's CPU model runner skips its warm-up run when eager (CompilationMode.NONE), and that run is
+            # what allocates a later pipeline stage's intermediate-tensor buffer (AssertionError in
+            # sync_and_gather_intermediate_tensors at the first step): trace once with dynamo, run eagerly.
+            del kw["enforce_eager"]
+            kw["compilation_config"] = {"mode": 2, "backend": "eager"}  # DYNAMO_TRACE_ONCE, eager backend
     kw.update(extra or {})
     return LLM(**kw)
 
@@ -436,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
                     help='the tiered runtime\'s settings, e.g. \'{"cache_gib": 2, "split": "auto"}\'')  # fmt: skip
     ap.add_argument("--engram", choices=("mmap", "upstream"), default=None,
                     help="where V4.1's Engram tables live (Dsv41PluginConfig.engram; default: the pack's)")  # fmt: skip
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N",
+                    help="vLLM pipeline stages (one GPU each); compare with a --save-reference of 1 stage")  # fmt: skip
     ap.add_argument("--save-reference", type=Path, metavar="FILE",
                     help="run only the reference (--against); save its logits and greedy tokens to FILE")  # fmt: skip
     ap.add_argument("--reference", type=Path, metavar="FILE",
@@ -456,11 +472,13 @@ def main(argv: list[str] | None = None) -> int:
     # while the graph-safe reference runs in the tested runtime's eager breaks (experts.call_path).
     llm = build_llm(a.pack, runtime=a.against if a.save_reference else a.runtime, eager=a.eager,
                     max_model_len=a.max_model_len, gpu_memory_gib=a.gpu_memory_gib, cpu_threads=a.cpu_threads,
-                    precision=a.precision, tiered=a.tiered, engram=a.engram)  # fmt: skip
+                    precision=a.precision, tiered=a.tiered, engram=a.engram,
+                    pipeline_parallel_size=a.pipeline_parallel_size)  # fmt: skip
     kw: dict[str, Any] = dict(positions=a.positions, length=a.length, greedy_prompts=a.greedy_prompts,
                               greedy_tokens=a.greedy_tokens)  # fmt: skip
     if a.save_reference:
-        settings = {"pack": str(a.pack), "engram": a.engram, "eager": a.eager, "precision": a.precision}
+        settings = {"pack": str(a.pack), "engram": a.engram, "eager": a.eager, "precision": a.precision,
+                    "pipeline_parallel_size": a.pipeline_parallel_size}  # fmt: skip
         ref = record_reference(llm, a.against, settings=settings, **kw)
         ref.save(a.save_reference)
         print(f"reference {a.against} ({settings}): {sum(x.shape[0] for x in ref.logits)} positions, "
@@ -469,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     res = run_fidelity(llm, a.runtime, a.against, reference=reference, **kw)
     if reference is not None:
         print(f"reference from {a.reference}: {reference.runtime} ({reference.settings}); tested: {a.runtime} "
-              f"(engram {a.engram or 'as the pack says'})", flush=True)  # fmt: skip
+              f"(engram {a.engram or 'as the pack says'}, {a.pipeline_parallel_size} pipeline stages)",
+              flush=True)  # fmt: skip
     print(res.table(), flush=True)
     doc: dict[str, Any] = dataclasses.asdict(res)
     if a.noise_floor:

@@ -209,11 +209,15 @@ class ExpertHome:
     tail_pad : zeroed bytes after each mapping.
     populate : fault every page in at open (``MADV_WILLNEED`` and a read of every page) so that the load time is
         paid here, not at the first forward; registration populates anyway.
+    layers : map only these MoE layers' experts (a pipeline-parallel stage's; ``vllm_dsv41.parallel``); None: all.
+        Homes of disjoint layer sets map disjoint byte ranges of the same files: their pages are the page cache's,
+        one copy shared by every process that maps them. A layer the pack has no experts for is a ``KeyError``.
     """
 
     def __init__(self, pack: str | os.PathLike[str], *, register: bool = False, tail_pad: int = 4096,
-                 populate: bool = False) -> None:  # fmt: skip
+                 populate: bool = False, layers: Iterable[int] | None = None) -> None:  # fmt: skip
         self.pack = Path(pack)
+        wanted = None if layers is None else frozenset(int(x) for x in layers)
         t0 = time.perf_counter()
         self._infos: dict[str, TensorInfo] = {}
         self._where: dict[str, _Mapping] = {}
@@ -221,7 +225,10 @@ class ExpertHome:
         self._layers: dict[int, dict[tuple[int, str], list[str]]] = defaultdict(lambda: defaultdict(list))
         try:
             by_file: dict[Path, list[TensorInfo]] = defaultdict(list)
-            for path, names in _expert_names_by_file(self.pack).items():
+            for path, all_names in _expert_names_by_file(self.pack).items():
+                names = all_names if wanted is None else [n for n in all_names if expert_tensor(n)[0] in wanted]  # type: ignore[index]
+                if not names:
+                    continue
                 header = read_header(path)
                 for n in names:
                     info = header.get(n)
@@ -233,6 +240,9 @@ class ExpertHome:
                     self._infos[n] = info
                     layer, expert, role, part = expert_tensor(n)  # type: ignore[misc]
                     self._layers[layer][(expert, role)].append(n)
+            if wanted is not None and wanted - set(self._layers):
+                missing = sorted(wanted - set(self._layers))
+                raise KeyError(f"{self.pack}: MoE layers {missing} have no routed experts in the pack")
             if not self._infos:
                 raise ValueError(f"{self.pack}: no routed-expert tensors (<moe>.experts.<E>.<proj>.<part>) found")
             for path, infos in sorted(by_file.items()):

@@ -76,9 +76,10 @@ class Dsv41ModelLoader(DefaultModelLoader):
                              f"'exl3'), this model's quantization is {type(quant).__name__}")  # fmt: skip
         cfg = quant.plugin_config()
         register = cfg.register_host_memory and torch.cuda.is_available()
+        layers = _stage_layers(model, model_config, pack)
         before = process_memory()
         t0 = time.perf_counter()
-        home = ExpertHome(pack, register=register, populate=True)
+        home = ExpertHome(pack, register=register, populate=True, layers=layers)
         t1 = time.perf_counter()
         quant.attach_home(home)
         logger.info("dsv41: host home: %s", home.describe())
@@ -117,6 +118,21 @@ class Dsv41ModelLoader(DefaultModelLoader):
                     counts["tensors"] += 1
                     counts["bytes"] += t.numel() * t.element_size()
                     yield name, t
+
+
+def _stage_layers(model: Any, model_config: Any, pack: Path) -> tuple[int, ...] | None:
+    """With pipeline parallelism, the MoE layers this stage built (checked against vLLM's partition): its home maps
+    only their experts. None with one stage (the home maps every MoE layer of the pack)."""
+    from .parallel import check_stage_layers, moe_layers_of, pp_layers, pp_position
+
+    rank, size = pp_position()
+    if size == 1:
+        return None
+    stage = pp_layers(model_config.hf_text_config.num_hidden_layers, rank, size)
+    layers = check_stage_layers(moe_layers_of(model), stage, rank, size, pack)
+    logger.info("dsv41: pipeline rank %d of %d: decoder layers [%d, %d), routed experts of MoE layers %s mapped",
+                rank, size, stage.start, stage.stop, list(layers))  # fmt: skip
+    return layers
 
 
 def _dropped(mapper: Any, name: str) -> bool:

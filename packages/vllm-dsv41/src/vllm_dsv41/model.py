@@ -28,4 +28,7 @@ class Dsv41DemoForCausalLM(Qwen3MoeForCausalLM):
                 f"{QUANT_METHOD!r} (got {type(quant_config).__name__ if quant_config else 'none'}); "
                 "this architecture exists only for EXL3 packs"
             )
+        from .parallel import check_parallel
+
+        check_parallel(vllm_config.parallel_config, quant_config.plugin_config())
         super().__init__(vllm_config=vllm_config, prefix=prefix)

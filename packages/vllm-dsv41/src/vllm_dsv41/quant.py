@@ -163,6 +163,13 @@ class Exl3Config(QuantizationConfig):
             self._plugin_config = Dsv41PluginConfig.from_vllm_config(get_current_vllm_config())
         return self._plugin_config
 
+    def rank_plugin_config(self) -> Dsv41PluginConfig:
+        """The plugin configuration as this pipeline stage runs it (its share of the CPU tier's cores; see
+        ``vllm_dsv41.parallel.rank_plugin_config``); ``plugin_config()`` itself with one stage."""
+        from .parallel import pp_position, rank_plugin_config
+
+        return rank_plugin_config(self.plugin_config(), *pp_position())
+
     def expert_runtime(self) -> tuple[Any, int]:
         """The model's expert runtime and its custom-op handle, created on first use (in the worker)."""
         if self._runtime is None:
@@ -171,7 +178,7 @@ class Exl3Config(QuantizationConfig):
             from .experts import call_path, make_runtime, register_runtime
 
             vcfg = get_current_vllm_config()
-            cfg = self.plugin_config()
+            cfg = self.rank_plugin_config()
             device = torch.device(getattr(getattr(vcfg, "device_config", None), "device", None) or "cpu")
             max_tokens = int(getattr(getattr(vcfg, "scheduler_config", None), "max_num_batched_tokens", 0) or 0)
             self._runtime = make_runtime(cfg, device, max_tokens=max_tokens, home=self.home)
@@ -182,6 +189,8 @@ class Exl3Config(QuantizationConfig):
             self._runtime_handle = register_runtime(self._runtime)
             extra = f", cpu-tier {self._runtime.isa}, {cfg.effective_threads} threads, {cfg.cpu.precision}" \
                 if cfg.runtime in ("cpu", "tiered") else ""  # fmt: skip
+            if cfg.runtime in ("cpu", "tiered") and cfg.cpu.cpus:
+                extra += f", pinned to cores {list(cfg.cpu.cpus)}"
             logger.info("dsv41: routed experts on the %r expert runtime%s", cfg.runtime, extra)
         assert self._runtime_handle is not None
         return self._runtime, self._runtime_handle

@@ -13,7 +13,7 @@ For an EXL3 pack it adds what upstream lacks:
 * an EXL3 output head (upstream builds an unquantized ``ParallelLMHead``): ``Exl3LMHead`` runs the head through
   the dense EXL3 kernels, never materializing a bf16 ``[vocab, hidden]`` weight;
 * the checks the expert runtime needs: CUDA graphs must be PIECEWISE or off (FULL graphs would capture the CPU
-  tier), one GPU.
+  tier), pipeline parallel only (``vllm_dsv41.parallel``; the head lives on the last stage).
 
 For every V4.1 pack (EXL3 or not) it picks the attention kernels (``Dsv41PluginConfig.attention``): below compute
 capability 9.0, or when forced, the layers are built with ``vllm_dsv41.ampere``'s Triton attention.
@@ -101,7 +101,9 @@ class Dsv41ForCausalLM(DeepseekV41ForCausalLM):
 
         self.hf_to_vllm_mapper = v41_weights_mapper(expert_dtype, _linear_scale_param_name(vllm_config, expert_dtype))
         lm = self.language_model
-        if quant.is_exl3(EXL3_HEAD_PREFIX):
+        from vllm.model_executor.models.utils import PPMissingLayer
+
+        if quant.is_exl3(EXL3_HEAD_PREFIX) and not isinstance(lm.lm_head, PPMissingLayer):  # the last stage's head
             lm.lm_head = Exl3LMHead(quant, cfg.vocab_size, cfg.hidden_size, vllm_config.model_config.dtype,
                                     prefix=f"{prefix + '.' if prefix else ''}{EXL3_HEAD_PREFIX}")  # fmt: skip
         self._has_bias_vl = getattr(cfg, "vision_n_layers", 0) > 0
@@ -153,13 +155,10 @@ def upstream_breaks_enabled() -> bool:
 
 
 def _check_serving_config(vllm_config: Any, quant: Exl3Config) -> None:
-    par = vllm_config.parallel_config
-    sizes = {"tensor_parallel_size": par.tensor_parallel_size, "pipeline_parallel_size": par.pipeline_parallel_size,
-             "data_parallel_size": par.data_parallel_size}  # fmt: skip
-    more = {k: v for k, v in sizes.items() if v != 1}
-    if more or par.enable_expert_parallel:
-        raise NotImplementedError(f"dsv41: EXL3 packs are served on one GPU for now; got {more or 'expert parallel'}")
+    from .parallel import check_parallel
+
     cfg = quant.plugin_config()
+    check_parallel(vllm_config.parallel_config, cfg)
     mode = vllm_config.compilation_config.cudagraph_mode
     if cfg.runtime in ("cpu", "all-in-vram") and mode is not None and mode.has_piecewise_cudagraphs() \
             and not upstream_breaks_enabled():  # fmt: skip
