@@ -4,7 +4,7 @@
 #   STEPS="pack tests fidelity" bash packages/vllm-dsv41/scripts/gpu_run.sh
 # Steps (in this order, each optional):
 #   pack      synthesize tiny-v41 and build its pack in /tmp/dsv41 (pack-tools)
-#   tests     pytest -m gpu of vllm-dsv41
+#   tests     pytest -m gpu of vllm-dsv41, but the Engram gpu tests (gpu_engram.sh runs them); PYTEST_ARGS: more
 #   fidelity  python -m vllm_dsv41.fidelity: cpu vs all-in-vram, PIECEWISE CUDA graphs, VRAM capped at 24 GiB
 #   fast      the same with the CPU tier's fast precision
 #   eager     the same without CUDA graphs (greedy tokens compared with the PIECEWISE run)
@@ -58,7 +58,10 @@ PY
 fi
 if step tests; then
     log "tests"
+    # the Engram gpu tests (two served fidelity runs) belong to gpu_engram.sh's own call; PYTEST_ARGS adds e.g. -k
+    # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
     timeout "$(gpu_tmo 540)" python3 -m pytest packages/vllm-dsv41/tests -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
+        --ignore=packages/vllm-dsv41/tests/test_vllm_dsv41_engram_gpu.py ${PYTEST_ARGS:-} \
         2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
     r=${PIPESTATUS[0]}; log "tests rc=$r"; rc=$((rc || r))
 fi
