@@ -20,8 +20,12 @@ mkdir -p "$OUT"
 source packages/vllm-dsv41/scripts/gpu_env.sh
 STEPS=${STEPS:-"aot tests pack served speed"}
 CHECK=packages/vllm-dsv41/scripts/gpu_ampere_check.py
+RUNS=/tmp/dsv41/ampere-out  # the runs' logits.npz / layers.npz (tens to hundreds of MB: compared here, never sent back)
 rc=0
-step() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
+step() {  # asked for, and at least 30 s of the call left (gpu_env.sh)
+    case " $STEPS " in *" $1 "*) ;; *) return 1;; esac
+    gpu_time_ok 30 || { log "$1: SKIPPED, $(gpu_left) s left of the call"; rc=1; return 1; }
+}
 log() { echo "[gpu_ampere $(date +%T)] $*" | tee -a "$OUT/ampere_steps.log"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader | tee -a "$OUT/ampere_steps.log"
 if [ -f .jitcache/jitcache.tgz ] && [ ! -f /tmp/dsv41-jit-restored ]; then
@@ -29,13 +33,13 @@ if [ -f .jitcache/jitcache.tgz ] && [ ! -f /tmp/dsv41-jit-restored ]; then
 fi
 if step aot; then
     log "aot: sm_80 / sm_86, ours + upstream's reused kernels"
-    timeout 300 python3 -m vllm_dsv41.ampere.aot --arch 80 86 --upstream --json "$OUT/ampere_aot.json" \
+    timeout "$(gpu_tmo 300)" python3 -m vllm_dsv41.ampere.aot --arch 80 86 --upstream --json "$OUT/ampere_aot.json" \
         2>&1 | tee "$OUT/ampere_aot.log" | tail -40
     r=${PIPESTATUS[0]}; log "aot rc=$r"; rc=$((rc || r))
 fi
 if step tests; then
     log "tests"
-    timeout 300 python3 -m pytest packages/vllm-dsv41/tests/test_vllm_dsv41_ampere.py -m gpu -q -s -p no:cacheprovider \
+    timeout "$(gpu_tmo 300)" python3 -m pytest packages/vllm-dsv41/tests/test_vllm_dsv41_ampere.py -m gpu -q -s -p no:cacheprovider \
         -W ignore::DeprecationWarning 2>&1 | tee "$OUT/ampere_pytest_gpu.log" | tail -25
     r=${PIPESTATUS[0]}; log "tests rc=$r"; rc=$((rc || r))
 fi
@@ -53,7 +57,7 @@ for name, dims in (("tiny-v41", TinyV41()),
     if (root / name / "config.json").exists():
         print(f"{name}: already built"); continue
     t = time.time(); src = root / f"in-{name}"; synth_tiny_v41(src, dims=dims)
-    build_pack(src / EXL3.dirname, src / ENGRAM.dirname, root / name, jobs=4, force=True)
+    build_pack(src / EXL3.dirname, src / ENGRAM.dirname, root / name, jobs=1, force=True)  # (jobs > 1 spawns workers: not from stdin)
     assert verify_pack(root / name) == []
     print(f"{name} pack built and verified in {time.time() - t:.1f} s")
 PY
@@ -63,12 +67,12 @@ served() {  # pack name
     local name=$1 r
     for mode in upstream triton; do
         log "served $name: $mode"
-        timeout 560 python3 "$CHECK" run "/tmp/dsv41/$name" --attention "$mode" --out "$OUT/ampere_$name/$mode" \
+        timeout "$(gpu_tmo 560)" python3 "$CHECK" run "/tmp/dsv41/$name" --attention "$mode" --out "$RUNS/$name/$mode" \
             > "$OUT/ampere_${name}_$mode.log" 2>&1
         r=$?; grep -v "INFO\|DEBUG\|WARNING" "$OUT/ampere_${name}_$mode.log" | tail -8
         log "served $name $mode rc=$r"; rc=$((rc || r)); [ "$r" = 0 ] || return
     done
-    python3 "$CHECK" compare "$OUT/ampere_$name/upstream" "$OUT/ampere_$name/triton" --min-top1 0.999 \
+    python3 "$CHECK" compare "$RUNS/$name/upstream" "$RUNS/$name/triton" --min-top1 0.999 \
         --max-kl-mean 1e-4 2>&1 | tee "$OUT/ampere_${name}_compare.log"
     r=${PIPESTATUS[0]}; log "compare $name rc=$r"; rc=$((rc || r))
 }
@@ -79,12 +83,12 @@ fi
 if step speed; then
     for mode in upstream triton; do
         log "speed: $mode"
-        timeout 590 python3 "$CHECK" run /tmp/dsv41/tiny-v41 --attention "$mode" --out "$OUT/ampere_speed/$mode" \
+        timeout "$(gpu_tmo 590)" python3 "$CHECK" run /tmp/dsv41/tiny-v41 --attention "$mode" --out "$RUNS/speed/$mode" \
             --positions 1536 --speed 8192 65000 --decode 32 > "$OUT/ampere_speed_$mode.log" 2>&1
-        r=$?; grep -v "INFO\|DEBUG\|WARNING" "$OUT/ampere_speed_$mode.log" | tail -6
+        r=$?; cp -f "$RUNS/speed/$mode/speed.json" "$OUT/ampere_speed_$mode.json" 2>/dev/null; grep -v "INFO\|DEBUG\|WARNING" "$OUT/ampere_speed_$mode.log" | tail -6
         log "speed $mode rc=$r"; rc=$((rc || r))
     done
-    python3 "$CHECK" compare "$OUT/ampere_speed/upstream" "$OUT/ampere_speed/triton" 2>&1 \
+    python3 "$CHECK" compare "$RUNS/speed/upstream" "$RUNS/speed/triton" 2>&1 \
         | tee "$OUT/ampere_speed_compare.log"
 fi
 log "done rc=$rc"

@@ -22,7 +22,10 @@ export VLLM_USE_BREAKABLE_CUDAGRAPH=1  # the served setting for V4.1 (vllm_env_f
 STEPS=${STEPS:-"pack tests fidelity bench rss"}
 PACK=/tmp/dsv41/tiny-v41
 rc=0
-step() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
+step() {  # asked for, and at least 30 s of the call left (gpu_env.sh)
+    case " $STEPS " in *" $1 "*) ;; *) return 1;; esac
+    gpu_time_ok 30 || { log "$1: SKIPPED, $(gpu_left) s left of the call"; rc=1; return 1; }
+}
 log() { echo "[gpu_engram $(date +%T)] $*" | tee -a "$OUT/engram_steps.log"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/engram_steps.log"
 df -h /tmp | tail -1 | tee -a "$OUT/engram_steps.log"
@@ -43,18 +46,18 @@ PY
 fi
 if step tests; then
     log "tests"
-    timeout 580 python3 -m pytest packages/vllm-dsv41/tests/test_vllm_dsv41_engram_gpu.py -m gpu -v -p no:cacheprovider \
+    timeout "$(gpu_tmo 580)" python3 -m pytest packages/vllm-dsv41/tests/test_vllm_dsv41_engram_gpu.py -m gpu -v -p no:cacheprovider \
         -W ignore::DeprecationWarning 2>&1 | tee "$OUT/engram_pytest_gpu.log" | tail -25
     r=${PIPESTATUS[0]}; log "tests rc=$r"; rc=$((rc || r))
 fi
 if step fidelity; then
     log "fidelity: oracle (all-in-vram, upstream Engram)"
-    timeout 560 python3 -m vllm_dsv41.fidelity "$PACK" --against all-in-vram --engram upstream --gpu-memory-gib 24 \
+    timeout "$(gpu_tmo 560)" python3 -m vllm_dsv41.fidelity "$PACK" --against all-in-vram --engram upstream --gpu-memory-gib 24 \
         --save-reference "$OUT/engram_oracle.npz" > "$OUT/engram_fidelity_oracle.log" 2>&1
     r=$?; grep -v "INFO\|DEBUG" "$OUT/engram_fidelity_oracle.log" | tail -5; log "oracle rc=$r"; rc=$((rc || r))
     if [ "$r" = 0 ]; then
         log "fidelity: served (cpu tier, Engram from the pack's files) vs the oracle"
-        timeout 560 python3 -m vllm_dsv41.fidelity "$PACK" --runtime cpu --engram mmap --gpu-memory-gib 24 \
+        timeout "$(gpu_tmo 560)" python3 -m vllm_dsv41.fidelity "$PACK" --runtime cpu --engram mmap --gpu-memory-gib 24 \
             --cpu-threads 8 --reference "$OUT/engram_oracle.npz" --json "$OUT/engram_fidelity.json" \
             --min-top1 0.999 --max-kl-mean 1e-4 > "$OUT/engram_fidelity.log" 2>&1
         r=$?; grep -v "INFO\|DEBUG" "$OUT/engram_fidelity.log" | tail -12
@@ -64,13 +67,13 @@ if step fidelity; then
 fi
 if step bench; then
     log "bench"
-    timeout 590 python3 packages/vllm-dsv41/benches/bench_engram.py --json "$OUT/engram_bench.json" \
+    timeout "$(gpu_tmo 590)" python3 packages/vllm-dsv41/benches/bench_engram.py --json "$OUT/engram_bench.json" \
         2>&1 | tee "$OUT/engram_bench.log"
     r=${PIPESTATUS[0]}; log "bench rc=$r"; rc=$((rc || r))
 fi
 if step rss; then
     log "rss"
-    timeout 580 python3 packages/vllm-dsv41/scripts/engram_rss.py --dense-gib 8 --steps 600 --every 100 --threads 64 \
+    timeout "$(gpu_tmo 580)" python3 packages/vllm-dsv41/scripts/engram_rss.py --dense-gib 8 --steps 600 --every 100 --threads 64 \
         --json "$OUT/engram_rss.json" 2>&1 | tee "$OUT/engram_rss.log"
     r=${PIPESTATUS[0]}; log "rss rc=$r"; rc=$((rc || r))
 fi

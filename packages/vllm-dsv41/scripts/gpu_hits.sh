@@ -12,14 +12,13 @@ cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/dsv41-out}
 mkdir -p "$OUT"
 STEPS=${STEPS:-"tests bench"}
-step() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
+step() {  # asked for, and at least 30 s of the call left (gpu_env.sh)
+    case " $STEPS " in *" $1 "*) ;; *) return 1;; esac
+    gpu_time_ok 30 || { log "$1: SKIPPED, $(gpu_left) s left of the call"; rc=1; return 1; }
+}
 log() { echo "[gpu_hits $(date +%T)] $*" | tee -a "$OUT/hits_steps.log"; }
 [ -f /tmp/gpuvllm/env.sh ] || { log "the gpu-vllm kit is not staged (/tmp/gpuvllm/env.sh): stage it first"; exit 2; }
-if [ ! -d /tmp/exl3site ] && [ -d .exl3 ]; then
-    bash packages/vllm-dsv41/scripts/gpu_stage_exl3.sh 2>&1 | tee -a "$OUT/hits_steps.log"
-    [ "${PIPESTATUS[0]}" = 0 ] || { log "staging exllamav3 FAILED"; exit 1; }
-fi
-source packages/vllm-dsv41/scripts/gpu_env.sh
+source packages/vllm-dsv41/scripts/gpu_env.sh  # (stages exllamav3 from a carried .exl3 the first time)
 export PYTHONPATH="$PWD/packages/vllm-dsv41/src:$PWD/packages/dma-prefill/src:$PWD/packages/expert-cache/src:$PYTHONPATH"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,pcie.link.gen.max,pcie.link.width.max \
     --format=csv,noheader | tee -a "$OUT/hits_steps.log"
@@ -29,14 +28,14 @@ print('torch', torch.__version__, '| triton', triton.__version__, '| hits from',
 rc=0
 if step tests; then
     log "tests"
-    timeout 240 python3 -m pytest packages/vllm-dsv41/tests/test_vllm_dsv41_hits_gpu.py -m gpu -q -p no:cacheprovider \
+    timeout "$(gpu_tmo 240)" python3 -m pytest packages/vllm-dsv41/tests/test_vllm_dsv41_hits_gpu.py -m gpu -q -p no:cacheprovider \
         -W ignore::DeprecationWarning 2>&1 | tee "$OUT/pytest_hits_gpu.log" | tail -25
     r=${PIPESTATUS[0]}; log "tests rc=$r"; rc=$((rc || r))
 fi
 if step bench; then
     log "bench"
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
-    timeout 330 python3 packages/vllm-dsv41/benches/bench_hits.py --json "$OUT/bench_hits.json" ${BENCH_ARGS:-} \
+    timeout "$(gpu_tmo 330)" python3 packages/vllm-dsv41/benches/bench_hits.py --json "$OUT/bench_hits.json" ${BENCH_ARGS:-} \
         2>&1 | tee "$OUT/bench_hits.log"
     r=${PIPESTATUS[0]}; log "bench rc=$r"; rc=$((rc || r))
 fi

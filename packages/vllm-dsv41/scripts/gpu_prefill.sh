@@ -14,7 +14,10 @@ OUT=${OUT:-/tmp/dsv41-out}
 mkdir -p "$OUT"
 STEPS=${STEPS:-"fidelity bench"}
 LAYERS=${LAYERS:-6}
-step() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
+step() {  # asked for, and at least 30 s of the call left (gpu_env.sh)
+    case " $STEPS " in *" $1 "*) ;; *) return 1;; esac
+    gpu_time_ok 30 || { log "$1: SKIPPED, $(gpu_left) s left of the call"; rc=1; return 1; }
+}
 log() { echo "[gpu_prefill $(date +%T)] $*" | tee -a "$OUT/prefill_steps.log"; }
 [ -f /tmp/gpuvllm/env.sh ] || { log "the gpu-vllm kit is not staged (/tmp/gpuvllm/env.sh): stage it first"; exit 2; }
 source packages/vllm-dsv41/scripts/gpu_env.sh
@@ -35,7 +38,7 @@ root = Path("/tmp/dsv41"); synth_tiny_v41(root / "in")
 build_pack(root / "in" / EXL3.dirname, root / "in" / ENGRAM.dirname, root / "tiny-v41", jobs=1, force=True)
 PY
     fi
-    timeout 240 python3 -m vllm_dsv41.fidelity "$PACK" --runtime tiered --against all-in-vram \
+    timeout "$(gpu_tmo 240)" python3 -m vllm_dsv41.fidelity "$PACK" --runtime tiered --against all-in-vram \
         --positions 2048 --length 512 --greedy-prompts 2 --greedy-tokens 16 --gpu-memory-gib 24 --min-top1 0.999 --max-kl-mean 1e-4 \
         --tiered '{"prefill_min_tokens": 64, "cache_gib": 0.05}' --json "$OUT/prefill_fidelity.json" \
         2>&1 | tee "$OUT/prefill_fidelity.log" | tail -20
@@ -44,7 +47,7 @@ fi
 if step bench; then
     log "bench: $LAYERS Flash layers, VRAM capped at 24 GiB"
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
-    timeout 330 python3 packages/vllm-dsv41/benches/bench_prefill.py --layers "$LAYERS" --vram-gib 24 \
+    timeout "$(gpu_tmo 330)" python3 packages/vllm-dsv41/benches/bench_prefill.py --layers "$LAYERS" --vram-gib 24 \
         --json "$OUT/bench_prefill.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_prefill.log"
     r=${PIPESTATUS[0]}; log "bench rc=$r"; rc=$((rc || r))
 fi

@@ -4,7 +4,7 @@
 #   STEPS="pack tests fidelity" bash packages/vllm-dsv41/scripts/gpu_run.sh
 # Steps (in this order, each optional):
 #   pack      synthesize tiny-v41 and build its pack in /tmp/dsv41 (pack-tools)
-#   tests     pytest -m gpu of vllm-dsv41
+#   tests     pytest -m gpu of vllm-dsv41, but the Engram gpu tests (gpu_engram.sh runs them); PYTEST_ARGS: more
 #   fidelity  python -m vllm_dsv41.fidelity: cpu vs all-in-vram, PIECEWISE CUDA graphs, VRAM capped at 24 GiB
 #   fast      the same with the CPU tier's fast precision
 #   eager     the same without CUDA graphs (greedy tokens compared with the PIECEWISE run)
@@ -31,13 +31,17 @@ source packages/vllm-dsv41/scripts/gpu_env.sh
 STEPS=${STEPS:-"pack tests fidelity"}
 PACK=/tmp/dsv41/tiny-v41
 rc=0
-step() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 log() { echo "[gpu_run $(date +%T)] $*" | tee -a "$OUT/steps.log"; }
+step() {  # asked for, and at least 30 s of the call left (gpu_env.sh)
+    case " $STEPS " in *" $1 "*) ;; *) return 1;; esac
+    gpu_time_ok 30 || { log "$1: SKIPPED, $(gpu_left) s left of the call"; rc=1; return 1; }
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/steps.log"
 if [ -f .jitcache/jitcache.tgz ] && [ ! -f /tmp/dsv41-jit-restored ]; then
     tar xzf .jitcache/jitcache.tgz -C "$HOME" && touch /tmp/dsv41-jit-restored && log "JIT caches restored"
 fi
-if step pack; then
+needs_pack() { [ ! -f "$PACK/config.json" ] && case " $STEPS " in *" fidelity "*|*" fast "*|*" eager "*|*" tiered "*|*" serve "*) ;; *) false;; esac; }
+if step pack || needs_pack; then  # (a later call of the lease reuses the pack; a fresh machine builds it again)
     log "pack: synth + build"
     python3 - <<'PY' 2>&1 | tee "$OUT/pack.log"
 import time
@@ -54,25 +58,31 @@ PY
 fi
 if step tests; then
     log "tests"
-    timeout 540 python3 -m pytest packages/vllm-dsv41/tests -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
+    # the Engram gpu tests (two served fidelity runs) belong to gpu_engram.sh's own call; PYTEST_ARGS adds e.g. -k
+    # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
+    timeout "$(gpu_tmo 540)" python3 -m pytest packages/vllm-dsv41/tests -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
+        --ignore=packages/vllm-dsv41/tests/test_vllm_dsv41_engram_gpu.py ${PYTEST_ARGS:-} \
         2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
     r=${PIPESTATUS[0]}; log "tests rc=$r"; rc=$((rc || r))
 fi
 fid() {  # name, extra args
     local name=$1; shift
     log "fidelity $name"
-    timeout 560 python3 -m vllm_dsv41.fidelity "$PACK" --runtime cpu --against all-in-vram --gpu-memory-gib 24 \
+    rm -f "/tmp/dsv41-results/fidelity_$name.json"
+    timeout "$(gpu_tmo 560)" python3 -m vllm_dsv41.fidelity "$PACK" --runtime cpu --against all-in-vram --gpu-memory-gib 24 \
         --cpu-threads 8 --json "$OUT/fidelity_$name.json" --min-top1 0.999 --max-kl-mean 1e-4 --noise-floor "$@" \
         > "$OUT/fidelity_$name.log" 2>&1
     local r=$?
+    mkdir -p /tmp/dsv41-results && cp -f "$OUT/fidelity_$name.json" /tmp/dsv41-results/ 2>/dev/null
     grep -v "INFO\|DEBUG" "$OUT/fidelity_$name.log" | tail -30
     log "fidelity $name rc=$r"; rc=$((rc || r))
 }
 step fidelity && fid piecewise
 step fast && fid fast --precision fast --max-kl-mean 1e-2 --min-top1 0.95
 step eager && fid eager --eager
-if step eager && step fidelity; then
-    python3 - "$OUT" <<'PY' 2>&1 | tee -a "$OUT/steps.log"
+# PIECEWISE vs eager greedy tokens, also when the two ran in different calls of the lease (/tmp/dsv41-results)
+if step eager && [ -f /tmp/dsv41-results/fidelity_piecewise.json ] && [ -f /tmp/dsv41-results/fidelity_eager.json ]; then
+    python3 - /tmp/dsv41-results <<'PY' 2>&1 | tee -a "$OUT/steps.log"
 import json, sys
 a = json.load(open(f"{sys.argv[1]}/fidelity_piecewise.json")); b = json.load(open(f"{sys.argv[1]}/fidelity_eager.json"))
 same = a["greedy_runtime"] == b["greedy_runtime"]
@@ -85,37 +95,37 @@ if step tiered; then
 fi
 if step tbench; then
     log "tbench"
-    timeout 560 python3 packages/vllm-dsv41/benches/bench_tiered.py --layers "${TB_LAYERS:-2}" --root /tmp/dsv41/flash \
+    timeout "$(gpu_tmo 560)" python3 packages/vllm-dsv41/benches/bench_tiered.py --layers "${TB_LAYERS:-2}" --root /tmp/dsv41/flash \
         --streams 1,2,4 --splits cpu,auto,pcie --cpu-threads 8 --warmup 48 --steps 48 --json "$OUT/bench_tiered.json" \
         2>&1 | tee "$OUT/bench_tiered.log" | grep -v "INFO\|DEBUG" | tail -20
     r=${PIPESTATUS[0]}; log "tbench rc=$r"; rc=$((rc || r))
 fi
 if step bench; then
     log "bench"
-    timeout 500 python3 packages/vllm-dsv41/benches/bench_dense_exl3.py --json "$OUT/bench_dense.json" \
+    timeout "$(gpu_tmo 500)" python3 packages/vllm-dsv41/benches/bench_dense_exl3.py --json "$OUT/bench_dense.json" \
         2>&1 | tee "$OUT/bench_dense.log"
     r=${PIPESTATUS[0]}; log "bench rc=$r"; rc=$((rc || r))
 fi
 if step serve; then
     log "serve"
-    timeout 560 python3 packages/vllm-dsv41/scripts/gpu_serve_check.py "$PACK" "$OUT" 2>&1 | tee "$OUT/serve_check.log" | tail -30
+    timeout "$(gpu_tmo 560)" python3 packages/vllm-dsv41/scripts/gpu_serve_check.py "$PACK" "$OUT" 2>&1 | tee "$OUT/serve_check.log" | tail -30
     r=${PIPESTATUS[0]}; log "serve rc=$r"; rc=$((rc || r))
 fi
 if step flash; then
     log "flash"
-    timeout 560 python3 packages/vllm-dsv41/scripts/gpu_flash_load.py "$OUT" 2>&1 | tee "$OUT/flash_load.log" | tail -30
+    timeout "$(gpu_tmo 560)" python3 packages/vllm-dsv41/scripts/gpu_flash_load.py "$OUT" 2>&1 | tee "$OUT/flash_load.log" | tail -30
     r=${PIPESTATUS[0]}; log "flash rc=$r"; rc=$((rc || r))
 fi
 if step flashpack; then
     log "flashpack"
-    timeout 560 python3 packages/vllm-dsv41/benches/bench_served_decode.py --build-only --layers "${DEC_LAYERS:-4}" \
+    timeout "$(gpu_tmo 560)" python3 packages/vllm-dsv41/benches/bench_served_decode.py --build-only --layers "${DEC_LAYERS:-4}" \
         --root /tmp/dsv41/served 2>&1 | tee "$OUT/flashpack.log" | grep -v "it/s\]" | tail -8
     r=${PIPESTATUS[0]}; log "flashpack rc=$r"; rc=$((rc || r))
 fi
 if step decode; then
     log "decode"
     mkdir -p "$OUT/decode${DEC_TAG:-}"
-    timeout 560 python3 packages/vllm-dsv41/benches/bench_served_decode.py --layers "${DEC_LAYERS:-4}" --root /tmp/dsv41/served \
+    timeout "$(gpu_tmo 560)" python3 packages/vllm-dsv41/benches/bench_served_decode.py --layers "${DEC_LAYERS:-4}" --root /tmp/dsv41/served \
         --runtimes "${DEC_RUNTIMES:-none,tiered:auto,tiered:cpu,tiered:pcie,cpu}" --streams 1,2,4 --runs 3 --cpu-threads 8 \
         --time-budget-s "${DEC_BUDGET:-430}" --json "$OUT/decode${DEC_TAG:-}/bench_served_decode.json" \
         2>&1 | tee "$OUT/decode${DEC_TAG:-}/bench_served_decode.log" | grep -v "INFO\|DEBUG\|WARNING" | tail -40
