@@ -179,6 +179,19 @@ def test_the_step_rule(home: ExpertHome) -> None:
         assert not pf.wants(1, TOP_K)
     finally:
         rt.close()
+    # the decode path's misses at the split's rate: CPU alone (10 GB/s here) is slower than CPU + PCIe (20), so
+    # streaming starts at fewer tokens with split "cpu" than with "auto"
+    los = {}
+    for split in ("cpu", "auto"):
+        rt = _runtime(home, prefill_min_tokens=0, split=split)
+        try:
+            _call(rt, 0, rng, 1)
+            rt.prefill.calibration = Calibration(h2d_bps=1e9, gpu_expert_s=1e-5, gpu_row_s=1e-7, source="test")
+            rt.prefill._thresholds.clear()
+            los[split] = rt.prefill.thresholds(TOP_K)[0]
+        finally:
+            rt.close()
+    assert los["cpu"] < los["auto"]
     rt = _runtime(home, prefill_min_tokens=100)
     try:
         _call(rt, 0, rng, 1)

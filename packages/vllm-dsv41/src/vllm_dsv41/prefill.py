@@ -224,10 +224,12 @@ class StagedPrefill:
         c, rates = self.calibration, self._rates
         if c is None or rates is None:
             return None
+        # the decode path's misses go where the split sends them: the CPU tier, PCIe reads, or both at once
+        miss_bps = {"cpu": rates.cpu_bps, "pcie": rates.pcie_bps}.get(self.tcfg.split, rates.cpu_bps + rates.pcie_bps)
         return StepCostModel(
             num_experts=self.num_experts, top_k=top_k, expert_bytes=self.store.layout(self.layer_ids[0]).stride,
             h2d_gbps=c.h2d_bps / 1e9, gpu_expert_s=c.gpu_expert_s, gpu_row_s=c.gpu_row_s,
-            cpu_gbps={1: max(rates.cpu_bps, 1.0) / 1e9}, cache_hit_rate=self.tcfg.prefill_hit_rate,
+            cpu_gbps={1: max(miss_bps, 1.0) / 1e9}, cache_hit_rate=self.tcfg.prefill_hit_rate,
         )  # fmt: skip
 
     def thresholds(self, top_k: int) -> tuple[int, int] | None:
