@@ -7,7 +7,6 @@ import ctypes
 import json
 import shutil
 import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,12 +19,6 @@ pytest.importorskip("expert_cache", reason="expert-cache is not a dependency of 
 
 from expert_cache import ExpertCache, policy_config  # noqa: E402
 from vllm_dsv41.home import EXPERT_COLUMNS, CacheHome, ExpertHome, expert_tensor  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def home(demo_pack: Path) -> Iterator[ExpertHome]:
-    with ExpertHome(demo_pack) as h:
-        yield h
 
 
 def _name(home: ExpertHome, layer: int, expert: int, column: int) -> str:

@@ -4,7 +4,6 @@ float64 numpy reference; the op's out-buffer contract."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,20 +25,6 @@ from vllm_dsv41.home import ExpertHome
 from vllm_dsv41.reference import ReferenceExperts
 
 LAYERS, EXPERTS, TOP_K, HIDDEN = 2, 8, 2, 256
-
-
-@pytest.fixture(scope="module")
-def home(demo_pack: Path) -> Iterator[ExpertHome]:
-    with ExpertHome(demo_pack) as h:
-        yield h
-
-
-@pytest.fixture(scope="module")
-def reference(home: ExpertHome) -> ReferenceExperts:
-    ref = ReferenceExperts()
-    for lx in home.layers():
-        ref.add_layer(lx.layer, lx.gate, lx.up, lx.down, swiglu_limit=None)
-    return ref
 
 
 @pytest.fixture(scope="module", params=["cpu", "all-in-vram", "all-in-vram-f64"])

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,12 +29,6 @@ from vllm_dsv41.hits import (
 )
 from vllm_dsv41.home import EXPERT_COLUMNS, ExpertHome, LayerExperts
 from vllm_dsv41.reference import ReferenceExperts
-
-
-@pytest.fixture(scope="module")
-def home(demo_pack: Path) -> Iterator[ExpertHome]:
-    with ExpertHome(demo_pack) as h:
-        yield h
 
 
 def random_layer(rng: np.random.Generator, experts: int, hidden: int, inter: int,

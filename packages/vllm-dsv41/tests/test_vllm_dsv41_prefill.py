@@ -4,11 +4,7 @@ the real ExpertCache; against the float64 reference, through decode -> prefill -
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import numpy as np
-import pytest
 import torch
 
 from cpu_tier import CpuTierConfig
@@ -22,20 +18,6 @@ from vllm_dsv41.tiered import TieredRuntime
 
 LAYERS, EXPERTS, TOP_K, HIDDEN = 2, 8, 2, 256
 RATES = Rates(cpu_bps=10e9, pcie_bps=10e9, source="test")
-
-
-@pytest.fixture(scope="module")
-def home(demo_pack: Path) -> Iterator[ExpertHome]:
-    with ExpertHome(demo_pack) as h:
-        yield h
-
-
-@pytest.fixture(scope="module")
-def reference(home: ExpertHome) -> ReferenceExperts:
-    ref = ReferenceExperts()
-    for lx in home.layers():
-        ref.add_layer(lx.layer, lx.gate, lx.up, lx.down, swiglu_limit=None)
-    return ref
 
 
 def _slot_bytes(home: ExpertHome) -> int:
