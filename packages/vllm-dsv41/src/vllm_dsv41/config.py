@@ -43,9 +43,6 @@ PREFILL_BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
 #: prefill's activations (~1 GB at V4.1-Flash sizes, on top of the ring lent by the cache) under a 24 GB card's
 #: margin at 262k-token context settings (the reference system's 16k chunks ran out of memory on 24 GB).
 DEFAULT_PREFILL_CHUNK_TOKENS = 8192
-#: The nested settings objects of the plugin config (merged field by field, one level deep): cpu-tier's, the
-#: tiered runtime's and engram-mmap's table config.
-_NESTED = ("cpu", "tiered", "engram_table")
 
 __all__ = [
     "ATTENTIONS",
@@ -244,12 +241,9 @@ class Dsv41PluginConfig:
     def from_mapping(cls, values: Mapping[str, Any], source: str = "config") -> Dsv41PluginConfig:
         """Build from a JSON-like mapping; ``source`` names where it came from in error messages."""
         kwargs = _known_fields(cls, values, source, "plugin settings")
-        if "cpu" in kwargs:
-            kwargs["cpu"] = _cpu_config(kwargs["cpu"], f"{source}: cpu")
-        if "tiered" in kwargs:
-            kwargs["tiered"] = _tiered_config(kwargs["tiered"], f"{source}: tiered")
-        if "engram_table" in kwargs:
-            kwargs["engram_table"] = _table_config(kwargs["engram_table"], f"{source}: engram_table")
+        for name, (nested, what) in _NESTED.items():
+            if name in kwargs:
+                kwargs[name] = _nested_config(nested, kwargs[name], f"{source}: {name}", what)
         try:
             return cls(**kwargs)
         except (TypeError, ValueError) as e:
@@ -317,34 +311,24 @@ def _known_fields(cls: type, values: Any, source: str, what: str) -> dict[str, A
     return dict(values)
 
 
-def _cpu_config(value: Any, source: str) -> CpuTierConfig:
-    if isinstance(value, CpuTierConfig):
+#: The nested settings objects of the plugin config (merged field by field, one level deep): field -> (its
+#: dataclass, what its settings are called in error messages).
+_NESTED: dict[str, tuple[type, str]] = {
+    "cpu": (CpuTierConfig, "cpu-tier settings"),
+    "tiered": (TieredConfig, "tiered-runtime settings"),
+    "engram_table": (TableConfig, "engram-mmap table settings"),
+}
+
+
+def _nested_config(cls: type, value: Any, source: str, what: str) -> Any:
+    """``value`` (an instance of ``cls`` or a JSON-like mapping of its fields) as ``cls``; errors name ``source``."""
+    if isinstance(value, cls):
         return value
-    kwargs = _known_fields(CpuTierConfig, value, source, "cpu-tier settings")
-    if isinstance(kwargs.get("cpus"), list):
+    kwargs = _known_fields(cls, value, source, what)
+    if cls is CpuTierConfig and isinstance(kwargs.get("cpus"), list):  # a JSON array: the frozen config's tuple
         kwargs["cpus"] = tuple(kwargs["cpus"])
     try:
-        return CpuTierConfig(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{source}: {e}") from None
-
-
-def _tiered_config(value: Any, source: str) -> TieredConfig:
-    if isinstance(value, TieredConfig):
-        return value
-    kwargs = _known_fields(TieredConfig, value, source, "tiered-runtime settings")
-    try:
-        return TieredConfig(**kwargs)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{source}: {e}") from None
-
-
-def _table_config(value: Any, source: str) -> TableConfig:
-    if isinstance(value, TableConfig):
-        return value
-    kwargs = _known_fields(TableConfig, value, source, "engram-mmap table settings")
-    try:
-        return TableConfig(**kwargs)
+        return cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{source}: {e}") from None
 
