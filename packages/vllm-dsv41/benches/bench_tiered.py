@@ -89,44 +89,26 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_hits(kernel: Any, ptrs: torch.Tensor, n: int, hidden: int, device: torch.device, reps: int) -> float:
-    """Best seconds of the hit kernel computing experts 0..n-1 at one token each through ``ptrs``."""
-    ids = torch.arange(n, dtype=torch.int32, device=device).view(n, 1)
-    x = torch.randn((n, hidden), dtype=torch.float32, device=device)
-    w = torch.ones((n, 1), dtype=torch.float32, device=device)
-    y = torch.empty((n, 1, hidden), dtype=torch.float32, device=device)
-    kernel.forward(ptrs, x, ids, w, y)
-    sync(device)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        kernel.forward(ptrs, x, ids, w, y)
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def measure_rates(runtime: Any, lx: Any, device: torch.device, reps: int = 5) -> dict[str, float]:
-    """cpu / pcie / hbm bytes per second of expert weights, measured now (the runtime's cache must exist).
+    """cpu / pcie / hbm bytes per second of expert weights, measured now (the runtime's cache must exist, empty).
 
-    cpu: the CPU tier at one token per expert (the runtime's own measurement); pcie: the hit kernel through the
-    table of experts not resident (GPU-mapped host home); hbm: the same experts copied to device memory."""
+    cpu and pcie: the runtime's own measurement (the CPU tier at one token per expert; the hit kernel through the
+    table of experts not resident, i.e. the GPU-mapped host home; the runtime does not measure pcie on a CPU
+    device, so the dry run times that here); hbm: the hit kernel over the same experts copied to device memory."""
     from vllm_dsv41.home import EXPERT_COLUMNS
-    from vllm_dsv41.tiered import _expert_bytes
+    from vllm_dsv41.tiered import _expert_bytes, hit_seconds
 
     eb = _expert_bytes(lx)
-    cpu = runtime._measure_rates().cpu_bps
     cache = runtime.cache
     li = runtime._index[lx.layer]
-    kernel = runtime._hits[lx.layer]
     n = min(32, lx.num_experts)
-    home_ptrs = cache.layer_pointers(li).clone()
-    resident = cache.slot_of[li][:n].cpu().numpy() >= 0
-    if resident.any():
+    if (cache.slot_of[li][:n].cpu().numpy() >= 0).any():
         raise RuntimeError("measure_rates: run it before the cache admits experts (some of 0..n-1 are resident)")
-    pcie = n * eb / time_hits(kernel, home_ptrs, n, lx.hidden, device, reps)
+    r = runtime._measure_rates()
+    kernel = runtime._hits[lx.layer]
+    pcie = r.pcie_bps or n * eb / hit_seconds(kernel, cache.layer_pointers(li), n, lx.hidden, device, reps)
     # hbm: the first n experts copied into device memory (one tensor per column), their pointers in a table copy
-    ptrs = home_ptrs.clone()
+    ptrs = cache.layer_pointers(li).clone()
     keep = []
     for e in range(n):
         tensors = [getattr(getattr(lx, role)[e], part) for role, part in EXPERT_COLUMNS]
@@ -134,8 +116,8 @@ def measure_rates(runtime: Any, lx: Any, device: torch.device, reps: int = 5) ->
             t = torch.from_numpy(np.array(arr)).to(device)
             keep.append(t)
             ptrs[c, e] = t.data_ptr()
-    hbm = n * eb / time_hits(kernel, ptrs, n, lx.hidden, device, reps)
-    return {"cpu": cpu, "pcie": pcie, "hbm": hbm}
+    hbm = n * eb / hit_seconds(kernel, ptrs, n, lx.hidden, device, reps)
+    return {"cpu": r.cpu_bps, "pcie": pcie, "hbm": hbm}
 
 
 def main() -> int:

@@ -53,7 +53,7 @@ from .experts import _check_args, _refuse_capture
 from .home import ExpertHome, LayerExperts
 from .split import Rates, split_misses
 
-__all__ = ["TierStats", "TieredRuntime"]
+__all__ = ["TierStats", "TieredRuntime", "hit_seconds"]
 
 logger = logging.getLogger("vllm_dsv41.tiered")
 
@@ -343,23 +343,9 @@ class TieredRuntime:
 
     def _measure_pcie(self, lx: LayerExperts, expert_bytes: int) -> float:
         """The hit kernel over non-resident experts (pointers into the host home): PCIe read rate."""
-        li = self._index[lx.layer]
-        kernel = self._hits[lx.layer]
         n = min(lx.num_experts, 16)
-        ids = torch.arange(n, dtype=torch.int32, device=self.device).view(n, 1)
-        x = torch.zeros((n, lx.hidden), dtype=torch.bfloat16, device=self.device)
-        w = torch.ones((n, 1), dtype=torch.float32, device=self.device)
-        y = torch.empty((n, 1, lx.hidden), dtype=torch.float32, device=self.device)
-        ptrs = self._cache.layer_pointers(li)  # nothing is resident yet: every column points into the host home
-        kernel.forward(ptrs, x, ids, w, y)
-        torch.cuda.synchronize(self.device)
-        best = math.inf
-        for _ in range(3):
-            t0 = time.perf_counter()
-            kernel.forward(ptrs, x, ids, w, y)
-            torch.cuda.synchronize(self.device)
-            best = min(best, time.perf_counter() - t0)
-        return n * expert_bytes / best
+        ptrs = self._cache.layer_pointers(self._index[lx.layer])  # nothing resident yet: all point into the home
+        return n * expert_bytes / hit_seconds(self._hits[lx.layer], ptrs, n, lx.hidden, self.device)
 
     # ------------------------------------------------------------------------------------------ steps
 
@@ -628,6 +614,27 @@ class TieredRuntime:
         self._tier.close()
         self._cache = None
         self._buffers.clear()
+
+
+def hit_seconds(kernel: Any, ptrs: torch.Tensor, n: int, hidden: int, device: torch.device, reps: int = 3) -> float:
+    """Best wall seconds (of ``reps``, after one warm-up) of ``kernel`` computing experts ``0..n-1`` at one token
+    each through the pointer table ``ptrs``, fp32 activations as the runtime passes them."""
+    ids = torch.arange(n, dtype=torch.int32, device=device).view(n, 1)
+    x = torch.randn((n, hidden), dtype=torch.float32, device=device)
+    w = torch.ones((n, 1), dtype=torch.float32, device=device)
+    y = torch.empty((n, 1, hidden), dtype=torch.float32, device=device)
+    cuda = device.type == "cuda"
+    kernel.forward(ptrs, x, ids, w, y)
+    if cuda:
+        torch.cuda.synchronize(device)
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        kernel.forward(ptrs, x, ids, w, y)
+        if cuda:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def _expert_bytes(lx: LayerExperts) -> int:
