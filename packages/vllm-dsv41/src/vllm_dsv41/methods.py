@@ -128,9 +128,7 @@ def _eager_routed() -> Any:
     from vllm.compilation.breakable_cudagraph import eager_break_during_capture
 
     def call(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, runtime: int, layer: int) -> None:
-        rt: Any = _experts.get_runtime(runtime)
-        if getattr(rt, "cache_allowed", True) is False and _kv_cache_bound():
-            rt.allow_cache()  # the tiered runtime's VRAM cache takes what vLLM leaves, once its KV cache exists
+        _runtime_for_call(runtime)
         torch.ops.dsv41.routed_experts_out(x, ids, w, out, runtime, layer)
 
     return eager_break_during_capture(call)
@@ -144,9 +142,7 @@ def _eager_split() -> tuple[Any, Any]:
 
     def begin(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, out: torch.Tensor, runtime: int,
               layer: int) -> None:  # fmt: skip
-        rt: Any = _experts.get_runtime(runtime)
-        if getattr(rt, "cache_allowed", True) is False and _kv_cache_bound():
-            rt.allow_cache()
+        rt = _runtime_for_call(runtime)
         if hasattr(rt, "begin"):
             rt.begin(layer, x, ids, w)
         else:  # a runtime switched in without the two halves (e.g. the oracle in the fidelity tool): whole, here
@@ -158,6 +154,15 @@ def _eager_split() -> tuple[Any, Any]:
             rt.finish(layer, out)
 
     return eager_break_during_capture(begin), eager_break_during_capture(finish)
+
+
+def _runtime_for_call(handle: int) -> Any:
+    """The runtime behind ``handle``, its VRAM cache allowed once vLLM's KV cache exists (the tiered runtime's cache
+    takes what vLLM leaves)."""
+    rt: Any = _experts.get_runtime(handle)
+    if getattr(rt, "cache_allowed", True) is False and _kv_cache_bound():
+        rt.allow_cache()
+    return rt
 
 
 def _kv_cache_bound() -> bool:
