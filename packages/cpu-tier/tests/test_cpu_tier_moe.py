@@ -216,6 +216,24 @@ def test_torch_tensors(small_experts) -> None:
     assert rel_max(out.numpy(), ref_moe(x.numpy(), picks, small_experts, 10.0)) <= 1e-5
 
 
+def test_negative_ids_are_no_pick(small_experts) -> None:
+    """vLLM marks the rows a CUDA graph pads a batch with by expert id -1: those picks are left out (their output
+    rows stay zero) and the others are computed as without them."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
+    ids = np.array([[0, 1], [-1, -1], [4, -1], [1, 2]])
+    w = rng.uniform(0.1, 1.0, (4, 2)).astype(np.float32)
+    picks = Picks.from_topk(ids, w)
+    assert picks.tokens.tolist() == [0, 0, 2, 3, 3] and picks.experts.tolist() == [0, 1, 4, 1, 2]
+    np.testing.assert_array_equal(picks.weights, w.reshape(-1)[[0, 1, 4, 6, 7]])
+    out = np.full((4, 256), np.nan, np.float32)
+    with ExpertTier(CpuTierConfig(threads=2)) as tier:
+        tier.add_layer(0, *small_experts)
+        tier.forward(0, x, picks, out=out)
+    assert np.all(out[1] == 0)
+    assert rel_max(out, ref_moe(x, picks, small_experts, 10.0)) <= 1e-5
+
+
 def test_bad_input(small_experts) -> None:
     gate, up, down = small_experts
     x = np.zeros((3, 256), np.float32)

@@ -59,6 +59,22 @@ def test_gemm_tiles_cover_every_row_once(make_routing) -> None:
         assert (covered == 1).all()
 
 
+def test_negative_ids_route_nowhere() -> None:
+    """vLLM's padding rows (expert id -1): no batch reads them, the real routes plan as without them."""
+    ids = torch.tensor([[3, -1], [-1, -1], [0, 3], [5, 1]])
+    w = torch.rand(4, 2)
+    plan = PrefillPlan.build(ids, w, 8, 4)
+    assert plan.counts.tolist() == [1, 1, 0, 2, 0, 1, 0, 0]
+    for e in range(8):
+        r0, r1 = plan.rows(e)
+        assert (plan.sorted_experts[r0:r1] == e).all() and r1 - r0 == plan.counts[e]
+        for r in range(r0, r1):
+            t = int(plan.sorted_tokens[r])
+            j = int((ids[t] == e).nonzero()[0, 0])
+            assert float(plan.sorted_weights[r]) == float(w[t, j])
+    assert plan.gpu_batches == (0, 1) and plan.rows(0)[0] == 3  # the three -1 routes come first, unread
+
+
 def test_plan_errors() -> None:
     w = torch.ones(2, 2)
     with pytest.raises(ValueError, match=r"topk_ids: 1 expert ids outside \[0, 16\)"):

@@ -341,7 +341,8 @@ def test_observe_all_equals_per_layer_observe(make_home) -> None:
 
 
 def test_observe_is_one_device_op(make_home) -> None:
-    """The hot path: observe() issues exactly one non-view op (index_add_) for int32/int64 ids."""
+    """The hot path: observe() issues a fixed few device ops for int32/int64 ids (the padding mask, the clamped
+    index, one index_add_), no copy of the ids and no host sync."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     views = {
@@ -374,8 +375,27 @@ def test_observe_is_one_device_op(make_home) -> None:
     cache.before_step(2)
     with Record() as r:
         cache.observe(1, ids)
-    assert r.ops == ["index_add_"]
+    assert sorted(r.ops) == ["_to_copy", "clamp", "ge", "index_add_"], r.ops
     cache.after_step()
+
+
+def test_negative_ids_are_not_counted(make_home) -> None:
+    """vLLM marks the rows a CUDA graph pads a batch with by expert id -1: observe() and observe_all() skip them
+    (no count lands on another expert or layer); the same picks without them plan the same cache."""
+    cfg = small_cfg(replan_every=1)
+    a, b, c = (ExpertCache(cfg, make_home(cfg)) for _ in range(3))
+    ids = torch.tensor([[[1, 2], [-1, -1]], [[-1, 3], [4, 5]], [[0, -1], [7, 6]]], dtype=torch.int64)
+    for _ in range(3):
+        for cache in (a, b, c):
+            cache.before_step(2)
+        b.observe_all(ids)
+        for layer in range(3):
+            a.observe(layer, ids[layer])
+            c.observe(layer, ids[layer][ids[layer] >= 0].view(-1, 1))  # only the real picks
+        for cache in (a, b, c):
+            cache.after_step()
+    assert a.stats() == b.stats() == c.stats()
+    assert a.resident() == b.resident() == c.resident() and len(a.resident()) > 0
 
 
 def _in_region(cache: ExpertCache, loan) -> np.ndarray:  # type: ignore[no-untyped-def]

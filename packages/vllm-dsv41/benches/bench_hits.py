@@ -110,8 +110,8 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
     if cuda:
+        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(dev)
-        dev = torch.device("cuda", torch.cuda.current_device())
     memories = a.memory or (["device", "mapped"] if cuda else ["host"])
     if any((m == "host") == cuda for m in memories):
         raise SystemExit(f"bench_hits: memory {memories} on {dev}: 'device'/'mapped' on CUDA, 'host' on the CPU")

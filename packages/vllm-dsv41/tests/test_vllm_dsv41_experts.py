@@ -74,6 +74,20 @@ def test_op_matches_reference(handle: int, reference: ReferenceExperts, tokens: 
     np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=2e-5 * np.abs(expected).max())
 
 
+def test_padding_rows_are_no_picks(handle: int, reference: ReferenceExperts) -> None:
+    """vLLM routes the rows a CUDA graph pads a batch with to expert -1 (VLLM_MOE_SKIP_PADDING): no pick, a zero
+    output row, the other rows as without them (the tier checks its picks' ids and would refuse -1)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((6, HIDDEN)).astype(np.float32)
+    ids, w = _routing(rng, 6)
+    ids[4:] = -1
+    ids[1, 1] = -1
+    out = routed_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w), handle, 0)
+    assert (out[4:] == 0).all()
+    expected = reference.forward(0, x, ids, w)
+    np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=2e-5 * np.abs(expected).max())
+
+
 def test_out_buffer_contract(handle: int, reference: ReferenceExperts) -> None:
     rng = np.random.default_rng(7)
     x = torch.from_numpy(rng.standard_normal((5, HIDDEN)).astype(np.float32)).to(torch.bfloat16)

@@ -88,6 +88,89 @@ def test_matches_the_reference_across_cache_sizes_and_splits(home: ExpertHome, r
         rt.close()
 
 
+@pytest.mark.parametrize("slots", [0, 5])
+@pytest.mark.parametrize("split", ["cpu", "pcie", "auto"])
+def test_padding_rows_are_no_picks(home: ExpertHome, reference: ReferenceExperts, slots: int, split: str) -> None:
+    """vLLM routes the rows a CUDA graph pads a batch with to expert -1: they are neither hits nor misses (the
+    CPU tier never sees them), their output rows are zero, and the real rows match the reference."""
+    rt = _runtime(home, slots, split)
+    rng = np.random.default_rng(5)
+    real = 0
+    try:
+        for step in range(6):
+            tokens, pad = [3, 4, 1][step % 3], [1, 3, 2][step % 3]
+            for layer in range(LAYERS):
+                x = rng.standard_normal((tokens + pad, HIDDEN)).astype(np.float32)
+                ids, w = _routing(rng, tokens + pad, hot=5)
+                ids[tokens:] = -1
+                out = torch.full((tokens + pad, HIDDEN), float("nan"))
+                rt.forward_into(layer, torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w), out)
+                assert (out[tokens:] == 0).all()
+                expected = reference.forward(layer, x[:tokens], ids[:tokens], w[:tokens])
+                np.testing.assert_allclose(out[:tokens].numpy(), expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+                real += tokens * TOP_K
+        s = rt.stats
+        assert s.hit_picks + s.cpu_picks + s.pcie_picks == real
+        assert (s.hit_picks > 0) == (slots > 0)
+    finally:
+        rt.close()
+
+
+def test_a_cache_created_inside_a_step(home: ExpertHome, reference: ReferenceExperts) -> None:
+    """vLLM binds its KV cache between two layers of a step (the plugin then allows the cache): the cache's step
+    opens where it is created, and the next step closes it (one after_step per before_step)."""
+    rt = _runtime(home, 5, "auto")
+    rt._allowed = False  # a GPU model's runtime before vLLM's KV cache exists
+    rng = np.random.default_rng(11)
+    try:
+        for step in range(5):
+            for layer in range(LAYERS):
+                if step == 1 and layer == 1:
+                    rt.allow_cache()
+                x = rng.standard_normal((2, HIDDEN)).astype(np.float32)
+                ids, w = _routing(rng, 2, hot=4)
+                out = torch.empty((2, HIDDEN))
+                rt.forward_into(layer, torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w), out)
+                expected = reference.forward(layer, x, ids, w)
+                np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+            assert (rt.cache is None) == (step == 0)
+        assert rt.stats.hit_picks > 0  # the replans ran: the cache's steps were opened and closed in order
+    finally:
+        rt.close()
+
+
+def test_a_home_no_kernel_reads_in_place_sends_every_miss_to_the_cpu(home: ExpertHome,
+                                                                     reference: ReferenceExperts) -> None:  # fmt: skip
+    """A checkpoint's safetensors files align tensors to 8 bytes only; a hit kernel needing wider loads cannot read
+    the home in place: no PCIe share (even with split=pcie), no deadline, every miss computed by the CPU tier."""
+    from vllm_dsv41.hits import ReferenceHits, make_hits
+
+    class Wide(ReferenceHits):
+        alignment = 256  # what the cache's slots give (slot_alignment), wider than this home's tensors
+
+    def factory(lx, dev):  # type: ignore[no-untyped-def]
+        k = make_hits(lx, dev, backend="reference")
+        k.__class__ = Wide
+        return k
+
+    t = TieredConfig(split="pcie", hit_kernel="reference", replan_every=2, prefill=False)
+    cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact"), runtime="tiered", tiered=t)
+    rt = TieredRuntime(cfg, home, "cpu", rates=RATES, cache_bytes=5 * _slot_bytes(home), hits_factory=factory)
+    for lx in home.layers():
+        rt.add_layer(lx, swiglu_limit=None)
+    rng = np.random.default_rng(2)
+    try:
+        for step in range(6):
+            for layer, x, ids, w, out in _step(rt, rng, tokens=[1, 3, 5][step % 3], hot=5):
+                expected = reference.forward(layer, x, ids, w)
+                np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+        s = rt.stats
+        assert rt.cache.home_alignment < Wide.alignment
+        assert s.pcie_picks == 0 and s.cpu_picks > 0 and s.hit_picks > 0
+    finally:
+        rt.close()
+
+
 def test_the_combine_does_not_depend_on_the_split(home: ExpertHome) -> None:
     """With misses read by the same GPU kernel as hits (split=pcie), every cache size gives bit-identical outputs:
     each pick is computed once, in one place, and summed in a fixed order."""
@@ -234,6 +317,7 @@ def _gpu_runtime(home: ExpertHome, slots: int, split: str, kernel: str, **tiered
     rt = TieredRuntime(cfg, home, "cuda", rates=RATES, cache_bytes=max(slots * _slot_bytes(home), 1))
     for lx in home.layers():
         rt.add_layer(lx, swiglu_limit=None)
+    rt.allow_cache()  # (the plugin's call once vLLM's KV cache exists)
     return rt
 
 

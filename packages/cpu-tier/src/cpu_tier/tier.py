@@ -156,7 +156,11 @@ class Picks(NamedTuple):
 
     @staticmethod
     def from_topk(topk_ids: Any, topk_weights: Any) -> Picks:
-        """Flatten a router's top-k output, ``[T, k]`` expert ids and weights (numpy or torch CPU), row-major."""
+        """Flatten a router's top-k output, ``[T, k]`` expert ids and weights (numpy or torch CPU), row-major.
+
+        A negative id is no pick: routers mark padding tokens with -1 (vLLM does, for the rows a CUDA graph pads a
+        batch with); those picks are left out, so their rows of the output stay zero.
+        """
         ids = _as_numpy(topk_ids, "topk_ids")
         w = _as_numpy(topk_weights, "topk_weights")
         if ids.ndim != 2 or w.shape != ids.shape:
@@ -168,10 +172,16 @@ class Picks(NamedTuple):
         t, k = ids.shape
         if ids.size and (ids.min() < -(2**31) or ids.max() >= 2**31):
             raise ValueError("topk_ids: expert ids do not fit in int32")
+        tokens = np.repeat(np.arange(t, dtype=np.int32), k)
+        experts = ids.reshape(-1)
+        weights = w.reshape(-1)
+        if experts.size and experts.min() < 0:
+            keep = experts >= 0
+            tokens, experts, weights = tokens[keep], experts[keep], weights[keep]
         return Picks(
-            tokens=np.repeat(np.arange(t, dtype=np.int32), k),
-            experts=np.ascontiguousarray(ids.reshape(-1), dtype=np.int32),
-            weights=np.ascontiguousarray(w.reshape(-1), dtype=np.float32),
+            tokens=tokens,
+            experts=np.ascontiguousarray(experts, dtype=np.int32),
+            weights=np.ascontiguousarray(weights, dtype=np.float32),
         )
 
 

@@ -57,7 +57,9 @@ class PrefillPlan:
 
         Parameters
         ----------
-        topk_ids : integer ``[T, top_k]``, expert ids in ``[0, num_experts)``.
+        topk_ids : integer ``[T, top_k]``, expert ids in ``[0, num_experts)``; a negative id is no route (vLLM
+            marks the rows a CUDA graph pads a batch with by -1): it is sorted before every expert's rows and no
+            batch reads it.
         topk_weights : float ``[T, top_k]``, same device.
         num_experts : E of the layer.
         experts_per_batch : B.
@@ -84,18 +86,19 @@ class PrefillPlan:
             )
         T, k = topk_ids.shape
         flat = topk_ids.reshape(-1).to(torch.int64)
-        bad = ((flat < 0) | (flat >= num_experts)).sum().view(1)
+        bad = (flat >= num_experts).sum().view(1)
+        skipped = (flat < 0).sum().view(1)
         clamped = flat.clamp(0, num_experts - 1)
         counts_dev = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-        counts_dev.index_add_(0, clamped, torch.ones_like(clamped))
-        host = torch.cat([counts_dev, bad]).cpu().numpy()
+        counts_dev.index_add_(0, clamped, (flat >= 0).to(torch.int64))
+        host = torch.cat([counts_dev, skipped, bad]).cpu().numpy()
         if host[-1]:
             lo, hi = int(flat.min()), int(flat.max())
             raise ValueError(f"topk_ids: {int(host[-1])} expert ids outside [0, {num_experts}) (min {lo}, max {hi})")
-        counts = host[:-1].astype(np.int64)
-        sorted_experts, order = torch.sort(flat, stable=True)
-        offsets = np.zeros(num_experts + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
+        counts = host[:-2].astype(np.int64)
+        sorted_experts, order = torch.sort(flat, stable=True)  # the negative ids (no route) first
+        offsets = np.full(num_experts + 1, int(host[-2]), dtype=np.int64)
+        offsets[1:] += np.cumsum(counts)
         nb = -(-num_experts // experts_per_batch)
         per_batch = np.add.reduceat(counts, np.arange(0, num_experts, experts_per_batch))
         busy = [b for b in range(nb) if per_batch[b] > 0]

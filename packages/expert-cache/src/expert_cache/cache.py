@@ -149,7 +149,6 @@ class ExpertCache:
             self._prefill_counts = torch.zeros(L * E, dtype=torch.float32, device=dev)
             self._base = torch.arange(L, dtype=torch.int64, device=dev) * E
             self._dev_counters = torch.zeros(4, dtype=torch.int64, device=dev)  # accesses, hits, pick_hits, picks
-            self._ones = torch.ones(64, dtype=torch.float32, device=dev)
         if free_bytes is None and self._cuda and not (config.num_slots or config.vram_budget_bytes):
             free_bytes = torch.cuda.mem_get_info(dev)[0]
         self.num_slots = config.resolve_num_slots(free_bytes)
@@ -285,8 +284,9 @@ class ExpertCache:
             MoE layer index in ``[0, num_layers)``.
         expert_ids
             Integer tensor ``[tokens, top_k]`` on the cache's device, the router's top-k ids, each in
-            ``[0, num_experts)`` (not checked on the device: that would need a sync). int32/int64 are used as they
-            are; other integer types cost one conversion kernel.
+            ``[0, num_experts)`` (not checked on the device: that would need a sync), or negative for no pick (vLLM
+            marks the rows a CUDA graph pads a batch with by -1: they are not counted). int32/int64 are used as
+            they are; other integer types cost one conversion kernel.
 
         Notes
         -----
@@ -309,12 +309,12 @@ class ExpertCache:
         self._step_rows = max(self._step_rows, expert_ids.shape[0] if expert_ids.dim() > 1 else 1)
         E = self.config.num_experts
         target = self._step_counts if kind == "decode" else self._prefill_counts
-        target[layer * E : (layer + 1) * E].index_add_(0, ids, self._ones_for(n))
+        target[layer * E : (layer + 1) * E].index_add_(0, ids.clamp(min=0), (ids >= 0).to(torch.float32))
 
     def observe_all(self, expert_ids: torch.Tensor) -> None:
         """Record the routing of every MoE layer at once: ``expert_ids`` ``[num_layers, tokens, top_k]``.
 
-        Equivalent to ``observe(layer, expert_ids[layer])`` for each layer, in two device ops.
+        Equivalent to ``observe(layer, expert_ids[layer])`` for each layer, in one pass of device ops.
         """
         kind = self._kind
         if kind is None:
@@ -329,9 +329,9 @@ class ExpertCache:
         if n == 0:
             return
         self._step_rows = max(self._step_rows, expert_ids.shape[1])
-        flat = (ids + self._base[:, None]).view(-1)
+        flat = (ids.clamp(min=0) + self._base[:, None]).view(-1)
         target = self._step_counts if kind == "decode" else self._prefill_counts
-        target.index_add_(0, flat, self._ones_for(n))
+        target.index_add_(0, flat, (ids >= 0).view(-1).to(torch.float32))  # negative ids (padding) count 0
 
     def _index(self, expert_ids: torch.Tensor) -> torch.Tensor:
         if expert_ids.device != self.device:
@@ -341,11 +341,6 @@ class ExpertCache:
                 raise TypeError(f"expert_ids: must be an integer tensor, got {expert_ids.dtype}")
             expert_ids = expert_ids.to(torch.int64)
         return expert_ids.reshape(-1)
-
-    def _ones_for(self, n: int) -> torch.Tensor:
-        if n > self._ones.numel():
-            self._ones = torch.ones(max(n, 2 * self._ones.numel()), dtype=torch.float32, device=self.device)
-        return self._ones[:n]
 
     def after_step(self) -> None:
         """Close the step: fold its routing into the counters, activate finished fills, replan when due."""

@@ -67,7 +67,8 @@ class ExpertRuntime(Protocol):
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
     ) -> None:
         """``out[t] = sum_j topk_weights[t, j] * expert[topk_ids[t, j]](x[t])`` for ``t < T``; ``x`` ``[T, H]``,
-        ``out`` ``[>= T, H]`` of ``x``'s dtype and device (rows past T untouched)."""
+        ``out`` ``[>= T, H]`` of ``x``'s dtype and device (rows past T untouched). A negative id is no pick: vLLM
+        routes the rows a CUDA graph pads a batch with to expert -1 (``VLLM_MOE_SKIP_PADDING``)."""
         ...
 
     def close(self) -> None: ...
@@ -255,6 +256,8 @@ class AllInVramRuntime:
         torch.backends.cuda.matmul.allow_tf32 = False
         try:
             for e in torch.unique(ids).tolist():
+                if e < 0:  # vLLM's padding rows (a CUDA graph's batch padded up): no pick
+                    continue
                 tok, slot = torch.nonzero(ids == e, as_tuple=True)
                 xe = xs[tok]
                 y = swiglu(xe @ gate[e], xe @ up[e], limit) @ down[e]

@@ -70,6 +70,8 @@ class HitKernel(Protocol):
     """One MoE layer's hit computation through a pointer table (see the module docstring)."""
 
     name: str
+    #: bytes every address in ``ptrs`` must be a multiple of (the widest load the kernel issues on a tensor)
+    alignment: int
 
     def forward(
         self, ptrs: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
@@ -251,6 +253,7 @@ class ReferenceHits:
 
     name = "reference"
     graph_safe = False
+    alignment = 4
 
     def __init__(self, geometry: HitGeometry, *, dtype: torch.dtype = torch.float64) -> None:
         if dtype not in (torch.float64, torch.float32):
@@ -266,7 +269,7 @@ class ReferenceHits:
         from dma_prefill.ops_torch import decode_torch
 
         g = self.geometry
-        problems = pointer_problems(ptrs, g, [e], alignment=4)
+        problems = pointer_problems(ptrs, g, [e], alignment=self.alignment)
         if problems:
             raise ValueError(f"ReferenceHits: {'; '.join(problems)}")
         specs = g.column_specs()
@@ -319,6 +322,7 @@ class Exl3MgemmHits:
 
     name = "exllamav3"
     graph_safe = True
+    alignment = 16  # 16-byte vector loads of the trellis and the sign vectors
 
     def __init__(self, geometry: HitGeometry, device: torch.device | str, *, max_tokens: int = 0,
                  top_k: int = 0) -> None:  # fmt: skip
@@ -476,6 +480,7 @@ class TritonHits:
 
     name = "triton"
     graph_safe = True
+    alignment = 4  # trellis words read as uint32, sign vectors as fp16
 
     def __init__(self, geometry: HitGeometry, device: torch.device | str, *, max_tokens: int = 0, top_k: int = 0,
                  block_n: int = 128, block_k: int = 32, num_warps: int = 8, split_k: int | None = None,

@@ -326,7 +326,7 @@ class StagedPrefill:
         self.stats.calls += 1
         self.stats.tokens += T
         if not self._calibrating:
-            metrics.picks("streamed", T * k)
+            metrics.picks("streamed", int(plan.counts.sum()))  # (not vLLM's padding rows: id -1)
         self.stats.seconds += time.perf_counter() - t0
         return out
 

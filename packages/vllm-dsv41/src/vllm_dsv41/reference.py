@@ -64,7 +64,7 @@ class ReferenceExperts:
         ids = np.asarray(topk_ids)
         wts = np.asarray(topk_weights, dtype=np.float64)
         out = np.zeros((x.shape[0], wd[0].shape[1]), dtype=np.float64)
-        for e in np.unique(ids):
+        for e in np.unique(ids[ids >= 0]):  # a negative id (vLLM's padding rows) is no pick
             rows, slots = np.nonzero(ids == e)
             xe = x[rows]
             h = swiglu(xe @ wg[e], xe @ wu[e], limit)

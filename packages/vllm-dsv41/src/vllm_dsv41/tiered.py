@@ -203,8 +203,9 @@ class TieredRuntime:
         self._rates = rates
         self._cache: Any = None
         self._index: dict[int, int] = {}  # MoE layer id -> cache layer index
-        self._allowed = False
+        self._allowed = self.device.type == "cpu"  # on a GPU model: once vLLM's KV cache exists (allow_cache)
         self._step_open = False
+        self._cache_step = False  # the cache's before_step was called for the open step
         self._step_tokens = 0
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self.stats = TierStats()
@@ -215,6 +216,7 @@ class TieredRuntime:
         self._closed = False
         self._limits: dict[int, float | None] = {}
         self._prefill: Any = None  # vllm_dsv41.prefill.StagedPrefill, built with the cache
+        self._home_hits: dict[int, Any] = {}  # MoE layer -> the kernel reading the home in place (with the cache)
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -285,6 +287,7 @@ class TieredRuntime:
             if self._device_budget:
                 free = max(0, min(free, self._device_budget - torch.cuda.memory_reserved(self.device)))
         self._cache = ExpertCache(cfg, src.rows, self.device, free_bytes=free)
+        self._home_hits = self._home_kernels(self._cache.home_alignment)
         if self._rates is None:
             self._rates = self._measure_rates()
         if self.tcfg.prefill:
@@ -298,6 +301,33 @@ class TieredRuntime:
         logger.info("dsv41 tiered: VRAM expert cache of %d slots (%.2f GiB, %.1f%% of %d experts), policy %s; %s",
                     slots, slots * cfg.slot_stride / GiB, 100.0 * slots / cfg.num_keys, cfg.num_keys, t.policy,
                     self._rates.describe())  # fmt: skip
+
+    def _home_kernels(self, alignment: int) -> dict[int, Any]:
+        """Per layer, the kernel that reads non-resident experts in place from the host home (the PCIe share and
+        the deadline fallback): the hit kernel where the home's addresses suit its loads; else our Triton kernel
+        where they suit it (a checkpoint's safetensors files place tensors only on 8-byte boundaries: exllamav3's
+        kernel needs 16); else None (that layer's misses all go to the CPU tier, with no deadline)."""
+        from .hits import TritonHits, make_hits
+
+        out: dict[int, Any] = {}
+        swapped: list[int] = []
+        for lid, kernel in self._hits.items():
+            if alignment % getattr(kernel, "alignment", 1) == 0:
+                out[lid] = kernel
+            elif self._hits_factory is None and self.device.type == "cuda" and alignment % TritonHits.alignment == 0:
+                out[lid] = make_hits(self._layers[lid], self.device, backend="triton", swiglu_limit=self._limits[lid])
+                swapped.append(lid)
+            else:
+                out[lid] = None
+        if swapped:
+            logger.warning("dsv41 tiered: the host home's tensors are only %d-byte aligned; %s needs %d: the PCIe "
+                           "share and the deadline fallback of %d MoE layers read it with the Triton kernel",
+                           alignment, self.tcfg.hit_kernel, self._hits[swapped[0]].alignment, len(swapped))  # fmt: skip
+        if any(k is None for k in out.values()):
+            logger.warning("dsv41 tiered: the host home's tensors are only %d-byte aligned, which no hit kernel "
+                           "reads in place: the misses of %d MoE layers all go to the CPU tier (no PCIe share, no "
+                           "deadline)", alignment, sum(k is None for k in out.values()))  # fmt: skip
+        return out
 
     def _prefill_setup(self, home: ExpertHome) -> None:
         """The staged prefill (``vllm_dsv41.prefill``), its step rule calibrated now (memory lent by the cache)."""
@@ -344,17 +374,23 @@ class TieredRuntime:
     def _measure_pcie(self, lx: LayerExperts, expert_bytes: int) -> float:
         """The hit kernel over non-resident experts (pointers into the host home): PCIe read rate."""
         n = min(lx.num_experts, 16)
+        kernel = self._home_hits.get(lx.layer)
+        if kernel is None:
+            return 0.0  # no kernel reads this home in place: no PCIe share
         ptrs = self._cache.layer_pointers(self._index[lx.layer])  # nothing resident yet: all point into the home
-        return n * expert_bytes / hit_seconds(self._hits[lx.layer], ptrs, n, lx.hidden, self.device)
+        return n * expert_bytes / hit_seconds(kernel, ptrs, n, lx.hidden, self.device)
 
     # ------------------------------------------------------------------------------------------ steps
 
     def _begin_layer(self, layer: int, tokens: int) -> None:
         first = layer == min(self._layers)
         cache = self._cache
-        if cache is None and (self._allowed or self.device.type == "cpu") and not _capturing():
+        if cache is None and self._allowed and not _capturing():
             self._create_cache()
             cache = self._cache
+            if self._step_open and not first:  # created inside a step: the cache's step opens here
+                cache.before_step(self._step_tokens)
+                self._cache_step = True
         if not first:
             return
         if self._step_open:
@@ -363,14 +399,16 @@ class TieredRuntime:
         self.stats.steps += 1
         if cache is not None:
             cache.before_step(tokens)
+            self._cache_step = True
         self._step_open = True
         if self.tcfg.stats_every and self.stats.steps % self.tcfg.stats_every == 0:
             logger.info("dsv41 tiered: %s", self.stats.describe())
 
     def _end_step(self, replan: bool = True) -> None:
         self._step_open = False
-        if self._cache is not None and replan:  # (the cache's tensors may be inference tensors: replans run in
-            before = self._cache.fills_issued  # the model's forward, never at close)
+        cache_step, self._cache_step = self._cache_step, False
+        if cache_step and replan:  # (the cache's tensors may be inference tensors: replans run in the model's
+            before = self._cache.fills_issued  # forward, never at close)
             self._cache.after_step()
             if (n := self._cache.fills_issued - before) > 0:
                 metrics.cache_fill(n, n * self._cache.config.expert_bytes)
@@ -383,12 +421,15 @@ class TieredRuntime:
         if any(lid not in self._step_ids for lid in layers):
             return  # a step that did not reach every MoE layer (cannot happen in a model forward)
         ids = np.stack([self._step_ids[lid] for lid in layers], axis=1)  # [T, L, K]
+        real = (ids >= 0).all(axis=(1, 2))  # not the rows vLLM pads a CUDA graph's batch with (ids -1)
+        padded = int(ids.shape[0] - real.sum())
+        ids = ids[real]
         if self._recorder is None:
             from expert_cache import TraceRecorder
 
             self._recorder = TraceRecorder(len(layers), self._layers[layers[0]].num_experts, ids.shape[2],
                                            meta={"layers": layers, "runtime": self.name})  # fmt: skip
-        self._recorder.record_step(self._step_tokens, ids)
+        self._recorder.record_step(self._step_tokens - padded, ids)
 
     # ------------------------------------------------------------------------------------------ forward
 
@@ -467,7 +508,8 @@ class TieredRuntime:
             li = self._index[layer]
             cache.observe(li, ids)
             ptrs = cache.layer_pointers(li)
-            torch.ge(cache.slot_of[li][ids.long()], 0, out=hit)
+            torch.ge(cache.slot_of[li][ids.long().clamp(min=0)], 0, out=hit)
+            hit &= ids >= 0  # a negative id (vLLM's padding rows) is no pick: neither a hit nor a miss
         else:  # no cache yet (before vLLM's KV cache exists): everything is a miss, computed by the CPU tier
             ptrs = None
             hit.zero_()
@@ -494,11 +536,12 @@ class TieredRuntime:
         if self.tcfg.trace_path:
             self._step_ids[layer] = h_ids.copy()
         n_hit = int(h_hit.sum())
-        miss = np.flatnonzero(~h_hit.reshape(-1))  # flat pick indices t * k + j
+        miss = np.flatnonzero(~h_hit.reshape(-1) & (h_ids.reshape(-1) >= 0))  # flat pick indices t * k + j
         # 3. split the misses (per distinct expert) between the CPU tier and PCIe reads.
         pcie_picks = np.empty(0, np.int64)
         cpu_picks = miss
-        if miss.size and ptrs is not None:
+        home_kernel = self._home_hits.get(layer)
+        if miss.size and ptrs is not None and home_kernel is not None:
             flat_ids = h_ids.reshape(-1)
             experts, counts = np.unique(flat_ids[miss], return_counts=True)
             assert self._rates is not None
@@ -509,8 +552,8 @@ class TieredRuntime:
                 on_pcie = np.isin(flat_ids[miss], experts[plan.pcie])
                 pcie_picks, cpu_picks = miss[on_pcie], miss[~on_pcie]
         if pcie_picks.size:
-            self._gpu_picks(b, 0, kernel, ptrs, x32, w, t, pcie_picks)
-        p = _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, n_hit=n_hit, n_miss=int(miss.size),
+            self._gpu_picks(b, 0, home_kernel, ptrs, x32, w, t, pcie_picks)
+        p = _Pending(layer, t, k=k, b=b, kernel=home_kernel, ptrs=ptrs, n_hit=n_hit, n_miss=int(miss.size),
                      pcie_picks=pcie_picks, cpu_picks=cpu_picks)  # fmt: skip
         # 4. the CPU share, submitted now (the workers start at once); waited for in finish().
         if cpu_picks.size:
@@ -520,7 +563,7 @@ class TieredRuntime:
             experts_c = h_ids.reshape(-1)[cpu_picks].astype(np.int32)
             weights = b.h_w[:t].numpy().reshape(-1)[cpu_picks].astype(np.float32)
             picks_obj = self._picks_cls(np.arange(n, dtype=np.int32), experts_c, weights)
-            p.timeout = self._deadline(layer, np.unique(experts_c).size)
+            p.timeout = self._deadline(layer, np.unique(experts_c).size) if home_kernel is not None else None
             p.submitted = time.perf_counter()
             p.job = self._tier.submit(layer, xr, picks_obj, out=b.h_cpu[:n].numpy())
         return p
