@@ -79,7 +79,9 @@ def main() -> int:
     tcfg = TieredConfig(cache_margin_gib=a.cache_margin_gib, deadline_factor=0.0, stats_every=0,
                         prefill_min_tokens=a.min_tokens, hit_kernel="auto" if cuda else "reference")  # fmt: skip
     cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=a.cpu_threads), runtime="tiered", tiered=tcfg)
-    rt = TieredRuntime(cfg, home, device, cache_bytes=int(a.cache_mib * (1 << 20)) or None)
+    # the cache sizes itself from the 24 GiB card mimicked here, not from the H200's free memory
+    rt = TieredRuntime(cfg, home, device, cache_bytes=int(a.cache_mib * (1 << 20)) or None,
+                       device_budget_bytes=int(a.vram_gib * GiB) if cuda else None)  # fmt: skip
     for lx in layers:
         rt.add_layer(lx, swiglu_limit=None)
     rt.allow_cache()

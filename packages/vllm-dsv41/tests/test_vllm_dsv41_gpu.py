@@ -53,6 +53,30 @@ def test_fused_parts_concatenate_in_order() -> None:
     assert y.shape == (3, 384) and _rel_rms(y, ref) < 4e-3
 
 
+@pytest.mark.parametrize("rows", [3, 24, 40, 120])
+def test_dense_kernels_capture_in_a_cuda_graph_at_any_row_count(rows: int) -> None:
+    """vLLM's PIECEWISE graphs capture batch sizes that no eager call ran at a given layer: exllamav3's autotuner
+    (stream syncs on the first call of a row bucket) would invalidate the capture. The kernel tunes every bucket
+    when built, so a capture at a fresh row count (a shape tuned nowhere else in this run) works and replays
+    what the eager call computes."""
+    from cpu_tier.exl3 import random_tensor
+    from vllm_dsv41.dense import Exl3DenseLinear
+
+    rng = np.random.default_rng(rows)
+    t = random_tensor(640, 896 + 128 * (rows % 5), 3, "mul1", rng)
+    lin = Exl3DenseLinear([t], torch.device("cuda"), "exllamav3", ["fresh"])
+    x = torch.from_numpy(rng.standard_normal((rows, 640)).astype(np.float32)).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+        y = lin(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(y.cpu().numpy(), lin(x).cpu().numpy())
+
+
 @pytest.fixture(scope="module")
 def home(demo_pack: Path) -> Iterator[object]:
     from vllm_dsv41.home import ExpertHome

@@ -81,6 +81,22 @@ class Exllamav3Kernel:
             mcg=marker if t.codebook == "mcg" else None, mul1=marker if t.codebook == "mul1" else None,
             out_dtype=torch.float32, key=name,
         )  # fmt: skip
+        self.warm()
+
+    #: Row counts that reach every launch configuration exllamav3's fused GEMM tunes: it keys its autotune on the
+    #: rows rounded up to a power of two to 16 (at least 2), then to a multiple of 16 capped at 64.
+    TUNED_ROWS = (2, 4, 8, 16, 32, 48, 64)
+
+    def warm(self) -> None:
+        """Tune exllamav3's fused GEMM for this tensor at every row bucket now, eagerly. Its autotuner times the
+        candidates on the first call of a (rows bucket, shape), with stream syncs: inside a CUDA graph capture that
+        invalidates the capture (vLLM's PIECEWISE graphs capture batch sizes that no eager warm-up ran at this
+        layer). Tuned shapes are cached by exllamav3 in memory and on disk, so each shape tunes once."""
+        dev = self._lin.trellis.device
+        if dev.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        for m in self.TUNED_ROWS:
+            self(torch.zeros((m, self.k), dtype=torch.float16, device=dev))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         from exllamav3.modules.quant.exl3 import AUTO_RECONSTRUCT_THRESHOLD
