@@ -103,7 +103,10 @@ def main() -> int:
         check(
             "named tool call",
             len(calls) == 1 and calls[0].function.name == "get_weather",
-            calls[0].function.arguments[:60] if calls else "none",
+            calls[0].function.arguments[:60]
+            if calls
+            else f"none (finish {r.choices[0].finish_reason}, content {str(r.choices[0].message.content)[:80]!r}, "
+            f"reasoning {str(getattr(r.choices[0].message, 'reasoning_content', None))[:60]!r})",
         )
         for thinking in (True, False):
             r = c.chat.completions.create(
