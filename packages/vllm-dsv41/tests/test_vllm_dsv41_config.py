@@ -49,6 +49,8 @@ def test_defaults_and_frozen() -> None:
         ({"tiered": {"policy": "fifo"}}, "policy"),
         ({"tiered": {"split": "gpu"}}, "split"),
         ({"tiered": {"hit_kernel": "cublas"}}, "hit_kernel"),
+        ({"tiered": {"pcie_read": "zero-copy"}}, "pcie_read"),
+        ({"tiered": {"pcie_stage_slots": 0}}, "pcie_stage_slots"),
         ({"tiered": {"replan_every": 0}}, "replan_every"),
         ({"tiered": {"admit_limit": 1.5}}, "admit_limit"),
         ({"tiered": {"deadline_factor": True}}, "deadline_factor"),

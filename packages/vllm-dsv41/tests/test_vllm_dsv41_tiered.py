@@ -139,10 +139,9 @@ def test_a_cache_created_inside_a_step(home: ExpertHome, reference: ReferenceExp
         rt.close()
 
 
-def test_a_home_no_kernel_reads_in_place_sends_every_miss_to_the_cpu(home: ExpertHome,
-                                                                     reference: ReferenceExperts) -> None:  # fmt: skip
-    """A checkpoint's safetensors files align tensors to 8 bytes only; a hit kernel needing wider loads cannot read
-    the home in place: no PCIe share (even with split=pcie), no deadline, every miss computed by the CPU tier."""
+def _wide_runtime(home: ExpertHome, **tiered: object) -> TieredRuntime:
+    """A runtime whose hit kernel needs wider loads than this home's tensors give (a checkpoint's safetensors files
+    align tensors to 8 bytes; exllamav3's kernel loads 16): the reference kernel with its alignment raised."""
     from vllm_dsv41.hits import ReferenceHits, make_hits
 
     class Wide(ReferenceHits):
@@ -153,22 +152,65 @@ def test_a_home_no_kernel_reads_in_place_sends_every_miss_to_the_cpu(home: Exper
         k.__class__ = Wide
         return k
 
-    t = TieredConfig(split="pcie", hit_kernel="reference", replan_every=2, prefill=False)
+    tiered.setdefault("prefill", False)
+    t = TieredConfig(hit_kernel="reference", replan_every=2, **tiered)  # type: ignore[arg-type]
     cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact"), runtime="tiered", tiered=t)
-    rt = TieredRuntime(cfg, home, "cpu", rates=RATES, cache_bytes=5 * _slot_bytes(home), hits_factory=factory)
+    # a cache of 5 slots once the transient slots (taken from the budget when the read is staged) are out
+    budget = (6 + int(tiered.get("pcie_stage_slots", 8))) * _slot_bytes(home)  # type: ignore[call-overload]
+    rt = TieredRuntime(cfg, home, "cpu", rates=RATES, cache_bytes=budget, hits_factory=factory)
     for lx in home.layers():
         rt.add_layer(lx, swiglu_limit=None)
-    rng = np.random.default_rng(2)
+    return rt
+
+
+@pytest.mark.parametrize("slots", [1, 3, 16])
+@pytest.mark.parametrize("split", ["pcie", "auto"])
+def test_the_staged_read_through_transient_slots(home: ExpertHome, reference: ReferenceExperts, slots: int,
+                                                  split: str) -> None:  # fmt: skip
+    """pcie_read auto on a home the hit kernel cannot read in place: the GPU's share of the misses is copied into
+    transient slots (in rounds when they are fewer than its experts) and read from there; the same results."""
+    rt = _wide_runtime(home, split=split, pcie_read="auto", pcie_stage_slots=slots)
+    rng = np.random.default_rng(slots)
     try:
         for step in range(6):
-            for layer, x, ids, w, out in _step(rt, rng, tokens=[1, 3, 5][step % 3], hot=5):
+            for layer, x, ids, w, out in _step(rt, rng, tokens=[1, 3, 5][step % 3], hot=6):
                 expected = reference.forward(layer, x, ids, w)
                 np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
         s = rt.stats
-        assert rt.cache.home_alignment < Wide.alignment
-        assert s.pcie_picks == 0 and s.cpu_picks > 0 and s.hit_picks > 0
+        assert rt.cache.home_alignment < 256
+        assert rt._stager is not None and rt._stager.n == slots and rt.cache.num_slots == 5
+        assert s.pcie_picks > 0 and s.hit_picks > 0 and rt._stager.bytes_copied > 0
+        if split == "pcie":
+            assert s.cpu_picks == 0
+        if slots == 1:
+            assert rt._stager.rounds > s.steps * LAYERS  # several rounds per layer
     finally:
         rt.close()
+
+
+def test_the_mapped_read_refuses_a_home_its_kernel_cannot_read(home: ExpertHome) -> None:
+    rt = _wide_runtime(home, split="pcie", pcie_read="mapped")
+    rng = np.random.default_rng(0)
+    try:
+        with pytest.raises(ValueError, match=r"pcie_read 'mapped' needs the host home's tensors 256-byte aligned"):
+            _step(rt, rng, tokens=2)
+    finally:
+        rt.close()
+
+
+def test_staged_and_mapped_reads_agree(home: ExpertHome) -> None:
+    """The same hit kernel through the home in place and through transient slots: bit-identical outputs."""
+    outs = []
+    for mode in ("mapped", "staged"):
+        rt = _runtime(home, 0, "pcie", pcie_read=mode, pcie_stage_slots=2)
+        rng = np.random.default_rng(9)
+        try:
+            outs.append([o for _ in range(4) for *_, o in _step(rt, rng, tokens=3, hot=6)])
+            assert (rt._stager is not None) == (mode == "staged")
+        finally:
+            rt.close()
+    for a, b in zip(*outs, strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_the_combine_does_not_depend_on_the_split(home: ExpertHome) -> None:
@@ -359,6 +401,33 @@ def test_on_the_gpu_matches_the_reference(registered_home: ExpertHome, reference
             assert s.cpu_picks == 0 and (s.pcie_picks > 0 or slots == LAYERS * EXPERTS)
         if split == "cpu":
             assert s.pcie_picks == 0
+    finally:
+        rt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["triton", "exllamav3"])
+@pytest.mark.parametrize("stage_slots", [1, 4])
+def test_on_the_gpu_the_staged_read_matches_the_reference(registered_home: ExpertHome, reference: ReferenceExperts,
+                                                          kernel: str, stage_slots: int) -> None:  # fmt: skip
+    """pcie_read staged on CUDA: the misses copied by the copy engine into transient VRAM slots (on its own stream,
+    in rounds), read by the hit kernel from there; against the float64 reference."""
+    tol = 3e-3 if kernel == "exllamav3" else 3e-5
+    rt = _gpu_runtime(registered_home, 5, "pcie", kernel, pcie_read="staged", pcie_stage_slots=stage_slots)
+    rng = np.random.default_rng(stage_slots)
+    dev = torch.device("cuda")
+    try:
+        for step in range(6):
+            tokens = [1, 3, 17][step % 3]
+            for layer in range(LAYERS):
+                x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
+                ids, w = _routing(rng, tokens, hot=6)
+                out = torch.empty((tokens, HIDDEN), device=dev)
+                rt.forward_into(layer, torch.from_numpy(x).to(dev), torch.from_numpy(ids).to(dev),
+                                torch.from_numpy(w).to(dev), out)  # fmt: skip
+                expected = reference.forward(layer, x, ids, w)
+                np.testing.assert_allclose(out.cpu().numpy(), expected, rtol=0, atol=tol * np.abs(expected).max())
+        assert rt._stager is not None and rt._stager.bytes_copied > 0 and rt.stats.pcie_picks > 0
     finally:
         rt.close()
 

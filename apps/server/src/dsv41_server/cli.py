@@ -108,6 +108,19 @@ def _parser() -> argparse.ArgumentParser:
         choices=("auto", "exllamav3", "triton", "reference"),
         help="GPU kernel of the cached experts (default auto: the fastest available)",
     )
+    t.add_argument(
+        "--pcie-read",
+        choices=("auto", "mapped", "staged"),
+        help="how the GPU reads the misses it computes from the host home: in place (mapped, zero-copy; needs "
+        "tensors aligned for the hit kernel), copied into transient VRAM slots first (staged), or auto (default: "
+        "mapped where the kernel can, else staged)",
+    )
+    t.add_argument(
+        "--pcie-stage-slots",
+        type=int,
+        metavar="N",
+        help="transient VRAM slots of the staged read, one expert each, out of the cache's budget (default 8)",
+    )
     t.add_argument("--cpu-gbps", type=float, help="the cost model's CPU-tier rate in GB/s (default: measured)")
     t.add_argument("--pcie-gbps", type=float, help="the cost model's PCIe read rate in GB/s (default: measured)")
     t.add_argument(
@@ -197,7 +210,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
         plugin["attention"] = a.attention
     # flag -> field of the plugin's nested tiered-runtime config (TieredConfig)
     tiered_fields = {"cache_gib": "cache_gib", "cache_margin_gib": "cache_margin_gib", "cache_policy": "policy",
-                     "miss_split": "split", "hit_kernel": "hit_kernel", "cpu_gbps": "cpu_gbps",
+                     "miss_split": "split", "hit_kernel": "hit_kernel", "pcie_read": "pcie_read",
+                     "pcie_stage_slots": "pcie_stage_slots", "cpu_gbps": "cpu_gbps",
                      "pcie_gbps": "pcie_gbps", "record_routing": "trace_path",
                      "tier_stats_every": "stats_every", "prefill": "prefill",
                      "prefill_min_tokens": "prefill_min_tokens", "prefill_ring_slots": "prefill_ring_slots",

@@ -31,11 +31,13 @@ DenseKernel = Literal["auto", "exllamav3", "triton"]
 EngramMode = Literal["mmap", "upstream"]
 Split = Literal["auto", "cpu", "pcie"]
 HitKernelName = Literal["auto", "exllamav3", "triton", "reference"]
+PcieRead = Literal["auto", "mapped", "staged"]
 Attention = Literal["auto", "upstream", "triton"]
 RUNTIMES: tuple[str, ...] = ("cpu", "all-in-vram", "tiered")
 DENSE_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton")
 SPLITS: tuple[str, ...] = ("auto", "cpu", "pcie")
 HIT_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton", "reference")
+PCIE_READS: tuple[str, ...] = ("auto", "mapped", "staged")
 ENGRAM_MODES: tuple[str, ...] = ("mmap", "upstream")
 ATTENTIONS: tuple[str, ...] = ("auto", "upstream", "triton")
 PREFILL_BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
@@ -51,6 +53,7 @@ __all__ = [
     "DENSE_KERNELS",
     "ENGRAM_MODES",
     "HIT_KERNELS",
+    "PCIE_READS",
     "RUNTIMES",
     "SPLITS",
     "Dsv41PluginConfig",
@@ -89,8 +92,15 @@ class TieredConfig:
     split : where misses go. "auto": the cost model (measured rates) splits them between the CPU tier and the
         GPU reading the host home over PCIe so both finish together; "cpu" / "pcie": all of them there.
     hit_kernel : the GPU kernel of the cached experts (``vllm_dsv41.hits``); "auto" picks the fastest available.
+    pcie_read : how the GPU reads the experts it computes from the host home (the PCIe share of the misses and the
+        deadline fallback). "mapped": the hit kernel reads the GPU-mapped home in place (zero-copy; needs the
+        home's tensors aligned to the kernel's loads: 16 bytes for exllamav3's); "staged": the copy engine copies
+        them into transient VRAM slots first (any alignment; ``pcie_stage_slots`` experts at a time), then the hit
+        kernel reads the slots; "auto": mapped where the kernel can read the home in place, else staged.
+    pcie_stage_slots : transient VRAM slots of the staged read (each one expert; their memory is taken from the
+        cache's budget). More experts than slots go in rounds.
     cpu_gbps, pcie_gbps : the cost model's rates (expert bytes per second, in GB/s) of the CPU tier and of the
-        GPU's PCIe reads of the host home; 0 = measured at startup.
+        GPU's PCIe reads of the host home (mapped or staged, as configured); 0 = measured at startup.
     deadline_factor, deadline_floor_ms : the CPU tier's deadline per layer, ``factor * predicted + floor``; picks
         it has not computed by then are computed by the GPU from the host home (counted, never dropped).
         ``deadline_factor = 0``: no deadline.
@@ -120,6 +130,8 @@ class TieredConfig:
     admit_limit: int = 48
     split: Split = "auto"
     hit_kernel: HitKernelName = "auto"
+    pcie_read: PcieRead = "auto"
+    pcie_stage_slots: int = 8
     cpu_gbps: float = 0.0
     pcie_gbps: float = 0.0
     deadline_factor: float = 4.0
@@ -149,6 +161,9 @@ class TieredConfig:
             raise ValueError(f"split: expected one of {SPLITS}, got {self.split!r}")
         if self.hit_kernel not in HIT_KERNELS:
             raise ValueError(f"hit_kernel: expected one of {HIT_KERNELS}, got {self.hit_kernel!r}")
+        if self.pcie_read not in PCIE_READS:
+            raise ValueError(f"pcie_read: expected one of {PCIE_READS}, got {self.pcie_read!r}")
+        _integer("pcie_stage_slots", self.pcie_stage_slots, 1)
         _number("cpu_gbps", self.cpu_gbps, 0.0)
         _number("pcie_gbps", self.pcie_gbps, 0.0)
         _number("deadline_factor", self.deadline_factor, 0.0)

@@ -18,7 +18,9 @@ One MoE layer's forward (``forward_into``)
 2. the activations, routing and hit mask are copied to pinned host memory (one event, the only host wait
    before the CPU starts); the GPU keeps computing the hits meanwhile;
 3. host: the misses are split (cost model); the PCIe share is handed to the hit kernel a second time (into a
-   second buffer), the CPU share is submitted to the CPU tier, one output row per pick;
+   second buffer), reading the host home in place (``pcie_read`` mapped) or from transient VRAM slots the copy
+   engine filled first (staged: any alignment of the home), the CPU share is submitted to the CPU tier, one
+   output row per pick;
 4. the CPU tier gets a deadline (``factor * predicted + floor``); picks it has not computed by then are
    computed by the GPU from the host home (counted in ``dsv41_cpu_deadline_misses_total``; never dropped);
 5. the CPU rows are copied back and scattered into ``y``; ``out = sum_k y[:, k]`` in a fixed order. Every pick
@@ -151,6 +153,79 @@ class _Buffers:
         self.ready = torch.cuda.Event() if cuda else None
 
 
+class _Stager:
+    """Transient VRAM slots for the GPU's reads of the host home (``pcie_read`` staged): the copy engine copies
+    up to ``n`` experts into them on its own stream, and the hit kernel reads them through a copy of the layer's
+    pointer table whose columns of those experts point into the slots. Slot layout and alignment are the cache's
+    (``slot_alignment``), so any home alignment works.
+
+    Ordering: the copies wait for the last kernel that read the slots (``done``), the compute stream waits for the
+    copies; ``ptrs`` is rewritten on the compute stream, after that kernel."""
+
+    def __init__(self, config: Any, rows: Any, n: int, device: torch.device) -> None:
+        self.n = n
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stride = config.slot_stride
+        self.offs = np.asarray(config.projection_offsets, np.int64)
+        self.sizes = [spec.nbytes for spec in config.projection_specs]
+        self.rows = rows
+        align = config.slot_alignment
+        raw = torch.empty(n * self.stride + align, dtype=torch.uint8, device=device)
+        skip = -raw.data_ptr() % align
+        self._raw = raw
+        self.pool = raw[skip : skip + n * self.stride].view(n, self.stride)
+        self.base = self.pool.data_ptr()
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._free: Any = None  # event after the last kernel that read the slots
+        self.ptrs: torch.Tensor | None = None
+        self.bytes_copied = 0
+        self.rounds = 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._raw.numel())
+
+    def stage(self, layer_index: int, experts: np.ndarray, table: torch.Tensor) -> torch.Tensor:
+        """Copy ``experts`` (at most ``n``) of cache layer ``layer_index`` into slots ``0..len-1``; the pointer
+        table to read them with (``table`` with their columns repointed), valid on the compute stream."""
+        if experts.size > self.n:
+            raise ValueError(f"staged read: {experts.size} experts for {self.n} transient slots")
+        compute = torch.cuda.current_stream(self.device) if self.cuda else None
+        if self.cuda:
+            assert self.stream is not None
+            if self._free is not None:
+                self.stream.wait_event(self._free)
+            ctx: Any = torch.cuda.stream(self.stream)
+        else:
+            ctx = torch.no_grad()
+        with ctx:
+            for j, e in enumerate(experts.tolist()):
+                for p, size in enumerate(self.sizes):
+                    src = self.rows.host_row(layer_index, e, p, size)
+                    self.pool[j, self.offs[p] : self.offs[p] + size].copy_(src, non_blocking=self.cuda)
+                    self.bytes_copied += size
+        if self.cuda:
+            assert compute is not None and self.stream is not None
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+            compute.wait_event(ready)
+        if self.ptrs is None or self.ptrs.shape != table.shape:
+            self.ptrs = torch.empty_like(table)
+        self.ptrs.copy_(table)
+        addr = self.base + np.arange(experts.size, dtype=np.int64)[:, None] * self.stride + self.offs[None, :]
+        cols = torch.from_numpy(np.ascontiguousarray(experts, np.int64)).to(self.device)
+        self.ptrs[:, cols] = torch.from_numpy(np.ascontiguousarray(addr.T)).to(self.device)
+        self.rounds += 1
+        return self.ptrs
+
+    def done(self) -> None:
+        """After the kernel that read the slots was queued: the next copies wait for it."""
+        if self.cuda:
+            self._free = torch.cuda.Event()
+            self._free.record(torch.cuda.current_stream(self.device))
+
+
 class TieredRuntime:
     """Routed experts of every MoE layer split between a VRAM cache (GPU), the CPU tier and PCIe reads.
 
@@ -216,7 +291,7 @@ class TieredRuntime:
         self._closed = False
         self._limits: dict[int, float | None] = {}
         self._prefill: Any = None  # vllm_dsv41.prefill.StagedPrefill, built with the cache
-        self._home_hits: dict[int, Any] = {}  # MoE layer -> the kernel reading the home in place (with the cache)
+        self._stager: _Stager | None = None  # the staged read's transient slots (pcie_read staged; with the cache)
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -281,13 +356,17 @@ class TieredRuntime:
             replan_every=t.replan_every,
             admit_limit=t.admit_limit,
         )
+        if self._read_staged(src.rows):
+            self._stager = _Stager(cfg, src.rows, t.pcie_stage_slots, self.device)
+            if budget is not None:  # the transient slots come out of a given budget
+                budget = max(1, budget - self._stager.nbytes)
+                cfg = dataclasses.replace(cfg, vram_budget_bytes=budget)
         free = None
         if budget is None and self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
             if self._device_budget:
                 free = max(0, min(free, self._device_budget - torch.cuda.memory_reserved(self.device)))
         self._cache = ExpertCache(cfg, src.rows, self.device, free_bytes=free)
-        self._home_hits = self._home_kernels(self._cache.home_alignment)
         if self._rates is None:
             self._rates = self._measure_rates()
         if self.tcfg.prefill:
@@ -302,32 +381,24 @@ class TieredRuntime:
                     slots, slots * cfg.slot_stride / GiB, 100.0 * slots / cfg.num_keys, cfg.num_keys, t.policy,
                     self._rates.describe())  # fmt: skip
 
-    def _home_kernels(self, alignment: int) -> dict[int, Any]:
-        """Per layer, the kernel that reads non-resident experts in place from the host home (the PCIe share and
-        the deadline fallback): the hit kernel where the home's addresses suit its loads; else our Triton kernel
-        where they suit it (a checkpoint's safetensors files place tensors only on 8-byte boundaries: exllamav3's
-        kernel needs 16); else None (that layer's misses all go to the CPU tier, with no deadline)."""
-        from .hits import TritonHits, make_hits
-
-        out: dict[int, Any] = {}
-        swapped: list[int] = []
-        for lid, kernel in self._hits.items():
-            if alignment % getattr(kernel, "alignment", 1) == 0:
-                out[lid] = kernel
-            elif self._hits_factory is None and self.device.type == "cuda" and alignment % TritonHits.alignment == 0:
-                out[lid] = make_hits(self._layers[lid], self.device, backend="triton", swiglu_limit=self._limits[lid])
-                swapped.append(lid)
-            else:
-                out[lid] = None
-        if swapped:
-            logger.warning("dsv41 tiered: the host home's tensors are only %d-byte aligned; %s needs %d: the PCIe "
-                           "share and the deadline fallback of %d MoE layers read it with the Triton kernel",
-                           alignment, self.tcfg.hit_kernel, self._hits[swapped[0]].alignment, len(swapped))  # fmt: skip
-        if any(k is None for k in out.values()):
-            logger.warning("dsv41 tiered: the host home's tensors are only %d-byte aligned, which no hit kernel "
-                           "reads in place: the misses of %d MoE layers all go to the CPU tier (no PCIe share, no "
-                           "deadline)", alignment, sum(k is None for k in out.values()))  # fmt: skip
-        return out
+    def _read_staged(self, rows: Any) -> bool:
+        """Whether the GPU reads the home through transient slots (``pcie_read``): "auto" stages when a hit kernel
+        cannot read the home's addresses in place (a checkpoint's safetensors files place tensors on 8-byte
+        boundaries; exllamav3's kernel loads 16 bytes)."""
+        addr = np.asarray(rows.kernel_addresses(), np.int64)
+        acc = int(np.bitwise_or.reduce(addr.reshape(-1))) | 4096 if addr.size else 4096
+        alignment = acc & -acc
+        need = max((getattr(k, "alignment", 1) for k in self._hits.values()), default=1)
+        mode = self.tcfg.pcie_read
+        if mode == "mapped" and alignment % need:
+            raise ValueError(f"tiered runtime: pcie_read 'mapped' needs the host home's tensors {need}-byte aligned "
+                             f"for the {self.tcfg.hit_kernel} hit kernel, but they are only {alignment}-byte aligned; "
+                             "use pcie_read 'staged' or 'auto'")  # fmt: skip
+        staged = mode == "staged" or (mode == "auto" and alignment % need != 0)
+        logger.info("dsv41 tiered: the GPU reads the host home %s (its tensors are %d-byte aligned, the hit kernel "
+                    "loads %d bytes)", f"through {self.tcfg.pcie_stage_slots} transient VRAM slots" if staged
+                    else "in place (zero-copy)", alignment, need)  # fmt: skip
+        return staged
 
     def _prefill_setup(self, home: ExpertHome) -> None:
         """The staged prefill (``vllm_dsv41.prefill``), its step rule calibrated now (memory lent by the cache)."""
@@ -374,11 +445,18 @@ class TieredRuntime:
     def _measure_pcie(self, lx: LayerExperts, expert_bytes: int) -> float:
         """The hit kernel over non-resident experts (pointers into the host home): PCIe read rate."""
         n = min(lx.num_experts, 16)
-        kernel = self._home_hits.get(lx.layer)
-        if kernel is None:
-            return 0.0  # no kernel reads this home in place: no PCIe share
-        ptrs = self._cache.layer_pointers(self._index[lx.layer])  # nothing resident yet: all point into the home
-        return n * expert_bytes / hit_seconds(kernel, ptrs, n, lx.hidden, self.device)
+        li = self._index[lx.layer]
+        table = self._cache.layer_pointers(li)  # nothing resident yet: all point into the home
+        stager = self._stager
+        if stager is not None:
+            n = min(n, stager.n)
+            experts = np.arange(n, dtype=np.int64)
+            seconds = hit_seconds(self._hits[lx.layer], lambda: stager.stage(li, experts, table), n, lx.hidden,
+                                  self.device)  # fmt: skip
+            stager.done()
+        else:
+            seconds = hit_seconds(self._hits[lx.layer], table, n, lx.hidden, self.device)
+        return n * expert_bytes / seconds
 
     # ------------------------------------------------------------------------------------------ steps
 
@@ -540,8 +618,7 @@ class TieredRuntime:
         # 3. split the misses (per distinct expert) between the CPU tier and PCIe reads.
         pcie_picks = np.empty(0, np.int64)
         cpu_picks = miss
-        home_kernel = self._home_hits.get(layer)
-        if miss.size and ptrs is not None and home_kernel is not None:
+        if miss.size and ptrs is not None:
             flat_ids = h_ids.reshape(-1)
             experts, counts = np.unique(flat_ids[miss], return_counts=True)
             assert self._rates is not None
@@ -552,8 +629,8 @@ class TieredRuntime:
                 on_pcie = np.isin(flat_ids[miss], experts[plan.pcie])
                 pcie_picks, cpu_picks = miss[on_pcie], miss[~on_pcie]
         if pcie_picks.size:
-            self._gpu_picks(b, 0, home_kernel, ptrs, x32, w, t, pcie_picks)
-        p = _Pending(layer, t, k=k, b=b, kernel=home_kernel, ptrs=ptrs, n_hit=n_hit, n_miss=int(miss.size),
+            self._gpu_picks(b, 0, kernel, ptrs, x32, w, t, pcie_picks, layer)
+        p = _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, n_hit=n_hit, n_miss=int(miss.size),
                      pcie_picks=pcie_picks, cpu_picks=cpu_picks)  # fmt: skip
         # 4. the CPU share, submitted now (the workers start at once); waited for in finish().
         if cpu_picks.size:
@@ -563,7 +640,7 @@ class TieredRuntime:
             experts_c = h_ids.reshape(-1)[cpu_picks].astype(np.int32)
             weights = b.h_w[:t].numpy().reshape(-1)[cpu_picks].astype(np.float32)
             picks_obj = self._picks_cls(np.arange(n, dtype=np.int32), experts_c, weights)
-            p.timeout = self._deadline(layer, np.unique(experts_c).size) if home_kernel is not None else None
+            p.timeout = self._deadline(layer, np.unique(experts_c).size)
             p.submitted = time.perf_counter()
             p.job = self._tier.submit(layer, xr, picks_obj, out=b.h_cpu[:n].numpy())
         return p
@@ -596,7 +673,7 @@ class TieredRuntime:
                 logger.warning("dsv41 tiered: MoE layer %d: the CPU tier missed its deadline (%.2f ms); %d of %d "
                                "picks recomputed on the GPU from the host home", p.layer, 1e3 * (p.timeout or 0),
                                missing.size, n)  # fmt: skip
-                self._gpu_picks(b, 1, p.kernel, p.ptrs, b.x32[:t], b.w[:t], t, p.cpu_picks[missing])
+                self._gpu_picks(b, 1, p.kernel, p.ptrs, b.x32[:t], b.w[:t], t, p.cpu_picks[missing], p.layer)
         # 5. fixed-order sum over the picks of each token.
         torch.sum(b.y[:t], dim=1, out=b.x32[:t])
         out[:t].copy_(b.x32[:t])
@@ -609,21 +686,39 @@ class TieredRuntime:
         metrics.picks("pcie", int(p.pcie_picks.size))
 
     def _gpu_picks(self, b: _Buffers, use: int, kernel: Any, ptrs: Any, x: torch.Tensor, w: torch.Tensor, t: int,
-                   picks: np.ndarray) -> None:  # fmt: skip
-        """The GPU kernel on ``picks`` (flat indices) through ``ptrs``, added into ``y`` (disjoint from what is
-        there). ``use`` picks the staging pair (0: the PCIe share, 1: the deadline fallback), so the two never
+                   picks: np.ndarray, layer: int) -> None:  # fmt: skip
+        """The GPU kernel on ``picks`` (flat indices) read from the host home, added into ``y`` (disjoint from what
+        is there): in place through ``ptrs`` (mapped), or through the transient slots (staged, in rounds of their
+        count). ``use`` picks the staging pair (0: the PCIe share, 1: the deadline fallback), so the two never
         share a pinned buffer within a layer; the next layer writes them only after its own input event, which
         the stream orders after these copies."""
         if ptrs is None:  # cannot happen: PCIe picks and fallbacks need the table, which exists with the cache
             raise RuntimeError("tiered runtime: GPU picks before the expert cache exists")
+        flat = b.h_ids[:t].numpy().reshape(-1)
         h = b.h_second[use, :t].numpy()
         h.fill(-1)
-        h.reshape(-1)[picks] = b.h_ids[:t].numpy().reshape(-1)[picks]
+        h.reshape(-1)[picks] = flat[picks]
         ids2 = b.second_ids[use, :t]
         ids2.copy_(b.h_second[use, :t], non_blocking=self.device.type == "cuda")
         y2 = b.y2[:t]
-        kernel.forward(ptrs, x, ids2, w, y2)
-        b.y[:t].add_(y2)
+        stager = self._stager
+        if stager is None:
+            kernel.forward(ptrs, x, ids2, w, y2)
+            b.y[:t].add_(y2)
+            return
+        experts = np.unique(flat[picks])
+        li = self._index[layer]
+        for r0 in range(0, experts.size, stager.n):
+            chunk = experts[r0 : r0 + stager.n]
+            table = stager.stage(li, chunk, ptrs)
+            if chunk.size < experts.size:  # this round's picks only
+                cols = torch.from_numpy(chunk.astype(np.int32)).to(self.device)
+                sub = torch.where(torch.isin(ids2, cols), ids2, torch.full_like(ids2, -1))
+            else:
+                sub = ids2
+            kernel.forward(table, x, sub, w, y2)
+            stager.done()
+            b.y[:t].add_(y2)
 
     def _deadline(self, layer: int, experts: int) -> float | None:
         t = self.tcfg
@@ -659,21 +754,24 @@ class TieredRuntime:
         self._buffers.clear()
 
 
-def hit_seconds(kernel: Any, ptrs: torch.Tensor, n: int, hidden: int, device: torch.device, reps: int = 3) -> float:
+def hit_seconds(kernel: Any, ptrs: torch.Tensor | Callable[[], torch.Tensor], n: int, hidden: int,
+                device: torch.device, reps: int = 3) -> float:  # fmt: skip
     """Best wall seconds (of ``reps``, after one warm-up) of ``kernel`` computing experts ``0..n-1`` at one token
-    each through the pointer table ``ptrs``, fp32 activations as the runtime passes them."""
+    each through the pointer table ``ptrs``, fp32 activations as the runtime passes them. ``ptrs`` may be a
+    callable returning the table, timed with the kernel (the staged read: its copies into transient slots)."""
     ids = torch.arange(n, dtype=torch.int32, device=device).view(n, 1)
     x = torch.randn((n, hidden), dtype=torch.float32, device=device)
     w = torch.ones((n, 1), dtype=torch.float32, device=device)
     y = torch.empty((n, 1, hidden), dtype=torch.float32, device=device)
     cuda = device.type == "cuda"
-    kernel.forward(ptrs, x, ids, w, y)
+    table = ptrs if callable(ptrs) else (lambda: ptrs)
+    kernel.forward(table(), x, ids, w, y)
     if cuda:
         torch.cuda.synchronize(device)
     best = math.inf
     for _ in range(reps):
         t0 = time.perf_counter()
-        kernel.forward(ptrs, x, ids, w, y)
+        kernel.forward(table(), x, ids, w, y)
         if cuda:
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t0)
