@@ -132,6 +132,9 @@ def main() -> int:
                     help="the cache's size for the --layers given, overriding --cache-gib-full (dry runs)")  # fmt: skip
     ap.add_argument("--policy", default="hybrid")
     ap.add_argument("--hit-kernel", default="auto")
+    ap.add_argument("--pcie-read", default="auto", choices=("auto", "mapped", "staged"),
+                    help="how the GPU reads the PCIe share from the home (TieredConfig.pcie_read)")  # fmt: skip
+    ap.add_argument("--pcie-stage-slots", type=int, default=8)
     ap.add_argument("--replan-every", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=64)
     ap.add_argument("--steps", type=int, default=64)
@@ -161,12 +164,24 @@ def main() -> int:
     lx0 = layers[0]
     eb = _expert_bytes(lx0)
     cache_bytes = int(a.cache_mib * (1 << 20)) if a.cache_mib else int(a.cache_gib_full * GiB * a.layers / FULL_LAYERS)
+    if a.pcie_read != "mapped":
+        # a staged read's transient slots come out of the cache's budget: a few slots of the ~900 of a 24 GB card's
+        # cache at 40 layers, but a sixth of this scaled-down one; the bench adds them so the hit rate stays the
+        # full model's
+        from expert_cache import ExpertCacheConfig
+
+        src = home.cache_home([lx.layer for lx in layers])
+        stride = ExpertCacheConfig(num_layers=len(layers), num_experts=lx0.num_experts,
+                                   projections=src.projections).slot_stride  # fmt: skip
+        cache_bytes += a.pcie_stage_slots * stride + 4096
 
     def runtime(split: str, rates: Rates | None) -> TieredRuntime:
         tcfg = TieredConfig(
             split=split,
             policy=a.policy,
             hit_kernel=a.hit_kernel,  # type: ignore[arg-type]
+            pcie_read=a.pcie_read,
+            pcie_stage_slots=a.pcie_stage_slots,
             replan_every=a.replan_every,
             deadline_factor=0.0,
             stats_every=0,

@@ -95,8 +95,9 @@ if step tiered; then
 fi
 if step tbench; then
     log "tbench"
+    # shellcheck disable=SC2086  # TB_ARGS is a list of arguments (e.g. --pcie-read staged --hit-kernel triton)
     timeout "$(gpu_tmo 560)" python3 packages/vllm-dsv41/benches/bench_tiered.py --layers "${TB_LAYERS:-2}" --root /tmp/dsv41/flash \
-        --streams 1,2,4 --splits cpu,auto,pcie --cpu-threads 8 --warmup 48 --steps 48 --json "$OUT/bench_tiered.json" \
+        --streams 1,2,4 --splits cpu,auto,pcie --cpu-threads 8 --warmup 48 --steps 48 --json "$OUT/bench_tiered.json" ${TB_ARGS:-} \
         2>&1 | tee "$OUT/bench_tiered.log" | grep -v "INFO\|DEBUG" | tail -20
     r=${PIPESTATUS[0]}; log "tbench rc=$r"; rc=$((rc || r))
 fi
