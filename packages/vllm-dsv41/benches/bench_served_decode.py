@@ -275,7 +275,8 @@ def _use_runtime(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
             cpu_gbps=0.0,
             pcie_gbps=0.0,
             stats_every=0,
-            prefill=False,  # decode only (the staged prefill's calibration would time two layers per case)
+            # decode only unless asked (the staged prefill's calibration times two layers per case)
+            prefill=bool(spec.get("prefill", False)),
         )
         assert isinstance(tcfg, TieredConfig)
         rates = Rates(r["cpu"], r["pcie"], r["hbm"], "measured in this run") if r else Rates(1.0, 1.0)

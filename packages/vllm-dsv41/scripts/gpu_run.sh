@@ -21,6 +21,9 @@
 #   decode    benches/bench_served_decode.py on that pack: served decode tok/s at 1/2/4 streams for the runtimes
 #             none / tiered (misses cpu, auto, pcie) / cpu vs the roofline of the same run; VRAM capped at 24 GiB,
 #             PIECEWISE; DEC_RUNTIMES picks the cases (none first), DEC_TAG names the outputs; traces under $OUT
+#   sprefill  benches/bench_served_prefill.py on that pack: served prompt tok/s at PF_PROMPTS lengths (default
+#             2048,8192,16384) with PF_CHUNK-token chunks (default 8192), experts off vs the tiered runtime's staged
+#             prefill, against the roofline of the same runs (streamed bytes / the measured copy rate + non-expert time)
 #   savejit   tar the JIT caches (TileLang, Triton, vLLM/DeepGEMM) into $OUT/jitcache.tgz; a later machine restores
 #             them from .jitcache/jitcache.tgz when that folder is carried (saves the cold compile, ~2-3 min)
 set -uo pipefail
@@ -131,6 +134,14 @@ if step decode; then
         --time-budget-s "${DEC_BUDGET:-430}" --json "$OUT/decode${DEC_TAG:-}/bench_served_decode.json" \
         2>&1 | tee "$OUT/decode${DEC_TAG:-}/bench_served_decode.log" | grep -v "INFO\|DEBUG\|WARNING" | tail -40
     r=${PIPESTATUS[0]}; log "decode rc=$r"; rc=$((rc || r))
+fi
+if step sprefill; then
+    log "sprefill"
+    timeout "$(gpu_tmo 560)" python3 packages/vllm-dsv41/benches/bench_served_prefill.py --layers "${DEC_LAYERS:-4}" \
+        --root /tmp/dsv41/served --prompts "${PF_PROMPTS:-2048,8192,16384}" --chunk "${PF_CHUNK:-8192}" --runs 3 \
+        --cpu-threads 8 --time-budget-s 400 --json "$OUT/bench_served_prefill.json" \
+        2>&1 | tee "$OUT/bench_served_prefill.log" | grep -v "INFO\|DEBUG\|WARNING" | tail -20
+    r=${PIPESTATUS[0]}; log "sprefill rc=$r"; rc=$((rc || r))
 fi
 if step savejit; then
     (cd "$HOME" && tar czf "$OUT/jitcache.tgz" $(ls -d .cache/vllm .triton .tilelang 2>/dev/null))

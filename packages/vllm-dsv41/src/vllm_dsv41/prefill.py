@@ -269,6 +269,13 @@ class StagedPrefill:
     def active(self) -> bool:
         return self._episode is not None
 
+    @property
+    def bytes_streamed(self) -> int:
+        """Bytes copied from the host home so far, the open episode's included (``stats.bytes_copied`` counts an
+        episode when it ends: at the next decode call)."""
+        ep = self._episode
+        return self.stats.bytes_copied + (int(ep.pf.ring.bytes_issued) if ep is not None else 0)
+
     def _start(self, cache: Any) -> _Episode:
         from dma_prefill import DmaPrefill
 
