@@ -360,13 +360,18 @@ def run_case(llm: Any, streams: int, args: argparse.Namespace, vocab: int) -> di
     return {"runs": runs}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_pack_arguments(ap: argparse.ArgumentParser) -> None:
+    """The pack's arguments (the served benches share the flash-v41 pack): --layers, --root, --pack, --small."""
     ap.add_argument("--layers", type=int, default=4, help="real-size Flash layers of the pack (>= 3; default 4)")
     ap.add_argument("--root", type=Path, default=Path("/tmp/dsv41/served"))
     ap.add_argument("--pack", type=Path, help="serve this pack instead of building flash-v41 (dry runs)")
-    ap.add_argument("--build-only", action="store_true", help="build and verify the pack, then stop")
     ap.add_argument("--small", action="store_true", help="a small flash-v41 (the same code at tiny sizes; dry runs)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_pack_arguments(ap)
+    ap.add_argument("--build-only", action="store_true", help="build and verify the pack, then stop")
     ap.add_argument("--streams", default="1,2,4")
     ap.add_argument(
         "--runtimes",

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_served_decode import GiB, _full_layers, _use_runtime, build_flash_pack  # noqa: E402
+from bench_served_decode import GiB, _full_layers, _use_runtime, add_pack_arguments, build_flash_pack  # noqa: E402
 
 _T0 = time.perf_counter()
 
@@ -127,10 +127,7 @@ def scale_lines(rows: list[dict[str, Any]], layers: int, full: int, chunk: int, 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=4, help="real-size Flash layers of the pack (>= 3; default 4)")
-    ap.add_argument("--root", type=Path, default=Path("/tmp/dsv41/served"))
-    ap.add_argument("--pack", type=Path, help="serve this pack instead of building flash-v41 (dry runs)")
-    ap.add_argument("--small", action="store_true", help="a small flash-v41 (the same code at tiny sizes; dry runs)")
+    add_pack_arguments(ap)
     ap.add_argument("--prompts", default="2048,8192,16384", help="prompt lengths in tokens")
     ap.add_argument("--chunk", type=int, default=8192, help="vLLM's max_num_batched_tokens (the prefill chunk)")
     ap.add_argument("--runtimes", default="none,tiered")
