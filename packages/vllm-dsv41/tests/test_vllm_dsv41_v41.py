@@ -142,3 +142,62 @@ def test_breakable_graph_env_must_precede_vllm(v41_pack: Path) -> None:
         r = subprocess.run([sys.executable, "-c", _PROBE, str(v41_pack)], env={**base, **extra}, capture_output=True,
                            text=True, timeout=600)  # fmt: skip
         assert expected in r.stdout, (extra, r.stdout[-2000:], r.stderr[-3000:])
+
+
+@pytest.mark.parametrize("thinking", [False, True])
+def test_a_forced_tool_call_through_upstreams_parsers_and_grammar(v41_pack: Path, thinking: bool) -> None:
+    """The pack's tokenizer with upstream's deepseek_v41 parsers, as the server composes them: a forced (named) tool
+    call becomes an xgrammar structural tag whose tokens (the DSML special token included) the matcher accepts, and
+    the text it forces parses into the call. The tag is the same with thinking on; vLLM then applies it only after
+    the reasoning ends, which is why the GPU serve check asks with thinking off (a random model never ends it)."""
+    xgr = pytest.importorskip("xgrammar")
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser.parser_manager import ParserManager
+    from vllm.tokenizers import get_tokenizer
+
+    tok = get_tokenizer(str(v41_pack), tokenizer_mode="deepseek_v41")
+    parser_cls = ParserManager.get_parser(tool_parser_name="deepseek_v41", reasoning_parser_name="deepseek_v41",
+                                          enable_auto_tools=True, tokenizer=tok)  # fmt: skip
+    assert parser_cls is not None
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+    ]
+    kwargs = {"thinking": thinking}
+    req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=tools,
+                                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                max_tokens=64, chat_template_kwargs=kwargs)  # type: ignore[arg-type]  # fmt: skip
+    parser = parser_cls(tok, req.tools, chat_template_kwargs=kwargs)
+    req = parser.adjust_request(req)
+    assert req.structured_outputs is not None and req.structured_outputs.structural_tag
+    vocab = len(tok)
+    hf = getattr(tok, "tokenizer", tok)
+    matcher = xgr.GrammarMatcher(
+        xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab)).compile_structural_tag(
+            req.structured_outputs.structural_tag
+        )
+    )
+    mask = xgr.allocate_token_bitmask(1, vocab)
+    forced: list[int] = []
+    while not matcher.is_terminated() and len(forced) < 200:
+        matcher.fill_next_token_bitmask(mask)
+        words = [w & 0xFFFFFFFF for w in mask[0].tolist()]
+        allowed = [i for i in range(vocab) if (words[i // 32] >> (i % 32)) & 1]
+        assert allowed, f"no token allowed after {tok.decode(forced)!r}"
+        # the lowest allowed id; where the JSON value is free, a quote closes the string at once
+        nxt = next((i for i in allowed if tok.decode([i]) == '"'), allowed[0]) if len(allowed) > 8 else allowed[0]
+        assert matcher.accept_token(nxt)
+        forced.append(nxt)
+    text = tok.decode(forced)
+    special = tok.convert_tokens_to_ids("｜DSML｜")
+    assert special in forced and '<｜DSML｜ invoke name="get_weather">' in text, text
+    reasoning, content, calls = parser_cls(tok, req.tools, chat_template_kwargs={"thinking": False}).parse(
+        text, req, enable_auto_tools=True, model_output_token_ids=forced
+    )
+    assert calls and calls[0].name == "get_weather", (text, content, calls)
