@@ -177,6 +177,8 @@ class _Stager:
         self.pool = raw[skip : skip + n * self.stride].view(n, self.stride)
         self.base = self.pool.data_ptr()
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.stream is not None:  # its copies write the pool: not handed out again before they are done
+            raw.record_stream(self.stream)
         self._free: Any = None  # event after the last kernel that read the slots
         self.ptrs: torch.Tensor | None = None
         self.bytes_copied = 0
