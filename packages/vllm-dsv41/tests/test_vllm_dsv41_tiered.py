@@ -182,8 +182,8 @@ def test_the_staged_read_through_transient_slots(home: ExpertHome, reference: Re
         assert s.pcie_picks > 0 and s.hit_picks > 0 and rt._stager.bytes_copied > 0
         if split == "pcie":
             assert s.cpu_picks == 0
-        if slots == 1:
-            assert rt._stager.rounds > s.steps * LAYERS  # several rounds per layer
+        if slots == 1 and split == "pcie":
+            assert rt._stager.rounds > s.steps * LAYERS  # several rounds per layer (every miss is read by the GPU)
     finally:
         rt.close()
 
