@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from dma_prefill import StepCostModel, derive_thresholds
+from dma_prefill import StepCostModel, chunked_expert_seconds, derive_thresholds
 
 
 def test_h200_model_reproduces_the_measured_layers() -> None:
@@ -26,6 +26,20 @@ def test_cpu_expert_time_interpolates_and_chunks() -> None:
     assert all(b >= a for a, b in zip(times, times[1:], strict=False))
     assert m.cpu_expert_s(16) == pytest.approx(2 * m.cpu_expert_s(8))  # chunks of the largest measured count
     assert m.cpu_expert_s(3) == pytest.approx((m.cpu_expert_s(2) + m.cpu_expert_s(4)) / 2)
+
+
+def test_chunked_expert_seconds_alone() -> None:
+    one = {1: 2.0}  # one point at m = 1: every token costs one expert's time
+    assert [chunked_expert_seconds(one, m) for m in (1, 2, 5)] == [2.0, 4.0, 10.0]
+    flat = {1: 2.0, 8: 2.0}  # memory-bound up to the chunk of 8
+    assert [chunked_expert_seconds(flat, m) for m in (1, 3, 8, 9, 16, 17)] == [2.0, 2.0, 2.0, 4.0, 4.0, 6.0]
+    pts = {2: 3.0, 4: 5.0}  # no point at 1: a lone expert costs the smallest point's time
+    assert chunked_expert_seconds(pts, 1) == 3.0 and chunked_expert_seconds(pts, 3) == 4.0
+    assert chunked_expert_seconds(pts, 5) == pytest.approx(5.0 + 3.0 * 1 / 2)  # 4 + a remainder of 1 (1/2 of m=2)
+    assert chunked_expert_seconds(pts, 0) == 0.0
+    for bad in ({}, {0: 1.0}, {1: -1.0}):
+        with pytest.raises(ValueError, match="chunked_expert_seconds"):
+            chunked_expert_seconds(bad, 1)
 
 
 def test_paths_follow_the_rates() -> None:

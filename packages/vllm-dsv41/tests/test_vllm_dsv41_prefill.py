@@ -189,6 +189,18 @@ def test_the_step_rule(home: ExpertHome) -> None:
         rt.close()
 
 
+def test_the_decode_paths_miss_rate_by_tokens_per_expert() -> None:
+    """The step rule's decode-path miss rate follows the split and the CPU tier's measured points."""
+    from vllm_dsv41.prefill import miss_gbps
+
+    r = Rates(cpu_bps=10e9, pcie_bps=5e9, cpu_tokens=((2, 8e9), (8, 4e9)))
+    assert miss_gbps(r, "cpu") == {1: 10.0, 2: 8.0, 8: 4.0}
+    assert miss_gbps(r, "pcie") == {1: 5.0, 2: 5.0, 8: 5.0}
+    assert miss_gbps(r, "auto") == {1: 15.0, 2: 13.0, 8: 9.0}
+    # no measured points: one token's time up to the tier's chunk of 8, not 8 tokens' (the former single point)
+    assert miss_gbps(Rates(cpu_bps=10e9, pcie_bps=0), "cpu") == {1: 10.0, 8: 10.0}
+
+
 def test_cpu_tail_on_hybrid_calls(home: ExpertHome, reference: ReferenceExperts) -> None:
     """With a CPU tail, calls up to the hybrid limit leave their last batches to the CPU tier (same result)."""
     rt = _runtime(home, prefill_cpu_tail_batches=1)

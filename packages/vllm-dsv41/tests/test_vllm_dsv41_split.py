@@ -61,6 +61,47 @@ def test_forced_modes_and_missing_rates() -> None:
     assert empty.pcie.size == 0 and empty.predicted_seconds == 0
 
 
+def test_cpu_cost_follows_the_tokens_per_expert() -> None:
+    # one token at 10 GB/s, 8 tokens at 4 GB/s (2.5x the time: each further token adds multiplies on the CPU),
+    # PCIe at 10 GB/s whatever the tokens: the 8-token expert goes over PCIe; with flat CPU costs it stayed
+    rates = Rates(cpu_bps=10e9, pcie_bps=10e9, cpu_tokens=((2, 9e9), (4, 7e9), (8, 4e9)))
+    experts, tokens = np.array([3, 5, 7]), np.array([8, 1, 1])
+    plan = split_misses(experts, tokens, 10 * MB, rates, "auto")
+    assert plan.pcie.tolist() == [True, False, False]
+    assert math.isclose(plan.cpu_seconds, 2e-3) and math.isclose(plan.pcie_seconds, 1e-3)
+    flat = split_misses(experts, tokens, 10 * MB, Rates(cpu_bps=10e9, pcie_bps=10e9), "auto")
+    assert flat.pcie.tolist() == [False, True, False]
+    assert math.isclose(rates.cpu_expert_seconds(10 * MB, 8), 10 * MB / 4e9)
+    assert math.isclose(rates.cpu_expert_seconds(10 * MB, 3), (10 * MB / 9e9 + 10 * MB / 7e9) / 2)
+    assert math.isclose(rates.cpu_expert_seconds(10 * MB, 16), 2 * 10 * MB / 4e9)  # chunks of 8
+    cpu_only = split_misses(experts, tokens, 10 * MB, rates, "cpu")
+    assert math.isclose(cpu_only.cpu_seconds, 10 * MB / 4e9 + 2 * 10 * MB / 10e9)
+    assert "8 tokens 4.00" in rates.describe()
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_auto_split_with_token_costs_is_near_the_best(seed: int) -> None:
+    """Greedy longest-first on two machines: within one job of the best assignment (brute force)."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 11))
+    experts = rng.choice(384, size=n, replace=False)
+    tokens = rng.integers(1, 9, size=n)
+    cpu1 = float(rng.uniform(5, 50)) * 1e9
+    rates = Rates(cpu_bps=cpu1, pcie_bps=float(rng.uniform(5, 50)) * 1e9,
+                  cpu_tokens=((2, cpu1 / 1.2), (4, cpu1 / 1.7), (8, cpu1 / 2.6)))  # fmt: skip
+    busy = float(rng.uniform(0, 1e-3))
+    plan = split_misses(experts, tokens, 13 * MB, rates, "auto", gpu_busy_seconds=busy)
+    c = np.array([rates.cpu_expert_seconds(13 * MB, int(m)) for m in tokens])
+    p = 13 * MB / rates.pcie_bps
+    assert math.isclose(plan.cpu_seconds, c[~plan.pcie].sum(), abs_tol=1e-15)
+    assert math.isclose(plan.pcie_seconds, busy + plan.pcie.sum() * p)
+    best = min(
+        max(c[~mask].sum(), busy + mask.sum() * p)
+        for mask in (np.array([(b >> i) & 1 for i in range(n)], bool) for b in range(1 << n))
+    )
+    assert plan.predicted_seconds <= best + max(c.max(), p) + 1e-12
+
+
 def test_bad_input_is_named() -> None:
     r = Rates(cpu_bps=1e9, pcie_bps=1e9)
     with pytest.raises(ValueError, match="mode"):
@@ -69,4 +110,11 @@ def test_bad_input_is_named() -> None:
         split_misses(np.arange(2), np.ones(3), MB, r)
     with pytest.raises(ValueError, match="cpu_bps"):
         Rates(cpu_bps=-1, pcie_bps=0)
+    for bad, what in ((((1, 1e9),), "tokens >= 2"), (((2, 1e9), (2, 2e9)), "given twice"),
+                      (((2, -1.0),), r"cpu_tokens\[2\]"), (((4, 0.0),), r"cpu_tokens\[4\]"),
+                      ((2, 1e9), "pairs")):  # fmt: skip
+        with pytest.raises(ValueError, match=what):
+            Rates(cpu_bps=1e9, pcie_bps=0, cpu_tokens=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=">= 1 token"):
+        split_misses(np.arange(2), np.array([1, 0]), MB, r)
     assert "GB/s" in r.describe()

@@ -60,6 +60,23 @@ def _step(rt: TieredRuntime, rng: np.random.Generator, tokens: int, hot: int = E
     return done
 
 
+def test_rates_are_measured_per_tokens_per_expert(home: ExpertHome) -> None:
+    """Without configured rates the CPU tier is timed at 1, 2, 4 and 8 tokens per expert when the cache is made
+    (no PCIe rate on a CPU device), and the cost model and the log use every point."""
+    rt = _runtime(home, 4, "auto", rates=None)  # type: ignore[arg-type]
+    try:
+        assert rt.rates is None
+        _step(rt, np.random.default_rng(0), tokens=2)
+        r = rt.rates
+        assert r is not None and r.source == "measured" and r.pcie_bps == 0 and r.cpu_bps > 0
+        assert [m for m, _ in r.cpu_tokens] == [2, 4, 8] and all(v > 0 for _, v in r.cpu_tokens)
+        assert "8 tokens" in r.describe()
+        eb = 3 * HIDDEN * 128  # any size: the ratio to one token's time is what is checked
+        assert r.cpu_expert_seconds(eb, 8) == pytest.approx(eb / dict(r.cpu_tokens)[8])
+    finally:
+        rt.close()
+
+
 @pytest.mark.parametrize("slots", [0, 5, LAYERS * EXPERTS])
 @pytest.mark.parametrize("split", ["cpu", "pcie", "auto"])
 def test_matches_the_reference_across_cache_sizes_and_splits(home: ExpertHome, reference: ReferenceExperts,

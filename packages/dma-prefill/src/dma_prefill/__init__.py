@@ -17,7 +17,7 @@ from .layout import ExpertLayout
 from .plan import PrefillPlan
 from .prefill import DmaPrefill, PipelineStats
 from .ring import Staged, StagingRing
-from .steps import StepCostModel, derive_thresholds
+from .steps import StepCostModel, chunked_expert_seconds, derive_thresholds
 from .store import ExpertStore, HostExpertStore
 
 try:
@@ -49,5 +49,6 @@ __all__ = [
     "V41_FLASH",
     "__version__",
     "choose_path",
+    "chunked_expert_seconds",
     "derive_thresholds",
 ]

@@ -16,7 +16,34 @@ from collections.abc import Mapping
 from .config import V41_FLASH, StepPath
 from .layout import ExpertLayout
 
-__all__ = ["StepCostModel", "derive_thresholds"]
+__all__ = ["StepCostModel", "chunked_expert_seconds", "derive_thresholds"]
+
+
+def chunked_expert_seconds(seconds: Mapping[int, float], tokens: float) -> float:
+    """Seconds of one expert computed for ``tokens`` tokens by a tier measured at a few token counts.
+
+    ``seconds`` maps tokens per expert (>= 1) to the measured seconds of one expert at that count. Between the
+    measured points the time is interpolated linearly in the token count; beyond the largest one, M, the tier
+    works in chunks of M tokens (``cpu_tier`` decodes an expert once per chunk of at most 8), so ``tokens`` cost
+    ``(tokens // M)`` times M's plus the remainder's; below the smallest one, a lone expert costs that point's
+    time (its weights are read whatever the count). With one point at m = 1 every token costs one expert's time.
+    """
+    if not seconds or any(not (m >= 1 and s >= 0) for m, s in seconds.items()):
+        raise ValueError(f"chunked_expert_seconds: need entries tokens >= 1 -> seconds >= 0, got {dict(seconds)}")
+    pts = sorted((float(m), float(s)) for m, s in seconds.items())
+    big_m, big_t = pts[-1]
+    full, rest = divmod(max(tokens, 0.0), big_m)
+    if rest <= 0:
+        return full * big_t
+    if rest <= pts[0][0]:
+        part = pts[0][1] * (rest / pts[0][0] if full else 1.0)  # a lone expert costs at least one token's time
+    else:
+        part = big_t
+        for (m0, t0), (m1, t1) in zip(pts, pts[1:], strict=False):
+            if rest <= m1:
+                part = t0 + (t1 - t0) * (rest - m0) / (m1 - m0)
+                break
+    return full * big_t + part
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -85,20 +112,7 @@ class StepCostModel:
 
     def cpu_expert_s(self, tokens: float) -> float:
         """CPU tier seconds for one expert with ``tokens`` tokens (see ``cpu_gbps``)."""
-        pts = sorted((float(m), self.expert_bytes / (v * 1e9)) for m, v in self.cpu_gbps.items())
-        big_m, big_t = pts[-1]
-        full, rest = divmod(max(tokens, 0.0), big_m)
-        if rest <= 0:
-            return full * big_t
-        if rest <= pts[0][0]:
-            part = pts[0][1] * (rest / pts[0][0] if full else 1.0)  # a lone expert costs at least one token's time
-        else:
-            part = big_t
-            for (m0, t0), (m1, t1) in zip(pts, pts[1:], strict=False):
-                if rest <= m1:
-                    part = t0 + (t1 - t0) * (rest - m0) / (m1 - m0)
-                    break
-        return full * big_t + part
+        return chunked_expert_seconds({m: self.expert_bytes / (v * 1e9) for m, v in self.cpu_gbps.items()}, tokens)
 
     def _cpu_s(self, experts: float, rows: float) -> float:
         if experts <= 0:

@@ -224,12 +224,11 @@ class StagedPrefill:
         c, rates = self.calibration, self._rates
         if c is None or rates is None:
             return None
-        # the decode path's misses go where the split sends them: the CPU tier, PCIe reads, or both at once
-        miss_bps = {"cpu": rates.cpu_bps, "pcie": rates.pcie_bps}.get(self.tcfg.split, rates.cpu_bps + rates.pcie_bps)
+        eb = self.store.layout(self.layer_ids[0]).stride
         return StepCostModel(
-            num_experts=self.num_experts, top_k=top_k, expert_bytes=self.store.layout(self.layer_ids[0]).stride,
-            h2d_gbps=c.h2d_bps / 1e9, gpu_expert_s=c.gpu_expert_s, gpu_row_s=c.gpu_row_s,
-            cpu_gbps={1: max(miss_bps, 1.0) / 1e9}, cache_hit_rate=self.tcfg.prefill_hit_rate,
+            num_experts=self.num_experts, top_k=top_k, expert_bytes=eb, h2d_gbps=c.h2d_bps / 1e9,
+            gpu_expert_s=c.gpu_expert_s, gpu_row_s=c.gpu_row_s, cpu_gbps=miss_gbps(rates, self.tcfg.split),
+            cache_hit_rate=self.tcfg.prefill_hit_rate,
         )  # fmt: skip
 
     def thresholds(self, top_k: int) -> tuple[int, int] | None:
@@ -345,6 +344,17 @@ class StagedPrefill:
             f"ring {self.pcfg.num_slots} x {self.pcfg.experts_per_batch} experts "
             f"({self.required_bytes() / (1 << 30):.2f} GiB with the decode scratch, lent by the cache); {cal}"
         )
+
+
+def miss_gbps(rates: Rates, split: str) -> dict[int, float]:
+    """The decode path's miss rate by tokens per expert (GB/s of expert bytes), for ``StepCostModel.cpu_gbps``:
+    the misses go where the split sends them: the CPU tier (``Rates.cpu_points``), PCIe reads (one expert's read
+    whatever its tokens: the same rate at 1 and 8, so larger counts run as chunks of 8), or both at once (their
+    sum at each point)."""
+    cpu = rates.cpu_points()
+    pcie = dict.fromkeys(cpu, rates.pcie_bps)
+    out = {"cpu": cpu, "pcie": pcie}.get(split) or {m: cpu[m] + pcie[m] for m in cpu}
+    return {m: max(v, 1.0) / 1e9 for m, v in out.items()}
 
 
 def next_moe_layer(layer_ids: tuple[int, ...], layer: int) -> int | None:

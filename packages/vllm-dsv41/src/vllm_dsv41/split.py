@@ -1,11 +1,13 @@
 """Where a decode step's cache misses run: the CPU tier or the GPU reading the host home over PCIe.
 
 A miss (a routed expert not resident in the VRAM cache) can be computed by the CPU tier from the host home
-(its cost: the expert's bytes at the CPU tier's streaming rate) or by the GPU's hit kernel reading the same
-bytes from the GPU-mapped host home (the expert's bytes at the PCIe read rate, after the GPU's own hits). Both
-paths run at once, so the best split balances their finish times: experts are assigned, most-used first, to
-whichever path would finish them earlier (longest-processing-time-first; the rates are measured at startup,
-``Rates``). ``split_misses`` is pure (numpy in, numpy out) and deterministic for a given input.
+(its cost: the expert's bytes at the CPU tier's streaming rate for its token count: the tier decodes an expert
+once per chunk of up to 8 tokens, but each further token adds multiplies, so 8 tokens cost ~2-3x one on AVX2) or
+by the GPU's hit kernel reading the same bytes from the GPU-mapped host home (the expert's bytes at the PCIe
+read rate, after the GPU's own hits; bandwidth-bound, so taken as independent of the tokens). Both paths run at
+once, so the best split balances their finish times: experts are assigned, most-used first, to whichever path
+would finish them earlier (longest-processing-time-first; the rates are measured at startup, ``Rates``).
+``split_misses`` is pure (numpy in, numpy out) and deterministic for a given input.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import dataclasses
 import math
 
 import numpy as np
+
+from dma_prefill import chunked_expert_seconds
 
 __all__ = ["Rates", "SplitPlan", "split_misses"]
 
@@ -28,25 +32,56 @@ class Rates:
     pcie_bps : what the GPU's hit kernel reads from the GPU-mapped host home.
     gpu_bps : what the hit kernel reads from VRAM (to predict when the GPU starts on PCIe work).
     source : where the numbers came from ("measured", "configured", ...), for the log.
+    cpu_tokens : the CPU tier's rate at more tokens per expert, ``((m, bytes/s), ...)`` with ``m >= 2`` (expert
+        bytes per second of one expert computed for ``m`` tokens; measured at startup at 2, 4 and 8). Empty: an
+        expert costs one token's time for up to 8 tokens (the tier's chunk; how it behaves while memory-bound).
     """
 
     cpu_bps: float
     pcie_bps: float
     gpu_bps: float = math.inf
     source: str = "configured"
+    cpu_tokens: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("cpu_bps", "pcie_bps", "gpu_bps"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v < 0:
-                raise ValueError(f"Rates.{name}: expected a number >= 0 (bytes/s), got {v!r}")
+            _rate(f"Rates.{name}", getattr(self, name))
+        seen = {1}
+        for item in self.cpu_tokens:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int) and item[0] >= 2):
+                raise ValueError(f"Rates.cpu_tokens: expected (tokens >= 2, bytes/s) pairs, got {item!r}")
+            if item[0] in seen:
+                raise ValueError(f"Rates.cpu_tokens: tokens {item[0]} given twice")
+            seen.add(item[0])
+            _rate(f"Rates.cpu_tokens[{item[0]}]", item[1])
+            if item[1] == 0:
+                raise ValueError(f"Rates.cpu_tokens[{item[0]}]: expected a rate > 0 (bytes/s), got 0")
+
+    def cpu_expert_seconds(self, expert_bytes: int, tokens: int) -> float:
+        """The CPU tier's seconds for one expert of ``expert_bytes`` computed for ``tokens`` tokens (inf when the
+        tier has no rate): ``cpu_points`` interpolated, counts beyond the largest point as chunks of it
+        (dma-prefill's ``chunked_expert_seconds``)."""
+        if self.cpu_bps <= 0:
+            return math.inf
+        return chunked_expert_seconds({m: expert_bytes / v for m, v in self.cpu_points().items()}, tokens)
+
+    def cpu_points(self) -> dict[int, float]:
+        """The CPU tier's bytes/s by tokens per expert: ``cpu_bps`` at 1 and ``cpu_tokens``; without
+        ``cpu_tokens``, ``cpu_bps`` at 1 and at 8 (one token's time for up to 8, the tier's chunk)."""
+        return {1: self.cpu_bps, **(dict(self.cpu_tokens) if self.cpu_tokens else {8: self.cpu_bps})}
 
     def describe(self) -> str:
         def gbps(v: float) -> str:
             return "inf" if math.isinf(v) else f"{v / 1e9:.2f}"
 
-        return (f"CPU tier {gbps(self.cpu_bps)} GB/s, PCIe reads {gbps(self.pcie_bps)} GB/s, "
-                f"VRAM hits {gbps(self.gpu_bps)} GB/s ({self.source})")  # fmt: skip
+        more = "".join(f", {m} tokens {gbps(v)}" for m, v in self.cpu_tokens)
+        return (f"CPU tier {gbps(self.cpu_bps)} GB/s (1 token per expert{more}), PCIe reads "
+                f"{gbps(self.pcie_bps)} GB/s, VRAM hits {gbps(self.gpu_bps)} GB/s ({self.source})")  # fmt: skip
+
+
+def _rate(name: str, v: object) -> None:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or v < 0:
+        raise ValueError(f"{name}: expected a number >= 0 (bytes/s), got {v!r}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -75,7 +110,8 @@ def split_misses(experts: np.ndarray, tokens: np.ndarray, expert_bytes: int, rat
     Parameters
     ----------
     experts : int ``[n]`` distinct missed expert ids.
-    tokens : int ``[n]`` tokens routed to each of them in this step (the most used go first; ties by id).
+    tokens : int ``[n]`` tokens routed to each of them in this step (the most used go first; ties by id; on the
+        CPU tier an expert's time depends on them, ``Rates.cpu_expert_seconds``).
     expert_bytes : bytes of one expert's weights (all experts of a layer have the same).
     rates : the measured (or configured) rates.
     mode : "auto" (balance the finish times), "cpu" (all on the CPU tier), "pcie" (all read over PCIe).
@@ -88,19 +124,21 @@ def split_misses(experts: np.ndarray, tokens: np.ndarray, expert_bytes: int, rat
     if mode not in ("auto", "cpu", "pcie"):
         raise ValueError(f"mode: expected 'auto', 'cpu' or 'pcie', got {mode!r}")
     n = experts.size
-    cpu_cost = expert_bytes / rates.cpu_bps if rates.cpu_bps > 0 else math.inf
+    if n and tokens.min() < 1:
+        raise ValueError(f"tokens: every missed expert has >= 1 token, got {tokens.min()}")
     pcie_cost = expert_bytes / rates.pcie_bps if rates.pcie_bps > 0 else math.inf
+    cpu_cost = [rates.cpu_expert_seconds(expert_bytes, int(m)) for m in tokens.tolist()]
     if mode == "cpu" or (mode == "auto" and math.isinf(pcie_cost)):
-        return SplitPlan(experts, np.zeros(n, bool), n * cpu_cost if n else 0.0, gpu_busy_seconds)
-    if mode == "pcie" or math.isinf(cpu_cost):
+        return SplitPlan(experts, np.zeros(n, bool), math.fsum(cpu_cost), gpu_busy_seconds)
+    if mode == "pcie" or rates.cpu_bps <= 0:
         return SplitPlan(experts, np.ones(n, bool), 0.0, gpu_busy_seconds + n * pcie_cost)
     order = np.lexsort((experts, -tokens))  # most tokens first, then by id
     pcie = np.zeros(n, bool)
     cpu_t, pcie_t = 0.0, gpu_busy_seconds
     for i in order.tolist():
-        if pcie_t + pcie_cost < cpu_t + cpu_cost:
+        if pcie_t + pcie_cost < cpu_t + cpu_cost[i]:
             pcie[i] = True
             pcie_t += pcie_cost
         else:
-            cpu_t += cpu_cost
+            cpu_t += cpu_cost[i]
     return SplitPlan(experts, pcie, cpu_t, pcie_t)

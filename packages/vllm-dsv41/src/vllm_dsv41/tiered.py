@@ -59,6 +59,8 @@ __all__ = ["TierStats", "TieredRuntime", "hit_seconds"]
 
 logger = logging.getLogger("vllm_dsv41.tiered")
 
+_CPU_RATE_TOKENS = (1, 2, 4, 8)  # tokens per expert at which the CPU tier's rate is measured (it decodes once per <= 8)
+
 GiB = 1 << 30
 
 
@@ -420,29 +422,37 @@ class TieredRuntime:
         return self._prefill
 
     def _measure_rates(self) -> Rates:
-        """Rates from the configuration, measured where 0 (CPU tier: one forward over distinct experts)."""
+        """Rates from the configuration, measured where 0 (CPU tier: forwards over distinct experts at 1, 2, 4 and
+        8 tokens per expert; PCIe: the hit kernel over non-resident experts)."""
         t = self.tcfg
         cpu = t.cpu_gbps * 1e9
         pcie = t.pcie_gbps * 1e9
         lx = self._layers[min(self._layers)]
         expert_bytes = _expert_bytes(lx)
+        more: tuple[tuple[int, float], ...] = ()
         if cpu == 0:
             n = min(lx.num_experts, 32)
-            x = np.random.default_rng(0).standard_normal((n, lx.hidden)).astype(np.float32)
-            picks = self._picks_cls(np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32),
-                                    np.ones(n, np.float32))  # fmt: skip
-            out = np.empty_like(x)
-            self._tier.forward(lx.layer, x, picks, out=out)  # warm the pages and the pool
-            best = math.inf
-            for _ in range(3):
-                t0 = time.perf_counter()
-                self._tier.forward(lx.layer, x, picks, out=out)
-                best = min(best, time.perf_counter() - t0)
-            cpu = n * expert_bytes / best
+            by_tokens = {m: n * expert_bytes / self._cpu_seconds(lx, n, m) for m in _CPU_RATE_TOKENS}
+            cpu = by_tokens.pop(1)
+            more = tuple(by_tokens.items())
         if pcie == 0 and self.device.type == "cuda":
             pcie = self._measure_pcie(lx, expert_bytes)
         source = "configured" if t.cpu_gbps and (t.pcie_gbps or self.device.type != "cuda") else "measured"
-        return Rates(cpu_bps=cpu, pcie_bps=pcie, source=source)
+        return Rates(cpu_bps=cpu, pcie_bps=pcie, source=source, cpu_tokens=more)
+
+    def _cpu_seconds(self, lx: LayerExperts, n: int, m: int) -> float:
+        """Best of 3 (after a warm-up) CPU tier forwards of ``n`` distinct experts with ``m`` tokens each."""
+        x = np.random.default_rng(m).standard_normal((n * m, lx.hidden)).astype(np.float32)
+        rows = np.arange(n * m, dtype=np.int32)
+        picks = self._picks_cls(rows, rows % n, np.ones(n * m, np.float32))
+        out = np.empty_like(x)
+        self._tier.forward(lx.layer, x, picks, out=out)  # warm the pages and the pool
+        best = math.inf
+        for _ in range(3):
+            t0 = time.perf_counter()
+            self._tier.forward(lx.layer, x, picks, out=out)
+            best = min(best, time.perf_counter() - t0)
+        return best
 
     def _measure_pcie(self, lx: LayerExperts, expert_bytes: int) -> float:
         """The hit kernel over non-resident experts (pointers into the host home): PCIe read rate."""
@@ -642,7 +652,7 @@ class TieredRuntime:
             experts_c = h_ids.reshape(-1)[cpu_picks].astype(np.int32)
             weights = b.h_w[:t].numpy().reshape(-1)[cpu_picks].astype(np.float32)
             picks_obj = self._picks_cls(np.arange(n, dtype=np.int32), experts_c, weights)
-            p.timeout = self._deadline(layer, np.unique(experts_c).size)
+            p.timeout = self._deadline(layer, np.unique(experts_c, return_counts=True)[1])
             p.submitted = time.perf_counter()
             p.job = self._tier.submit(layer, xr, picks_obj, out=b.h_cpu[:n].numpy())
         return p
@@ -722,11 +732,13 @@ class TieredRuntime:
             stager.done()
             b.y[:t].add_(y2)
 
-    def _deadline(self, layer: int, experts: int) -> float | None:
+    def _deadline(self, layer: int, tokens: np.ndarray) -> float | None:
+        """The CPU tier's deadline for experts with ``tokens`` tokens each: ``factor * predicted + floor``."""
         t = self.tcfg
         if t.deadline_factor == 0 or self._rates is None or self._rates.cpu_bps <= 0:
             return None
-        predicted = experts * _expert_bytes(self._layers[layer]) / self._rates.cpu_bps
+        eb = _expert_bytes(self._layers[layer])
+        predicted = math.fsum(self._rates.cpu_expert_seconds(eb, int(m)) for m in tokens.tolist())
         return t.deadline_factor * predicted + t.deadline_floor_ms / 1e3
 
     # ------------------------------------------------------------------------------------------ end
