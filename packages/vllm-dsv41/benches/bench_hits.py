@@ -91,8 +91,8 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     ap.add_argument(
         "--triton",
         nargs="*",
-        default=["", "prefetch=0", "block_k=64,num_warps=4,prefetch=0"],
-        help="TritonHits option sets to compare, e.g. 'block_k=64,prefetch=4' ('' = defaults)",
+        default=["", "prefetch=0", "block_n=256", "decode=elements"],
+        help="TritonHits option sets to compare, e.g. 'block_k=64,prefetch=4,decode=elements' ('' = defaults)",
     )
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
@@ -192,7 +192,8 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     for b in backends:
         if b == "triton":
             for spec in a.triton:
-                opts = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in spec.split(",") if kv}
+                pairs = (kv.split("=", 1) for kv in spec.split(",") if kv)
+                opts = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in pairs}
                 variants.append((b, f"triton {spec or 'defaults'}", opts))
         else:
             variants.append((b, b, {}))

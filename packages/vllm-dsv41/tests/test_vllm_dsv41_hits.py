@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -291,12 +292,21 @@ INTERPRETER = textwrap.dedent(
     from vllm_dsv41.hits import ExpertPool, HitGeometry, ReferenceHits, TritonHits
 
     rng = np.random.default_rng(int(os.environ["SEED"]))
-    cases = [  # experts, hidden, inter, bits, codebooks, limit, tokens, top-k, split_k, x dtype
-        (6, 256, 128, (3, 3, 3), ("mul1",) * 3, 10.0, 5, 2, None, torch.float32),
-        (5, 128, 256, (2, 4, 2.5), ("mcg", "3inst", "mul1"), 3.0, 7, 3, 2, torch.bfloat16),
-        (3, 256, 128, (1, 1, 8), ("3inst", "3inst", "mcg"), None, 20, 2, 3, torch.float16),
+    from test_vllm_dsv41_hits_gpu import check_decode
+
+    # the group decode and its permutation, bit for bit (plain integer ops; the GPU test runs the inline PTX)
+    for bits, bk, bn in ((3, 32, 128), (1, 16, 64), (4, 64, 256), (2, 32, 128)):
+        check_decode(torch.device("cpu"), False, bits, "mul1", bk, groups=True, block_n=bn)
+    print("ok group decode")
+
+    cases = [  # experts, hidden, inter, bits, codebooks, limit, tokens, top-k, split_k, x dtype, options
+        (6, 256, 128, (3, 3, 3), ("mul1",) * 3, 10.0, 5, 2, None, torch.float32, {}),
+        (6, 256, 128, (3, 3, 3), ("mul1",) * 3, 10.0, 5, 2, None, torch.float32, {"decode": "elements"}),
+        (4, 128, 256, (2, 4, 1), ("mul1",) * 3, 3.0, 3, 2, 2, torch.float32, {"block_k": 64, "block_n": 32}),
+        (5, 128, 256, (2, 4, 2.5), ("mcg", "3inst", "mul1"), 3.0, 7, 3, 2, torch.bfloat16, {}),
+        (3, 256, 128, (1, 1, 8), ("3inst", "3inst", "mcg"), None, 20, 2, 3, torch.float16, {}),
     ]
-    for n, h, i, bits, cbs, limit, t, k, sk, dt in cases:
+    for n, h, i, bits, cbs, limit, t, k, sk, dt, opts in cases:
         lx = random_layer(rng, n, h, i, bits, cbs)
         geo = HitGeometry.from_layer(lx, limit)
         with ExpertPool(lx, "cpu", "host") as pool:
@@ -306,11 +316,12 @@ INTERPRETER = textwrap.dedent(
             want = torch.empty((t, k, h))
             ReferenceHits(geo).forward(pool.ptrs, x, ids, w, want)
             out = torch.full((t, k, h), float("nan"))
-            TritonHits(geo, "cpu", split_k=sk).forward(pool.ptrs, x, ids, w, out)
+            kern = TritonHits(geo, "cpu", split_k=sk, **opts)
+            kern.forward(pool.ptrs, x, ids, w, out)
             err = rel_max(out.numpy(), want.numpy())
-            assert err < 2e-6, (bits, cbs, err)
+            assert err < 2e-6, (bits, cbs, opts, err)
             assert bool((out[ids < 0] == 0).all()), "skipped picks must be exact zeros"
-            print("ok", bits, cbs, t, k, f"{err:.1e}")
+            print("ok", bits, cbs, kern.groups, t, k, f"{err:.1e}")
 
     # one expert with more picks than a dot's rows (duplicates inside a token), skipped experts' pointers null
     lx = random_layer(rng, 4, 128, 128)
@@ -343,18 +354,20 @@ def test_triton_kernels_in_the_interpreter() -> None:
     env = dict(os.environ, TRITON_INTERPRET="1", SEED=str(seed), TESTS_DIR=str(Path(__file__).parent))
     r = subprocess.run([sys.executable, "-c", INTERPRETER], env=env, capture_output=True, text=True, timeout=800)
     assert r.returncode == 0, f"seed {seed}\n{r.stdout}\n{r.stderr[-4000:]}"
-    assert r.stdout.count("ok ") == 4, r.stdout
+    assert r.stdout.count("ok ") == 7, r.stdout
 
 
 # ------------------------------------------------------------------------------- compiled for the GPU, offline
 
 _TYPES = dict(IDS="*i32", ROWS="*i32", COUNT="*i32", S="i32", TOPK="i32", PTRS="*i64", E="i32", COL0="i32",
-              X="*fp32", stride_x="i32", A_HI="*fp16", A_LO="*fp16", A_INV="*fp32", P="*fp32", KS="i32", KPER="i32",
+              X="*fp32", stride_x="i32", A_HI="*fp16", A_LO="*fp16", A_INV="*fp32", A32="*fp32", P="*fp32", KS="i32",
+              KPER="i32",
               MULT="i32", ADD="i32", limit="fp32", W="*fp32", OUT="*fp32")  # fmt: skip
 
 
-def _compile(fn: object, arch: int, num_warps: int, **constexprs: object) -> str:
-    """PTX of ``fn`` compiled for ``sm_<arch>`` (through ptxas: a cubin is built), no GPU needed."""
+def _compile(fn: object, arch: int, num_warps: int, spills: bool = False, **constexprs: object) -> str:
+    """PTX of ``fn`` compiled for ``sm_<arch>`` (through ptxas: a cubin is built), no GPU needed; unless
+    ``spills``, its machine code (where a disassembler is found) must not spill registers to local memory."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -363,6 +376,11 @@ def _compile(fn: object, arch: int, num_warps: int, **constexprs: object) -> str
     k = triton.compile(ASTSource(fn, sig, constexprs=constexprs), target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=num_warps))  # fmt: skip
     assert k.asm["cubin"], "ptxas built no cubin"
+    from vllm_dsv41.ampere.aot import disassemble
+
+    sass = disassemble(k.asm["cubin"])
+    if sass is not None and not spills:  # spills would be local-memory stores and loads in the machine code
+        assert not re.search(r"\b(STL|LDL)\b", sass), f"{fn.__name__} spills registers to local memory"  # type: ignore[attr-defined]
     return str(k.asm["ptx"])
 
 
@@ -375,8 +393,14 @@ def test_triton_kernels_compile_for_the_gpu(arch: int) -> None:
     from vllm_dsv41 import hits_kernels as hk
 
     geo = dict(KDIM=4096, N=2048, BM=16, BN=128, ASM=True)
-    for k2, mul1, bk, pf in ((6, True, 32, 8), (5, True, 64, 0), (8, False, 32, 4)):
-        ptx = _compile(hk.gemv_kernel, arch, 8, **geo, NPROJ=2, K2=k2, MUL1=mul1, BK=bk, PREFETCH=pf, PF_LINES=16)
+    # the per-element decode at block_k 64 and K = 2.5 spills on sm_86 (the default block_k is 32); the group
+    # decode does not at any of these sizes
+    cases = ((6, True, 32, 8, False, 0), (5, True, 64, 0, False, 0), (8, False, 32, 4, False, 0),
+             (6, True, 32, 8, True, 1), (6, True, 32, 8, True, 2), (8, True, 64, 0, True, 1),
+             (2, True, 16, 0, True, 0))  # fmt: skip
+    for k2, mul1, bk, pf, groups, picks in cases:
+        ptx = _compile(hk.gemv_kernel, arch, 8, spills=(k2, bk) == (5, 64), **geo, NPROJ=2, K2=k2, MUL1=mul1, BK=bk,
+                       PREFETCH=pf, PF_LINES=16, GROUPS=groups, PICKS=picks)  # fmt: skip
         assert ("shf.l.clamp.b32" in ptx) and (("dp4a" in ptx) == mul1) and (("fma.rn.f16x2" in ptx) == mul1)
         assert ("prefetch.global.L2" in ptx) == (pf > 0)
     assert "ex2" in _compile(hk.mid_kernel, arch, 1, I=2048, HAS_LIMIT=True, LIBDEVICE=True)

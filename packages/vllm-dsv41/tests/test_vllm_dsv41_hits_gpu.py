@@ -117,7 +117,7 @@ def _kernel(case: _Case, backend: str, **options: Any) -> Any:
 
 @pytest.mark.parametrize("memory", ["slots", "mapped"])
 @pytest.mark.parametrize(("backend", "options"), [("triton", {}), ("triton", {"prefetch": 0, "block_k": 64}),
-                                                  ("exllamav3", {})])  # fmt: skip
+                                                  ("triton", {"decode": "elements"}), ("exllamav3", {})])  # fmt: skip
 def test_backend_against_the_reference(case: _Case, backend: str, options: dict[str, Any], memory: str) -> None:
     kern = _kernel(case, backend, **options)
     ptrs = case.ptrs[memory]
@@ -218,14 +218,19 @@ def _decode_kernel() -> Any:
 
     @triton.jit
     def decode_all(W, OUT, MULT, ADD, N: tl.constexpr, K2: tl.constexpr, MUL1: tl.constexpr, BK: tl.constexpr,
-                   BN: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+                   BN: tl.constexpr, ASM: tl.constexpr, GROUPS: tl.constexpr):  # fmt: skip
         kb = tl.program_id(0)
         nb = tl.program_id(1)
         TN: tl.constexpr = N // 16
         NWORDS: tl.constexpr = 4 * K2
-        off0, off1, sh = _hk._block_offsets(BK, BN, TN, K2)
         base = W + (nb * (BN // 16) + kb * (BK // 16) * TN) * NWORDS
-        v = _hk._decode(_hk._opaque(base, ASM), off0, off1, sh.to(tl.uint32), MULT, ADD, MUL1, ASM)
+        if GROUPS:
+            g0, g1, g2, gsh = _hk._group_offsets(BK, BN, TN, K2)
+            v = _hk._decode_groups(_hk._opaque(base, ASM), g0, g1, g2, gsh.to(tl.uint32), MULT, BK, BN, K2, ASM)
+            v = _hk._trellis_to_block(v, BK, BN)
+        else:
+            off0, off1, sh = _hk._block_offsets(BK, BN, TN, K2)
+            v = _hk._decode(_hk._opaque(base, ASM), off0, off1, sh.to(tl.uint32), MULT, ADD, MUL1, ASM)
         kk = kb * BK + tl.arange(0, BK)[:, None]
         nn = nb * BN + tl.arange(0, BN)[None, :]
         tl.store(OUT + kk * N + nn, v)
@@ -233,9 +238,11 @@ def _decode_kernel() -> Any:
     return decode_all
 
 
-def check_decode(dev: torch.device, asm: bool, bits: float, codebook: str, block_k: int) -> None:
-    """``hits_kernels._decode`` over every block of a fresh random tensor equals dma-prefill's torch decode
-    (itself checked against ``cpu_tier.exl3``) bit for bit. ``asm``: the GPU's inline PTX."""
+def check_decode(dev: torch.device, asm: bool, bits: float, codebook: str, block_k: int, groups: bool = False,
+                 block_n: int = 128) -> None:  # fmt: skip
+    """``hits_kernels._decode`` (or with ``groups``, ``_decode_groups`` put in place by ``_trellis_to_block``) over
+    every block of a fresh random tensor equals dma-prefill's torch decode (itself checked against
+    ``cpu_tier.exl3``) bit for bit. ``asm``: the GPU's inline PTX."""
     from cpu_tier.exl3 import random_tensor
     from dma_prefill.ops_torch import decode_torch
     from vllm_dsv41.hits import _codebook_ints
@@ -246,10 +253,12 @@ def check_decode(dev: torch.device, asm: bool, bits: float, codebook: str, block
     want = decode_torch(trellis, codebook)  # type: ignore[arg-type]
     got = torch.full((k, n), float("nan"), dtype=torch.float16, device=dev)
     mult, add = _codebook_ints(codebook)  # type: ignore[arg-type]
-    _decode_kernel()[(k // block_k, n // 128)](trellis.view(torch.int32), got, mult, add, N=n, K2=int(round(2 * bits)),
-                                               MUL1=codebook == "mul1", BK=block_k, BN=128, ASM=asm)  # fmt: skip
+    _decode_kernel()[(k // block_k, n // block_n)](trellis.view(torch.int32), got, mult, add, N=n,
+                                                   K2=int(round(2 * bits)), MUL1=codebook == "mul1", BK=block_k,
+                                                   BN=block_n, ASM=asm, GROUPS=groups)  # fmt: skip
     diff = int((got.view(torch.int16) != want.view(torch.int16)).sum())
-    assert diff == 0, f"{bits:g} bpw {codebook}: {diff} of {k * n} decoded values differ in their bits"
+    what = "groups" if groups else "elements"
+    assert diff == 0, f"{bits:g} bpw {codebook} ({what}): {diff} of {k * n} decoded values differ in their bits"
 
 
 @pytest.mark.parametrize(("bits", "codebook"), [(3, "mul1"), (2.5, "mul1"), (4, "3inst"), (2, "mcg")])
@@ -257,3 +266,11 @@ def check_decode(dev: torch.device, asm: bool, bits: float, codebook: str, block
 def test_decode_is_bit_exact(bits: float, codebook: str, block_k: int) -> None:
     """The kernels' inline-PTX decode (funnel shift, dp4a, paired fp16 fma) is bit-exact."""
     check_decode(_cuda(), True, bits, codebook, block_k)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize(("block_k", "block_n"), [(32, 128), (64, 256), (16, 64)])
+def test_group_decode_is_bit_exact(bits: int, block_k: int, block_n: int) -> None:
+    """The group decode's inline PTX (one 64-bit window per 8 elements, constant shifts) is bit-exact, and the
+    permutation from the trellis order puts every value in its place."""
+    check_decode(_cuda(), True, bits, "mul1", block_k, groups=True, block_n=block_n)

@@ -25,9 +25,9 @@ Backends (``HitKernel``; ``make_hits`` picks one):
   Activations in fp16 (exllamav3's precision: ~1e-3 relative). exllamav3 autotunes each new slot count on its
   first call, which cannot happen inside a CUDA graph capture: call ``forward`` once eagerly per ``T`` first
   (vLLM's warmup does), or ``warm``; a capture of an unwarmed size raises.
-* ``TritonHits``: ours (``hits_kernels``): five fixed-grid launches; each expert's trellis is decoded once per
-  step in registers and multiplied with the rows of all its picks, activations kept to ~22 bits (fp16 hi + lo),
-  fp32 sums in a fixed order (deterministic).
+* ``TritonHits``: ours (``hits_kernels``): five (or seven) fixed-grid launches; each expert's trellis is decoded
+  once per step in registers and multiplied with the rows of all its picks, activations kept to ~22 bits (fp16
+  hi + lo; fp32 for experts with one pick), fp32 sums in a fixed order (deterministic).
 
 Scratch (graph safety): every GPU backend keeps its buffers for a capacity of ``S = T * K`` picks, allocated at
 construction (``max_tokens * top_k``) or grown by an eager call; a call inside a CUDA graph capture that would need
@@ -476,6 +476,11 @@ class TritonHits:
     num_warps : per program.
     split_k : K splits per projection (None: enough programs for ``programs_per_sm`` per multiprocessor).
     prefetch : blocks ahead whose trellis lines each program requests into L2 (CUDA only; 0: none).
+    decode : how a weight block is decoded. "groups": per group of 8 consecutive trellis elements from three words
+        (one funnel-shifted 64-bit window, constant shifts per element), and experts with one pick in the step
+        computed with fp32 FMAs in the trellis order (no dot padded to 16 rows); MUL1 projections of an integer
+        K <= 4 only. "elements": two words per element, every expert through ``tl.dot``. "auto": "groups" where
+        it applies.
     """
 
     name = "triton"
@@ -484,8 +489,16 @@ class TritonHits:
 
     def __init__(self, geometry: HitGeometry, device: torch.device | str, *, max_tokens: int = 0, top_k: int = 0,
                  block_n: int = 128, block_k: int = 32, num_warps: int = 8, split_k: int | None = None,
-                 programs_per_sm: int = 4, prefetch: int = 8) -> None:  # fmt: skip
+                 programs_per_sm: int = 4, prefetch: int = 8,
+                 decode: Literal["auto", "groups", "elements"] = "auto") -> None:  # fmt: skip
         self.geometry = geometry
+        if decode not in ("auto", "groups", "elements"):
+            raise ValueError(f"TritonHits: decode must be 'auto', 'groups' or 'elements', got {decode!r}")
+        fits = [_groups_fit(b, c) for b, c in zip(geometry.bits, geometry.codebooks, strict=True)]
+        if decode == "groups" and not all(fits):
+            raise ValueError(f"TritonHits (layer {geometry.layer}): decode 'groups' needs MUL1 projections of an "
+                             f"integer K <= 4, got bits {geometry.bits}, codebooks {geometry.codebooks}")  # fmt: skip
+        self.groups = tuple(f and decode != "elements" for f in fits)
         self.device = torch.device(device)
         h, i = geometry.hidden, geometry.intermediate
         if block_k not in (16, 32, 64, 128):
@@ -539,6 +552,8 @@ class TritonHits:
         self.a_d_hi = torch.empty((s * i,), dtype=f16, device=dev)
         self.a_d_lo = torch.empty((s * i,), dtype=f16, device=dev)
         self.a_d_inv = torch.empty((s * i // 128,), dtype=f32, device=dev)
+        self.a_gu32 = torch.empty((2 * s * h,), dtype=f32, device=dev)
+        self.a_d32 = torch.empty((s * i,), dtype=f32, device=dev)
         self.p_gu = torch.empty((p_gu,), dtype=f32, device=dev)
         self.p_d = torch.empty((p_d,), dtype=f32, device=dev)
         self._cap = s
@@ -549,7 +564,7 @@ class TritonHits:
         if not self._cap:
             return 0
         bufs = (self.rows, self.count, self.a_gu_hi, self.a_gu_lo, self.a_gu_inv, self.a_d_hi, self.a_d_lo,
-                self.a_d_inv, self.p_gu, self.p_d)  # fmt: skip
+                self.a_d_inv, self.a_gu32, self.a_d32, self.p_gu, self.p_d)  # fmt: skip
         return sum(b.numel() * b.element_size() for b in bufs)
 
     def forward(
@@ -573,32 +588,46 @@ class TritonHits:
         ids1 = ids.view(-1)
         hk.prep_kernel[(s, h // 128)](
             x, x.stride(0), ids1, s, k, ptrs, e, self.rows, self.count, self.a_gu_hi, self.a_gu_lo, self.a_gu_inv,
-            H=h, S_BLOCK=max(16, _next_pow2(s)), num_warps=1,
+            self.a_gu32, H=h, S_BLOCK=max(16, _next_pow2(s)), num_warps=1,
         )  # fmt: skip
         ks_gu, per_gu = self.splits(s, "gate_up")
         groups = [(0, 2)] if (g.bits[0], g.codebooks[0]) == (g.bits[1], g.codebooks[1]) else [(0, 1), (1, 1)]
         for first, nproj in groups:
             mult, add = _codebook_ints(g.codebooks[first])
-            hk.gemv_kernel[(s, nproj * (i // bn), ks_gu)](
-                ids1, self.rows, self.count, s, ptrs, e, 3 * first,
-                self.a_gu_hi[first * s * h :], self.a_gu_lo[first * s * h :], self.a_gu_inv[first * s * h // 128 :],
-                self.p_gu[first * ks_gu * s * i :], ks_gu, per_gu, mult, add,
-                KDIM=h, N=i, NPROJ=nproj, K2=int(round(2 * g.bits[first])), MUL1=g.codebooks[first] == "mul1",
-                BM=bm, BN=bn, BK=bk, ASM=asm, num_warps=nw, **pf,
-            )  # fmt: skip
+            for picks in _picks_launches(self.groups[first]):
+                hk.gemv_kernel[(s, nproj * (i // bn), ks_gu)](
+                    ids1, self.rows, self.count, s, ptrs, e, 3 * first, self.a_gu_hi[first * s * h :],
+                    self.a_gu_lo[first * s * h :], self.a_gu_inv[first * s * h // 128 :], self.a_gu32[first * s * h :],
+                    self.p_gu[first * ks_gu * s * i :], ks_gu, per_gu, mult, add,
+                    KDIM=h, N=i, NPROJ=nproj, K2=int(round(2 * g.bits[first])), MUL1=g.codebooks[first] == "mul1",
+                    BM=bm, BN=bn, BK=bk, ASM=asm, GROUPS=self.groups[first], PICKS=picks, num_warps=nw, **pf,
+                )  # fmt: skip
         lim = g.swiglu_limit
         hk.mid_kernel[(s, i // 128)](
-            ids1, s, ptrs, e, self.p_gu, ks_gu, self.a_d_hi, self.a_d_lo, self.a_d_inv,
+            ids1, s, ptrs, e, self.p_gu, ks_gu, self.a_d_hi, self.a_d_lo, self.a_d_inv, self.a_d32,
             float(lim) if lim is not None else 0.0, I=i, HAS_LIMIT=lim is not None, LIBDEVICE=asm, num_warps=1,
         )  # fmt: skip
         ks_d, per_d = self.splits(s, "down")
         mult, add = _codebook_ints(g.codebooks[2])
-        hk.gemv_kernel[(s, h // bn, ks_d)](
-            ids1, self.rows, self.count, s, ptrs, e, 6, self.a_d_hi, self.a_d_lo, self.a_d_inv, self.p_d, ks_d, per_d,
-            mult, add, KDIM=i, N=h, NPROJ=1, K2=int(round(2 * g.bits[2])), MUL1=g.codebooks[2] == "mul1",
-            BM=bm, BN=bn, BK=bk, ASM=asm, num_warps=nw, **pf,
-        )  # fmt: skip
+        for picks in _picks_launches(self.groups[2]):
+            hk.gemv_kernel[(s, h // bn, ks_d)](
+                ids1, self.rows, self.count, s, ptrs, e, 6, self.a_d_hi, self.a_d_lo, self.a_d_inv, self.a_d32,
+                self.p_d, ks_d, per_d, mult, add, KDIM=i, N=h, NPROJ=1, K2=int(round(2 * g.bits[2])),
+                MUL1=g.codebooks[2] == "mul1", BM=bm, BN=bn, BK=bk, ASM=asm, GROUPS=self.groups[2], PICKS=picks,
+                num_warps=nw, **pf,
+            )  # fmt: skip
         hk.out_kernel[(s, h // 128)](ids1, weights.view(-1), s, ptrs, e, self.p_d, ks_d, out, H=h, num_warps=1)
+
+
+def _picks_launches(groups: bool) -> tuple[int, ...]:
+    """``gemv_kernel``'s ``PICKS`` per launch: with the group decode, the one-pick experts (fp32 FMAs, few
+    registers) and the others (the dot) in two launches; else one launch for all."""
+    return (1, 2) if groups else (0,)
+
+
+def _groups_fit(bits: float, codebook: str) -> bool:
+    """Whether ``hits_kernels``' group decode applies: MUL1 at an integer K <= 4 (a group's windows fit 3 words)."""
+    return codebook == "mul1" and float(bits).is_integer() and 1 <= bits <= 4
 
 
 def _next_pow2(n: int) -> int:

@@ -5,8 +5,8 @@ under ``TRITON_INTERPRET=1``). The EXL3 bit-stream helpers and constants (funnel
 Hadamard butterflies, the power-of-two row scale) are dma-prefill's (``dma_prefill.triton_kernels``); the format
 itself is ``cpu_tier.exl3``'s.
 
-One layer is five launches over the ``S = T*K`` picks (``p = t*K + k``), every grid fixed by ``T`` and ``K``
-alone (graph-safe; the routing is read on the device only):
+One layer is five launches (seven with the group decode) over the ``S = T*K`` picks (``p = t*K + k``), every grid
+fixed by ``T`` and ``K`` alone (graph-safe; the routing is read on the device only):
 
 1. ``prep_kernel`` (picks x 128-column blocks of H): the plan (for each pick, whether it is the first pick of its
    expert, how many picks share that expert and their list) and the gate/up input transforms
@@ -14,7 +14,13 @@ alone (graph-safe; the routing is read on the device only):
 2. ``gemv_kernel`` (picks x N blocks x K splits) for gate and up: the program of an expert's first pick decodes
    each trellis block once (in registers, never to memory) and multiplies it with the rows of all that expert's
    picks (``tl.dot`` of the exact fp16 weights with ``hi`` and ``lo``: ~22-bit activations, fp32 sums); other
-   picks' programs return at once. Partial sums per split go to scratch (a fixed-order sum later: deterministic);
+   picks' programs return at once. Partial sums per split go to scratch (a fixed-order sum later: deterministic).
+   With ``GROUPS`` (MUL1, integer K <= 4) a block is decoded per group of 8 consecutive trellis elements (three
+   words, one 64-bit window, constant shifts: ~5 integer instructions per weight instead of ~15 with two loads
+   per weight) and put in place by a fixed permutation; an expert with one pick skips the dot (16 rows padded
+   for 1) for fp32 FMAs in the trellis order with the rows summed after the k loop. That path and the dot path
+   are two launches (``PICKS`` 1 and 2), so the one-pick launch holds 48 registers per thread instead of the
+   dot's 128 (255 in the per-element kernel): 5x the resident warps to hide the trellis reads' latency;
 3. ``mid_kernel`` (picks x 128-column blocks of I): sum of the splits, output transforms and ``* svh``, DeepSeek's
    clamped SwiGLU, then the down projection's input transform (split like 1.);
 4. ``gemv_kernel`` for down;
@@ -117,6 +123,138 @@ def _decode(base, off0, off1, sh, MULT, ADD, MUL1: tl.constexpr, ASM: tl.constex
 
 
 @triton.jit
+def _group_offsets(BK: tl.constexpr, BN: tl.constexpr, TN: tl.constexpr, K2: tl.constexpr):
+    """For each group of 8 consecutive trellis elements ``t = 8q .. 8q + 7`` of the tiles of a [BK, BN] block (the
+    groups ordered tile column, tile row, q): the uint32 word offsets of the three words holding the group's
+    windows and the bit offset of its first window in the first word (integer K <= 4 only: a group's windows
+    span ``7K + 16 <= 44`` bits, so three words, and element j's window starts ``K * j`` bits after the first)."""
+    KA: tl.constexpr = K2 // 2
+    NWORDS: tl.constexpr = 4 * K2
+    NBITS: tl.constexpr = 128 * K2
+    TNB: tl.constexpr = BN // 16
+    KT: tl.constexpr = BK // 16
+    g = tl.arange(0, KT * TNB * 32)  # (nt, kt, q): a thread's groups (strided by the CTA) share their rows
+    q = g % 32
+    tile = (((g // 32) % KT) * TN + g // (KT * 32)) * NWORDS
+    start = (8 * KA * q + KA - 16 + NBITS) % NBITS
+    i0 = start // 32
+    return tile + i0, tile + (i0 + 1) % NWORDS, tile + (i0 + 2) % NWORDS, start % 32
+
+
+def _group_asm(ka: int) -> str:
+    """PTX decoding one group of 8 MUL1 weights (``_decode_groups``): the 64-bit window ``hi:lo`` from three words
+    (two funnel shifts), then per element the 16-bit state (a funnel shift by the constant ``ka * j`` and a shift),
+    the hash (one multiply), the byte sum (one ``dp4a``), and per pair one ``fma.rn.f16x2`` (exllamav3's hfma)
+    whose halves are the outputs. Operands: $0..$7 the fp16 weights, $8..$10 the words, $11 the bit offset, $12
+    the multiplier."""
+    lines = [
+        "{ .reg .b32 hi, lo, o, z, m, c, s0, s1, s2, s3, s4, s5, s6, s7, u;",
+        "shf.l.clamp.b32 hi, $9, $8, $11;",
+        "shf.l.clamp.b32 lo, $10, $9, $11;",
+        "mov.u32 o, 16843009; mov.u32 z, 0;",
+        f"mov.b32 m, {_f16x2(MUL1_SCALE)}; mov.b32 c, {_f16x2(MUL1_BIAS)};",
+        "shr.b32 s0, hi, 16;",
+    ]
+    for j in range(1, 8):
+        lines.append(f"shf.l.clamp.b32 s{j}, lo, hi, {ka * j}; shr.b32 s{j}, s{j}, 16;")
+    for j in range(8):
+        lines.append(f"mul.lo.u32 s{j}, s{j}, $12; dp4a.u32.u32 s{j}, s{j}, o, z;")
+    for pair in range(4):
+        a, b = 2 * pair, 2 * pair + 1
+        lines.append(f"prmt.b32 u, s{a}, s{b}, 0x5410; or.b32 u, u, 0x64006400; fma.rn.f16x2 u, u, m, c;")
+        lines.append(f"mov.b32 {{${a}, ${b}}}, u;")
+    lines.append("}")
+    return " ".join(lines)
+
+
+_GROUP_ASM = {ka: tl.constexpr(_group_asm(ka)) for ka in (1, 2, 3, 4)}
+_GROUP_ASM_1 = _GROUP_ASM[1]
+_GROUP_ASM_2 = _GROUP_ASM[2]
+_GROUP_ASM_3 = _GROUP_ASM[3]
+_GROUP_ASM_4 = _GROUP_ASM[4]
+
+
+@triton.jit
+def _funnel32(a, b, sh):
+    """The high word of ``(a:b) << sh`` for ``0 <= sh < 32`` (uint32; plain integer ops)."""
+    return (a << sh) | ((b >> 1) >> (31 - sh))
+
+
+@triton.jit
+def _decode_groups(base, g0, g1, g2, gsh, MULT, BK: tl.constexpr, BN: tl.constexpr, K2: tl.constexpr,
+                   ASM: tl.constexpr):  # fmt: skip
+    """fp16 ``W_inner`` values of a [BK, BN] MUL1 block (bit-exact), decoded per group of 8 consecutive trellis
+    elements from three words (``_group_offsets``) instead of two words per element, then put in place by a fixed
+    permutation: element ``t = 8q + j`` of a tile is row ``8 * (j//2 % 2) + 2 * (q % 4) + j % 2``, column
+    ``8 * (j // 4) + q // 4`` (``tile_element``'s inverse)."""
+    KA: tl.constexpr = K2 // 2
+    a = tl.load(base + g0)
+    b = tl.load(base + g1)
+    c = tl.load(base + g2)
+    if ASM:
+        m = tl.full(a.shape, MULT, tl.int32)
+        if KA == 1:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _group_call(a, b, c, gsh, m, _GROUP_ASM_1)
+        elif KA == 2:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _group_call(a, b, c, gsh, m, _GROUP_ASM_2)
+        elif KA == 3:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _group_call(a, b, c, gsh, m, _GROUP_ASM_3)
+        else:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _group_call(a, b, c, gsh, m, _GROUP_ASM_4)
+    else:
+        ua = a.to(tl.uint32, bitcast=True)
+        ub = b.to(tl.uint32, bitcast=True)
+        uc = c.to(tl.uint32, bitcast=True)
+        hi = _funnel32(ua, ub, gsh)
+        lo = _funnel32(ub, uc, gsh)
+        v0 = _mul1_scalar(hi >> 16, MULT)
+        v1 = _mul1_scalar(_funnel32(hi, lo, KA * 1) >> 16, MULT)
+        v2 = _mul1_scalar(_funnel32(hi, lo, KA * 2) >> 16, MULT)
+        v3 = _mul1_scalar(_funnel32(hi, lo, KA * 3) >> 16, MULT)
+        v4 = _mul1_scalar(_funnel32(hi, lo, KA * 4) >> 16, MULT)
+        v5 = _mul1_scalar(_funnel32(hi, lo, KA * 5) >> 16, MULT)
+        v6 = _mul1_scalar(_funnel32(hi, lo, KA * 6) >> 16, MULT)
+        v7 = _mul1_scalar(_funnel32(hi, lo, KA * 7) >> 16, MULT)
+    # [G, j0, j1, j2] with j = 4 j2 + 2 j1 + j0 (tl.join appends the new axis last), as
+    # [nt, kt, q_hi, q_lo, j0, j1, j2]: G = (nt, kt, q_hi, q_lo); rows (kt, j1, q_lo, j0), columns (nt, j2, q_hi)
+    w = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+    return tl.reshape(w, (BN // 16, BK // 16, 8, 4, 2, 2, 2))
+
+
+@triton.jit
+def _trellis_to_block(w, BK: tl.constexpr, BN: tl.constexpr):
+    """A [nt, kt, q_hi, q_lo, j0, j1, j2] block (``_decode_groups``) as the row-major [BK, BN] block."""
+    return tl.reshape(tl.permute(w, (1, 5, 3, 4, 0, 6, 2)), (BK, BN))
+
+
+@triton.jit
+def _trellis_rows(BK: tl.constexpr):
+    """Row index ``16 kt + 8 j1 + 2 q_lo + j0`` of each element of a [nt, kt, q_hi, q_lo, j0, j1, j2] block, with
+    the column axes (nt, q_hi, j2) of size 1 (broadcast)."""
+    kt = tl.arange(0, BK // 16)[None, :, None, None, None, None, None]
+    q_lo = tl.arange(0, 4)[None, None, None, :, None, None, None]
+    j0 = tl.arange(0, 2)[None, None, None, None, :, None, None]
+    j1 = tl.arange(0, 2)[None, None, None, None, None, :, None]
+    return kt * 16 + j1 * 8 + q_lo * 2 + j0
+
+
+@triton.jit
+def _group_call(a, b, c, gsh, m, ASM_TEXT: tl.constexpr):
+    return tl.inline_asm_elementwise(
+        ASM_TEXT, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [a, b, c, gsh, m], dtype=(tl.float16,) * 8, is_pure=True,
+        pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def _mul1_scalar(state, MULT):
+    """The MUL1 value of 16-bit states, plain integer ops (the interpreter): hash, byte sum, one fp16 rounding."""
+    p = state.to(tl.int32, bitcast=True) * MULT  # wraps modulo 2^32
+    bs = _bytesum(p.to(tl.uint32, bitcast=True), False)
+    return ((bs + 1024).to(tl.float32) * _MUL1_SCALE + _MUL1_BIAS).to(tl.float16)
+
+
+@triton.jit
 def _prefetch_l2(ptrs):
     """Ask L2 for the lines at ``ptrs`` (PTX ``prefetch.global.L2``: no fault, no register written)."""
     tl.inline_asm_elementwise(
@@ -126,9 +264,9 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
-def _store_split(v, row, cb, A_HI, A_LO, A_INV, KDIM: tl.constexpr):
+def _store_split(v, row, cb, A_HI, A_LO, A_INV, A32, KDIM: tl.constexpr):
     """``H128(v)`` of one row's 128-block ``cb`` ([1, 128] fp32), stored as fp16 ``hi + lo`` of ``h * s`` and
-    ``1/s`` (``s`` a power of two with ``|h * s| < 2^14``)."""
+    ``1/s`` (``s`` a power of two with ``|h * s| < 2^14``), and as the fp32 ``(hi + lo) / s`` (the same value)."""
     h = _fwht128(v) * _R128
     scale, inv = _row_scale(tl.sum(h * h, axis=1))
     y = h * scale[:, None]
@@ -138,6 +276,7 @@ def _store_split(v, row, cb, A_HI, A_LO, A_INV, KDIM: tl.constexpr):
     tl.store(A_HI + off, hi)
     tl.store(A_LO + off, lo)
     tl.store(A_INV + row * (KDIM // 128) + cb + tl.arange(0, 1), inv)
+    tl.store(A32 + off, (hi.to(tl.float32) + lo.to(tl.float32)) * inv[:, None])
 
 
 @triton.jit(do_not_specialize=["stride_x", "S", "TOPK", "E"])
@@ -154,6 +293,7 @@ def prep_kernel(
     A_HI,  # fp16* [2, S, H]: gate / up input transforms, hi part
     A_LO,  # fp16* [2, S, H]: lo part
     A_INV,  # fp32* [2, S, H/128]
+    A32,  # fp32* [2, S, H]
     H: tl.constexpr,
     S_BLOCK: tl.constexpr,  # power of two >= S
 ):
@@ -179,7 +319,7 @@ def prep_kernel(
             suh = tl.load(PTRS + (3 * proj + 1) * E + e64).to(tl.pointer_type(tl.float16))
             v = x * tl.load(suh + cols[None, :]).to(tl.float32)
             row = proj * S + p.to(tl.int64)
-            _store_split(v, row, cb, A_HI, A_LO, A_INV, H)
+            _store_split(v, row, cb, A_HI, A_LO, A_INV, A32, H)
 
 
 @triton.jit(do_not_specialize=["S", "E", "KS", "KPER", "MULT", "ADD"])
@@ -194,6 +334,7 @@ def gemv_kernel(
     A_HI,  # fp16* [NPROJ, S, KDIM]
     A_LO,
     A_INV,  # fp32* [NPROJ, S, KDIM/128]
+    A32,  # fp32* [NPROJ, S, KDIM]: (hi + lo) * inv, for the one-row path of GROUPS
     P,  # fp32* [NPROJ, KS, S, N]: partial sums per K split
     KS,
     KPER,  # BK blocks per split
@@ -208,11 +349,16 @@ def gemv_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     ASM: tl.constexpr,  # PTX funnel shift + dp4a (GPU); plain integer ops (interpreter)
+    GROUPS: tl.constexpr = False,  # decode per group of 8 elements from 3 words (MUL1, integer K <= 4)
+    PICKS: tl.constexpr = 0,  # experts this launch computes: 0 all, 1 those with one pick, 2 those with more
     PREFETCH: tl.constexpr = 0,  # BK blocks ahead whose trellis lines are requested into L2 (0: none; GPU only)
     PF_LINES: tl.constexpr = 1,  # a power of two >= the 128-byte lines of one run of BN/16 tiles, plus one
 ):
     """``P[proj, ks, rows, n-block] = A[proj, rows, k-split] @ W_inner[e]`` for the rows of all picks of expert
-    ``e``, in the program of its first pick; the other programs return without a load beyond ``COUNT``.
+    ``e``, in the program of its first pick; the other programs return without a load beyond ``COUNT``. With
+    ``GROUPS``, an expert with one pick takes the fp32-FMA path; ``PICKS`` 1 / 2 compiles only that path / only
+    the dot path (two launches, each with the registers of its own path: the dot path's would halve the one-row
+    path's occupancy).
 
     A block's trellis is ``BK/16`` runs of ``BN/16`` consecutive tiles; with ``PREFETCH`` the program asks L2 for
     the runs ``PREFETCH`` blocks ahead (one request per 128-byte line), so that its decode waits on L2 rather
@@ -223,12 +369,20 @@ def gemv_kernel(
     n0 = (tl.program_id(1) % NB) * BN
     ks = tl.program_id(2)
     cnt = tl.load(COUNT + pid)
+    if PICKS == 1:
+        cnt = tl.where(cnt == 1, cnt, 0)
+    elif PICKS == 2:
+        cnt = tl.where(cnt >= 2, cnt, 0)
     if cnt > 0:
         e = tl.load(IDS + pid).to(tl.int64)
         TN: tl.constexpr = N // 16
         NWORDS: tl.constexpr = 4 * K2
         words = tl.load(PTRS + (COL0 + 3 * proj) * E + e).to(tl.pointer_type(tl.int32)) + (n0 // 16) * NWORDS
-        off0, off1, sh = _block_offsets(BK, BN, TN, K2)
+        if GROUPS:
+            off0, off1, off2, sh = _group_offsets(BK, BN, TN, K2)
+        else:
+            off0, off1, sh = _block_offsets(BK, BN, TN, K2)
+            off2 = off1
         sh = sh.to(tl.uint32)
         STEP: tl.constexpr = (BK // 16) * TN * NWORDS  # words between consecutive k blocks
         NKB: tl.constexpr = KDIM // BK
@@ -244,7 +398,23 @@ def gemv_kernel(
             pf = (tl.arange(0, BK // 16) * (TN * NWORDS))[:, None] + line[None, :]
             for kb in range(kb0, tl.minimum(kb0 + PREFETCH, kb1)):
                 _prefetch_l2(words + kb * STEP + pf)
-        for m0 in range(0, cnt, BM):
+        if GROUPS and PICKS != 2 and cnt == 1:
+            # one row (most decode experts): fp32 FMAs in the trellis order, no dot padded to BM rows; the rows
+            # are summed once after the k loop
+            arow1 = proj * S + tl.load(ROWS + pid.to(tl.int64) * S).to(tl.int64)
+            a7 = A32 + arow1 * KDIM + _trellis_rows(BK)
+            acc7 = tl.zeros([BN // 16, BK // 16, 8, 4, 2, 2, 2], dtype=tl.float32)
+            for kb in range(kb0, kb1):
+                if PREFETCH > 0:
+                    if kb + PREFETCH < kb1:
+                        _prefetch_l2(words + (kb + PREFETCH) * STEP + pf)
+                w7 = _decode_groups(_opaque(words + kb * STEP, ASM), off0, off1, off2, sh, MULT, BK, BN, K2, ASM)
+                acc7 += w7.to(tl.float32) * tl.load(a7 + kb * BK)
+            acc3 = tl.sum(tl.sum(tl.sum(tl.sum(acc7, axis=5), axis=4), axis=3), axis=1)  # nt, q_hi, j2
+            y = tl.reshape(tl.permute(acc3, (0, 2, 1)), (BN,))
+            tl.store(P + ((proj * KS + ks) * S + tl.load(ROWS + pid.to(tl.int64) * S)) * N + nc, y)
+            cnt = 0
+        for m0 in range(0, cnt if PICKS != 1 else 0, BM):
             rmask = m0 + r < cnt
             rows = tl.load(ROWS + pid.to(tl.int64) * S + m0 + r, mask=rmask, other=0).to(tl.int64)
             arow = proj * S + rows
@@ -254,7 +424,11 @@ def gemv_kernel(
                 if PREFETCH > 0:
                     if kb + PREFETCH < kb1:
                         _prefetch_l2(words + (kb + PREFETCH) * STEP + pf)
-                w = _decode(_opaque(words + kb * STEP, ASM), off0, off1, sh, MULT, ADD, MUL1, ASM)
+                if GROUPS:
+                    w = _decode_groups(_opaque(words + kb * STEP, ASM), off0, off1, off2, sh, MULT, BK, BN, K2, ASM)
+                    w = _trellis_to_block(w, BK, BN)
+                else:
+                    w = _decode(_opaque(words + kb * STEP, ASM), off0, off1, sh, MULT, ADD, MUL1, ASM)
                 a_off = arow[:, None] * KDIM + k0 + kc[None, :]
                 a_hi = tl.load(A_HI + a_off, mask=rmask[:, None], other=0.0)
                 a_lo = tl.load(A_LO + a_off, mask=rmask[:, None], other=0.0)
@@ -277,6 +451,7 @@ def mid_kernel(
     A_HI,  # fp16* [S, I]: the down projection's input transform, hi part
     A_LO,
     A_INV,  # fp32* [S, I/128]
+    A32,  # fp32* [S, I]
     limit,
     I: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
@@ -307,7 +482,7 @@ def mid_kernel(
             a = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)) * u
         else:
             a = g / (1.0 + tl.exp(-g)) * u
-        _store_split(a * tl.load(suh_d + cols).to(tl.float32), p.to(tl.int64), cb, A_HI, A_LO, A_INV, I)
+        _store_split(a * tl.load(suh_d + cols).to(tl.float32), p.to(tl.int64), cb, A_HI, A_LO, A_INV, A32, I)
 
 
 @triton.jit(do_not_specialize=["S", "E", "KS"])
