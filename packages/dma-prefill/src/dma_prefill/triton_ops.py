@@ -12,7 +12,15 @@ import torch
 
 from cpu_tier.exl3 import CODEBOOK_MULT, Codebook
 
-__all__ = ["decode_into", "decode_triton", "grouped_gemm", "post_swiglu", "row_hadamard", "row_sumsq"]
+__all__ = [
+    "decode_into",
+    "decode_triton",
+    "group_decode_fits",
+    "grouped_gemm",
+    "post_swiglu",
+    "row_hadamard",
+    "row_sumsq",
+]
 
 
 def _triton() -> Any:
@@ -47,10 +55,18 @@ def decode_into(
         raise ValueError("decode out must be contiguous")
     mult, add = (c - (1 << 32) if c >= 1 << 31 else c for c in CODEBOOK_MULT[codebook])  # as signed int32
     grid = (ne, k // 16, -(-(n // 16) // block_tn))
+    groups = group_decode_fits(bits, codebook) and (n // 16) % block_tn == 0
     tk.decode_kernel[grid](
         src32, expert_stride, offset, counts, out, k * n, n // 16, mult, add,
-        K2=int(round(2 * bits)), MUL1=codebook == "mul1", BLOCK_TN=block_tn, ASM=out.is_cuda, num_warps=4,
+        K2=int(round(2 * bits)), MUL1=codebook == "mul1", BLOCK_TN=block_tn, ASM=out.is_cuda, GROUPS=groups,
+        num_warps=4,
     )  # fmt: skip
+
+
+def group_decode_fits(bits: float, codebook: str) -> bool:
+    """Whether the kernels' group decode applies (``triton_kernels._decode_groups``): MUL1 at an integer K <= 4,
+    whose 8 consecutive windows span at most 44 bits (three words)."""
+    return codebook == "mul1" and float(bits).is_integer() and 1 <= bits <= 4
 
 
 def decode_triton(trellis: torch.Tensor, codebook: Codebook) -> torch.Tensor:

@@ -494,7 +494,9 @@ class TritonHits:
         self.geometry = geometry
         if decode not in ("auto", "groups", "elements"):
             raise ValueError(f"TritonHits: decode must be 'auto', 'groups' or 'elements', got {decode!r}")
-        fits = [_groups_fit(b, c) for b, c in zip(geometry.bits, geometry.codebooks, strict=True)]
+        from dma_prefill.triton_ops import group_decode_fits
+
+        fits = [group_decode_fits(b, c) for b, c in zip(geometry.bits, geometry.codebooks, strict=True)]
         if decode == "groups" and not all(fits):
             raise ValueError(f"TritonHits (layer {geometry.layer}): decode 'groups' needs MUL1 projections of an "
                              f"integer K <= 4, got bits {geometry.bits}, codebooks {geometry.codebooks}")  # fmt: skip
@@ -623,11 +625,6 @@ def _picks_launches(groups: bool) -> tuple[int, ...]:
     """``gemv_kernel``'s ``PICKS`` per launch: with the group decode, the one-pick experts (fp32 FMAs, few
     registers) and the others (the dot) in two launches; else one launch for all."""
     return (1, 2) if groups else (0,)
-
-
-def _groups_fit(bits: float, codebook: str) -> bool:
-    """Whether ``hits_kernels``' group decode applies: MUL1 at an integer K <= 4 (a group's windows fit 3 words)."""
-    return codebook == "mul1" and float(bits).is_integer() and 1 <= bits <= 4
 
 
 def _next_pow2(n: int) -> int:

@@ -30,7 +30,6 @@ fixed by ``T`` and ``K`` alone (graph-safe; the routing is read on the device on
 
 from __future__ import annotations
 
-import numpy as np
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
@@ -42,8 +41,13 @@ from dma_prefill.triton_kernels import (
     _MUL1_BIAS,
     _MUL1_SCALE,
     _bytesum,
+    _decode_groups,
+    _f16x2,
     _fwht128,
+    _group_offsets,
     _row_scale,
+    _trellis_rows,
+    _trellis_to_block,
     _window16,
     tile_element,
     window_words,
@@ -67,13 +71,6 @@ def _block_offsets(BK: tl.constexpr, BN: tl.constexpr, TN: tl.constexpr, K2: tl.
     i0, i1, sh = window_words(tile_element(kk % 16, nn % 16), K2)
     tile = ((kk // 16) * TN + nn // 16) * NWORDS
     return tile + i0, tile + i1, sh
-
-
-def _f16x2(v: float) -> str:
-    """The PTX immediate of ``v`` (exact in fp16) in both halves of a 32-bit register."""
-    b = int(np.array(v, dtype=np.float16).view(np.uint16))
-    assert float(np.array(b, dtype=np.uint16).view(np.float16)) == v, v
-    return f"0x{b:04X}{b:04X}"
 
 
 # (1024 + bs) * MUL1_SCALE + MUL1_BIAS for two byte sums: the fp16 bits of 1024 + bs are 0x6400 | bs (bs <= 1020)
@@ -120,138 +117,6 @@ def _decode(base, off0, off1, sh, MULT, ADD, MUL1: tl.constexpr, ASM: tl.constex
         hi = ((x >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         v = (lo + hi).to(tl.float16)  # both halves in [0.125, 2): exact fp32 sum, one rounding
     return v
-
-
-@triton.jit
-def _group_offsets(BK: tl.constexpr, BN: tl.constexpr, TN: tl.constexpr, K2: tl.constexpr):
-    """For each group of 8 consecutive trellis elements ``t = 8q .. 8q + 7`` of the tiles of a [BK, BN] block (the
-    groups ordered tile column, tile row, q): the uint32 word offsets of the three words holding the group's
-    windows and the bit offset of its first window in the first word (integer K <= 4 only: a group's windows
-    span ``7K + 16 <= 44`` bits, so three words, and element j's window starts ``K * j`` bits after the first)."""
-    KA: tl.constexpr = K2 // 2
-    NWORDS: tl.constexpr = 4 * K2
-    NBITS: tl.constexpr = 128 * K2
-    TNB: tl.constexpr = BN // 16
-    KT: tl.constexpr = BK // 16
-    g = tl.arange(0, KT * TNB * 32)  # (nt, kt, q): a thread's groups (strided by the CTA) share their rows
-    q = g % 32
-    tile = (((g // 32) % KT) * TN + g // (KT * 32)) * NWORDS
-    start = (8 * KA * q + KA - 16 + NBITS) % NBITS
-    i0 = start // 32
-    return tile + i0, tile + (i0 + 1) % NWORDS, tile + (i0 + 2) % NWORDS, start % 32
-
-
-def _group_asm(ka: int) -> str:
-    """PTX decoding one group of 8 MUL1 weights (``_decode_groups``): the 64-bit window ``hi:lo`` from three words
-    (two funnel shifts), then per element the 16-bit state (a funnel shift by the constant ``ka * j`` and a shift),
-    the hash (one multiply), the byte sum (one ``dp4a``), and per pair one ``fma.rn.f16x2`` (exllamav3's hfma)
-    whose halves are the outputs. Operands: $0..$7 the fp16 weights, $8..$10 the words, $11 the bit offset, $12
-    the multiplier."""
-    lines = [
-        "{ .reg .b32 hi, lo, o, z, m, c, s0, s1, s2, s3, s4, s5, s6, s7, u;",
-        "shf.l.clamp.b32 hi, $9, $8, $11;",
-        "shf.l.clamp.b32 lo, $10, $9, $11;",
-        "mov.u32 o, 16843009; mov.u32 z, 0;",
-        f"mov.b32 m, {_f16x2(MUL1_SCALE)}; mov.b32 c, {_f16x2(MUL1_BIAS)};",
-        "shr.b32 s0, hi, 16;",
-    ]
-    for j in range(1, 8):
-        lines.append(f"shf.l.clamp.b32 s{j}, lo, hi, {ka * j}; shr.b32 s{j}, s{j}, 16;")
-    for j in range(8):
-        lines.append(f"mul.lo.u32 s{j}, s{j}, $12; dp4a.u32.u32 s{j}, s{j}, o, z;")
-    for pair in range(4):
-        a, b = 2 * pair, 2 * pair + 1
-        lines.append(f"prmt.b32 u, s{a}, s{b}, 0x5410; or.b32 u, u, 0x64006400; fma.rn.f16x2 u, u, m, c;")
-        lines.append(f"mov.b32 {{${a}, ${b}}}, u;")
-    lines.append("}")
-    return " ".join(lines)
-
-
-_GROUP_ASM = {ka: tl.constexpr(_group_asm(ka)) for ka in (1, 2, 3, 4)}
-_GROUP_ASM_1 = _GROUP_ASM[1]
-_GROUP_ASM_2 = _GROUP_ASM[2]
-_GROUP_ASM_3 = _GROUP_ASM[3]
-_GROUP_ASM_4 = _GROUP_ASM[4]
-
-
-@triton.jit
-def _funnel32(a, b, sh):
-    """The high word of ``(a:b) << sh`` for ``0 <= sh < 32`` (uint32; plain integer ops)."""
-    return (a << sh) | ((b >> 1) >> (31 - sh))
-
-
-@triton.jit
-def _decode_groups(base, g0, g1, g2, gsh, MULT, BK: tl.constexpr, BN: tl.constexpr, K2: tl.constexpr,
-                   ASM: tl.constexpr):  # fmt: skip
-    """fp16 ``W_inner`` values of a [BK, BN] MUL1 block (bit-exact), decoded per group of 8 consecutive trellis
-    elements from three words (``_group_offsets``) instead of two words per element, then put in place by a fixed
-    permutation: element ``t = 8q + j`` of a tile is row ``8 * (j//2 % 2) + 2 * (q % 4) + j % 2``, column
-    ``8 * (j // 4) + q // 4`` (``tile_element``'s inverse)."""
-    KA: tl.constexpr = K2 // 2
-    a = tl.load(base + g0)
-    b = tl.load(base + g1)
-    c = tl.load(base + g2)
-    if ASM:
-        m = tl.full(a.shape, MULT, tl.int32)
-        if KA == 1:
-            v0, v1, v2, v3, v4, v5, v6, v7 = _group_call(a, b, c, gsh, m, _GROUP_ASM_1)
-        elif KA == 2:
-            v0, v1, v2, v3, v4, v5, v6, v7 = _group_call(a, b, c, gsh, m, _GROUP_ASM_2)
-        elif KA == 3:
-            v0, v1, v2, v3, v4, v5, v6, v7 = _group_call(a, b, c, gsh, m, _GROUP_ASM_3)
-        else:
-            v0, v1, v2, v3, v4, v5, v6, v7 = _group_call(a, b, c, gsh, m, _GROUP_ASM_4)
-    else:
-        ua = a.to(tl.uint32, bitcast=True)
-        ub = b.to(tl.uint32, bitcast=True)
-        uc = c.to(tl.uint32, bitcast=True)
-        hi = _funnel32(ua, ub, gsh)
-        lo = _funnel32(ub, uc, gsh)
-        v0 = _mul1_scalar(hi >> 16, MULT)
-        v1 = _mul1_scalar(_funnel32(hi, lo, KA * 1) >> 16, MULT)
-        v2 = _mul1_scalar(_funnel32(hi, lo, KA * 2) >> 16, MULT)
-        v3 = _mul1_scalar(_funnel32(hi, lo, KA * 3) >> 16, MULT)
-        v4 = _mul1_scalar(_funnel32(hi, lo, KA * 4) >> 16, MULT)
-        v5 = _mul1_scalar(_funnel32(hi, lo, KA * 5) >> 16, MULT)
-        v6 = _mul1_scalar(_funnel32(hi, lo, KA * 6) >> 16, MULT)
-        v7 = _mul1_scalar(_funnel32(hi, lo, KA * 7) >> 16, MULT)
-    # [G, j0, j1, j2] with j = 4 j2 + 2 j1 + j0 (tl.join appends the new axis last), as
-    # [nt, kt, q_hi, q_lo, j0, j1, j2]: G = (nt, kt, q_hi, q_lo); rows (kt, j1, q_lo, j0), columns (nt, j2, q_hi)
-    w = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
-    return tl.reshape(w, (BN // 16, BK // 16, 8, 4, 2, 2, 2))
-
-
-@triton.jit
-def _trellis_to_block(w, BK: tl.constexpr, BN: tl.constexpr):
-    """A [nt, kt, q_hi, q_lo, j0, j1, j2] block (``_decode_groups``) as the row-major [BK, BN] block."""
-    return tl.reshape(tl.permute(w, (1, 5, 3, 4, 0, 6, 2)), (BK, BN))
-
-
-@triton.jit
-def _trellis_rows(BK: tl.constexpr):
-    """Row index ``16 kt + 8 j1 + 2 q_lo + j0`` of each element of a [nt, kt, q_hi, q_lo, j0, j1, j2] block, with
-    the column axes (nt, q_hi, j2) of size 1 (broadcast)."""
-    kt = tl.arange(0, BK // 16)[None, :, None, None, None, None, None]
-    q_lo = tl.arange(0, 4)[None, None, None, :, None, None, None]
-    j0 = tl.arange(0, 2)[None, None, None, None, :, None, None]
-    j1 = tl.arange(0, 2)[None, None, None, None, None, :, None]
-    return kt * 16 + j1 * 8 + q_lo * 2 + j0
-
-
-@triton.jit
-def _group_call(a, b, c, gsh, m, ASM_TEXT: tl.constexpr):
-    return tl.inline_asm_elementwise(
-        ASM_TEXT, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r", [a, b, c, gsh, m], dtype=(tl.float16,) * 8, is_pure=True,
-        pack=1,
-    )  # fmt: skip
-
-
-@triton.jit
-def _mul1_scalar(state, MULT):
-    """The MUL1 value of 16-bit states, plain integer ops (the interpreter): hash, byte sum, one fp16 rounding."""
-    p = state.to(tl.int32, bitcast=True) * MULT  # wraps modulo 2^32
-    bs = _bytesum(p.to(tl.uint32, bitcast=True), False)
-    return ((bs + 1024).to(tl.float32) * _MUL1_SCALE + _MUL1_BIAS).to(tl.float16)
 
 
 @triton.jit
