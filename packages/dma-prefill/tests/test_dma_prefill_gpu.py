@@ -37,6 +37,21 @@ def test_triton_decode_bit_exact(codebook: str, bits: float) -> None:
     np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize(("n", "block_tn"), [(2304, 16), (512, 16), (384, 8)])
+def test_triton_group_decode_bit_exact(bits: int, n: int, block_tn: int) -> None:
+    """The group decode's inline PTX (MUL1 at integer K, whole bands; n = 640 above takes the per-element one)."""
+    from dma_prefill.triton_ops import decode_into, group_decode_fits
+
+    assert group_decode_fits(bits, "mul1") and (n // 16) % block_tn == 0
+    t = exl3.random_tensor(256, n, bits, "mul1", seed=bits * 1000 + n)
+    src = torch.from_numpy(t.trellis).cuda().contiguous().view(-1).view(torch.int32)
+    out = torch.full((1, 256, n), 7.0, dtype=torch.float16, device="cuda")
+    counts = torch.ones(1, dtype=torch.int64, device="cuda")
+    decode_into(src, 0, 0, counts, out, 256, n, bits, "mul1", block_tn=block_tn)
+    np.testing.assert_array_equal(out[0].cpu().numpy().view(np.uint16), exl3.decode(t.trellis, "mul1").view(np.uint16))
+
+
 def test_registered_store_and_zero_copy_decode() -> None:
     from dma_prefill.triton_ops import decode_into
 
