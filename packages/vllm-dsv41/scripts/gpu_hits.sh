@@ -5,7 +5,7 @@
 # carried tree's pure-Python packages (vllm-dsv41, dma-prefill, expert-cache) go first on the path, so the hits
 # code measured is the tree's even if the kit's wheels are older. Logs under $OUT.
 #   carry [".exl3"] (first time on a machine), then:  bash packages/vllm-dsv41/scripts/gpu_hits.sh
-#   (at most 240 s of tests + 330 s of bench: one call of <= 600 s)
+#   (at most 240 + 60 s of tests + 330 s of bench, cut to the call's 585 s: one call of <= 600 s)
 #   STEPS="tests bench" (default), BENCH_ARGS="--tokens 1 8 --runs 50" (extra bench_hits.py arguments)
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
@@ -31,6 +31,10 @@ if step tests; then
     timeout "$(gpu_tmo 240)" python3 -m pytest packages/vllm-dsv41/tests/test_vllm_dsv41_hits_gpu.py -m gpu -q -p no:cacheprovider \
         -W ignore::DeprecationWarning 2>&1 | tee "$OUT/pytest_hits_gpu.log" | tail -25
     r=${PIPESTATUS[0]}; log "tests rc=$r"; rc=$((rc || r))
+    # dma-prefill's decode kernels (the prefill's decode shares the group decode), bit for bit
+    timeout "$(gpu_tmo 60)" python3 -m pytest packages/dma-prefill/tests/test_dma_prefill_gpu.py -m gpu -q \
+        -p no:cacheprovider -k "decode_bit_exact" 2>&1 | tee "$OUT/pytest_decode_gpu.log" | tail -5
+    r=${PIPESTATUS[0]}; log "decode tests rc=$r"; rc=$((rc || r))
 fi
 if step bench; then
     log "bench"
