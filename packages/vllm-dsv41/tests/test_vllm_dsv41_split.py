@@ -102,6 +102,54 @@ def test_auto_split_with_token_costs_is_near_the_best(seed: int) -> None:
     assert plan.predicted_seconds <= best + max(c.max(), p) + 1e-12
 
 
+def test_fixed_costs_keep_small_shares_on_one_path() -> None:
+    # equal rates, 2 experts: the balance would send one each way; a PCIe launch cost of 3 experts' time makes the
+    # CPU alone faster, a CPU wake-up cost the PCIe path alone
+    experts, tokens = np.array([1, 2]), np.array([1, 1])
+    cost = 10 * MB / 10e9
+    free = split_misses(experts, tokens, 10 * MB, Rates(cpu_bps=10e9, pcie_bps=10e9), "auto")
+    assert int(free.pcie.sum()) == 1
+    slow_pcie = split_misses(experts, tokens, 10 * MB, Rates(10e9, 10e9, pcie_fixed_s=3 * cost), "auto")
+    assert not slow_pcie.pcie.any() and math.isclose(slow_pcie.cpu_seconds, 2 * cost)
+    slow_cpu = split_misses(experts, tokens, 10 * MB, Rates(10e9, 10e9, cpu_fixed_s=3 * cost), "auto")
+    assert slow_cpu.pcie.all() and math.isclose(slow_cpu.pcie_seconds, 2 * cost)
+    # many experts: both paths pay their fixed cost once and still share the work
+    many = np.arange(40)
+    both = split_misses(many, np.ones(40, int), 10 * MB, Rates(10e9, 10e9, cpu_fixed_s=cost, pcie_fixed_s=cost))
+    k = int(both.pcie.sum())
+    assert 0 < k < 40 and math.isclose(both.pcie_seconds, cost + k * cost)
+    assert math.isclose(both.cpu_seconds, cost + (40 - k) * cost)
+    # the forced modes pay their path's fixed cost
+    forced = split_misses(many, np.ones(40, int), 10 * MB, Rates(10e9, 10e9, cpu_fixed_s=cost), "cpu")
+    assert math.isclose(forced.cpu_seconds, 41 * cost)
+    assert "ms per layer" in Rates(10e9, 10e9, cpu_fixed_s=cost).describe()
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_auto_split_with_fixed_costs_is_near_the_best(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(1, 11))
+    experts = rng.choice(384, size=n, replace=False)
+    tokens = rng.integers(1, 9, size=n)
+    cpu1 = float(rng.uniform(5, 50)) * 1e9
+    rates = Rates(cpu_bps=cpu1, pcie_bps=float(rng.uniform(5, 50)) * 1e9, cpu_tokens=((8, cpu1 / 2.6),),
+                  cpu_fixed_s=float(rng.uniform(0, 3e-3)), pcie_fixed_s=float(rng.uniform(0, 3e-3)))  # fmt: skip
+    busy = float(rng.uniform(0, 1e-3))
+    plan = split_misses(experts, tokens, 13 * MB, rates, "auto", gpu_busy_seconds=busy)
+    c = np.array([rates.cpu_expert_seconds(13 * MB, int(m)) for m in tokens])
+    p = 13 * MB / rates.pcie_bps
+
+    def makespan(mask: np.ndarray) -> float:
+        cpu = c[~mask].sum() + (rates.cpu_fixed_s if (~mask).any() else 0.0)
+        return max(cpu, busy + mask.sum() * p + (rates.pcie_fixed_s if mask.any() else 0.0))
+
+    assert math.isclose(plan.predicted_seconds, makespan(plan.pcie), rel_tol=1e-12)
+    best = min(makespan(np.array([(b >> i) & 1 for i in range(n)], bool)) for b in range(1 << n))
+    assert plan.predicted_seconds <= best + max(c.max(), p) + 1e-12
+    # never worse than either path alone
+    assert plan.predicted_seconds <= min(makespan(np.zeros(n, bool)), makespan(np.ones(n, bool))) + 1e-12
+
+
 def test_bad_input_is_named() -> None:
     r = Rates(cpu_bps=1e9, pcie_bps=1e9)
     with pytest.raises(ValueError, match="mode"):
@@ -115,6 +163,11 @@ def test_bad_input_is_named() -> None:
                       ((2, 1e9), "pairs")):  # fmt: skip
         with pytest.raises(ValueError, match=what):
             Rates(cpu_bps=1e9, pcie_bps=0, cpu_tokens=bad)  # type: ignore[arg-type]
+    for name in ("cpu_fixed_s", "pcie_fixed_s"):
+        with pytest.raises(ValueError, match=name):
+            Rates(cpu_bps=1e9, pcie_bps=0, **{name: -1.0})  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=name):
+            Rates(cpu_bps=1e9, pcie_bps=0, **{name: math.inf})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=">= 1 token"):
         split_misses(np.arange(2), np.array([1, 0]), MB, r)
     assert "GB/s" in r.describe()

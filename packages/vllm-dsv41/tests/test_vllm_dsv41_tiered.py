@@ -69,12 +69,21 @@ def test_rates_are_measured_per_tokens_per_expert(home: ExpertHome) -> None:
         _step(rt, np.random.default_rng(0), tokens=2)
         r = rt.rates
         assert r is not None and r.source == "measured" and r.pcie_bps == 0 and r.cpu_bps > 0
+        assert r.cpu_fixed_s >= 0 and r.pcie_fixed_s == 0
         assert [m for m, _ in r.cpu_tokens] == [2, 4, 8] and all(v > 0 for _, v in r.cpu_tokens)
         assert "8 tokens" in r.describe()
         eb = 3 * HIDDEN * 128  # any size: the ratio to one token's time is what is checked
         assert r.cpu_expert_seconds(eb, 8) == pytest.approx(eb / dict(r.cpu_tokens)[8])
     finally:
         rt.close()
+
+
+def test_affine_fit() -> None:
+    from vllm_dsv41.tiered import _affine
+
+    assert _affine(3.0, 12.0, 10) == (1.0, 2.0)  # t = 2 + n
+    assert _affine(3.0, 2.0, 10) == (0.2, 0.0)  # no fixed part shown (noise): the mean
+    assert _affine(3.0, 3.0, 1) == (3.0, 0.0)
 
 
 @pytest.mark.parametrize("slots", [0, 5, LAYERS * EXPERTS])

@@ -6,7 +6,9 @@ once per chunk of up to 8 tokens, but each further token adds multiplies, so 8 t
 by the GPU's hit kernel reading the same bytes from the GPU-mapped host home (the expert's bytes at the PCIe
 read rate, after the GPU's own hits; bandwidth-bound, so taken as independent of the tokens). Both paths run at
 once, so the best split balances their finish times: experts are assigned, most-used first, to whichever path
-would finish them earlier (longest-processing-time-first; the rates are measured at startup, ``Rates``).
+would finish them earlier (longest-processing-time-first; the rates are measured at startup, ``Rates``). A path
+also costs a fixed time once it gets any expert (the CPU tier's job start and wake-up, the PCIe share's launches),
+so the balanced split is compared with "all on the CPU" and "all over PCIe" and the fastest of the three is taken.
 ``split_misses`` is pure (numpy in, numpy out) and deterministic for a given input.
 """
 
@@ -35,6 +37,8 @@ class Rates:
     cpu_tokens : the CPU tier's rate at more tokens per expert, ``((m, bytes/s), ...)`` with ``m >= 2`` (expert
         bytes per second of one expert computed for ``m`` tokens; measured at startup at 2, 4 and 8). Empty: an
         expert costs one token's time for up to 8 tokens (the tier's chunk; how it behaves while memory-bound).
+    cpu_fixed_s, pcie_fixed_s : seconds a path costs once per layer when it gets any expert, beyond the rates
+        (measured at startup from one expert against many: the intercept of time vs experts; 0 when configured).
     """
 
     cpu_bps: float
@@ -42,10 +46,16 @@ class Rates:
     gpu_bps: float = math.inf
     source: str = "configured"
     cpu_tokens: tuple[tuple[int, float], ...] = ()
+    cpu_fixed_s: float = 0.0
+    pcie_fixed_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("cpu_bps", "pcie_bps", "gpu_bps"):
             _rate(f"Rates.{name}", getattr(self, name))
+        for name in ("cpu_fixed_s", "pcie_fixed_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < math.inf:
+                raise ValueError(f"Rates.{name}: expected a finite number of seconds >= 0, got {v!r}")
         seen = {1}
         for item in self.cpu_tokens:
             if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int) and item[0] >= 2):
@@ -75,8 +85,9 @@ class Rates:
             return "inf" if math.isinf(v) else f"{v / 1e9:.2f}"
 
         more = "".join(f", {m} tokens {gbps(v)}" for m, v in self.cpu_tokens)
-        return (f"CPU tier {gbps(self.cpu_bps)} GB/s (1 token per expert{more}), PCIe reads "
-                f"{gbps(self.pcie_bps)} GB/s, VRAM hits {gbps(self.gpu_bps)} GB/s ({self.source})")  # fmt: skip
+        return (f"CPU tier {gbps(self.cpu_bps)} GB/s (1 token per expert{more}) + {self.cpu_fixed_s * 1e3:.2f} ms "
+                f"per layer, PCIe reads {gbps(self.pcie_bps)} GB/s + {self.pcie_fixed_s * 1e3:.2f} ms, VRAM hits "
+                f"{gbps(self.gpu_bps)} GB/s ({self.source})")  # fmt: skip
 
 
 def _rate(name: str, v: object) -> None:
@@ -128,17 +139,25 @@ def split_misses(experts: np.ndarray, tokens: np.ndarray, expert_bytes: int, rat
         raise ValueError(f"tokens: every missed expert has >= 1 token, got {tokens.min()}")
     pcie_cost = expert_bytes / rates.pcie_bps if rates.pcie_bps > 0 else math.inf
     cpu_cost = [rates.cpu_expert_seconds(expert_bytes, int(m)) for m in tokens.tolist()]
+    cpu_fixed, pcie_fixed = rates.cpu_fixed_s, rates.pcie_fixed_s
+    all_cpu = SplitPlan(experts, np.zeros(n, bool), cpu_fixed + math.fsum(cpu_cost) if n else 0.0, gpu_busy_seconds)
     if mode == "cpu" or (mode == "auto" and math.isinf(pcie_cost)):
-        return SplitPlan(experts, np.zeros(n, bool), math.fsum(cpu_cost), gpu_busy_seconds)
+        return all_cpu
+    all_pcie = SplitPlan(experts, np.ones(n, bool), 0.0, gpu_busy_seconds + (pcie_fixed + n * pcie_cost if n else 0.0))
     if mode == "pcie" or rates.cpu_bps <= 0:
-        return SplitPlan(experts, np.ones(n, bool), 0.0, gpu_busy_seconds + n * pcie_cost)
+        return all_pcie
     order = np.lexsort((experts, -tokens))  # most tokens first, then by id
     pcie = np.zeros(n, bool)
     cpu_t, pcie_t = 0.0, gpu_busy_seconds
-    for i in order.tolist():
-        if pcie_t + pcie_cost < cpu_t + cpu_cost[i]:
-            pcie[i] = True
-            pcie_t += pcie_cost
+    on_cpu = on_pcie = False
+    for i in order.tolist():  # a path's fixed cost is paid with its first expert
+        to_pcie = pcie_t + pcie_cost + (0.0 if on_pcie else pcie_fixed)
+        to_cpu = cpu_t + cpu_cost[i] + (0.0 if on_cpu else cpu_fixed)
+        if to_pcie < to_cpu:
+            pcie[i] = on_pcie = True
+            pcie_t = to_pcie
         else:
-            cpu_t += cpu_cost[i]
-    return SplitPlan(experts, pcie, cpu_t, pcie_t)
+            cpu_t, on_cpu = to_cpu, True
+    balanced = SplitPlan(experts, pcie, cpu_t, pcie_t)
+    # the fixed costs can make one path alone faster than any balance (ties: the balanced split, then the CPU)
+    return min((balanced, all_cpu, all_pcie), key=lambda plan: plan.predicted_seconds)

@@ -39,6 +39,7 @@ the reference one reading host addresses, and the cache lives in host memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -430,15 +431,19 @@ class TieredRuntime:
         lx = self._layers[min(self._layers)]
         expert_bytes = _expert_bytes(lx)
         more: tuple[tuple[int, float], ...] = ()
+        cpu_fixed = pcie_fixed = 0.0
         if cpu == 0:
             n = min(lx.num_experts, 32)
-            by_tokens = {m: n * expert_bytes / self._cpu_seconds(lx, n, m) for m in _CPU_RATE_TOKENS}
-            cpu = by_tokens.pop(1)
-            more = tuple(by_tokens.items())
+            one = self._cpu_seconds(lx, 1, 1)
+            by_tokens = {m: self._cpu_seconds(lx, n, m) for m in _CPU_RATE_TOKENS}
+            per, cpu_fixed = _affine(one, by_tokens[1], n)
+            cpu = expert_bytes / per
+            more = tuple((m, n * expert_bytes / max(v - cpu_fixed, 1e-9)) for m, v in by_tokens.items() if m > 1)
         if pcie == 0 and self.device.type == "cuda":
-            pcie = self._measure_pcie(lx, expert_bytes)
+            pcie, pcie_fixed = self._measure_pcie(lx, expert_bytes)
         source = "configured" if t.cpu_gbps and (t.pcie_gbps or self.device.type != "cuda") else "measured"
-        return Rates(cpu_bps=cpu, pcie_bps=pcie, source=source, cpu_tokens=more)
+        return Rates(cpu_bps=cpu, pcie_bps=pcie, source=source, cpu_tokens=more, cpu_fixed_s=cpu_fixed,
+                     pcie_fixed_s=pcie_fixed)  # fmt: skip
 
     def _cpu_seconds(self, lx: LayerExperts, n: int, m: int) -> float:
         """Best of 3 (after a warm-up) CPU tier forwards of ``n`` distinct experts with ``m`` tokens each."""
@@ -454,21 +459,26 @@ class TieredRuntime:
             best = min(best, time.perf_counter() - t0)
         return best
 
-    def _measure_pcie(self, lx: LayerExperts, expert_bytes: int) -> float:
-        """The hit kernel over non-resident experts (pointers into the host home): PCIe read rate."""
+    def _measure_pcie(self, lx: LayerExperts, expert_bytes: int) -> tuple[float, float]:
+        """The hit kernel over non-resident experts (pointers into the host home), one expert and many: the PCIe
+        read rate (bytes/s) and the fixed seconds per layer."""
         n = min(lx.num_experts, 16)
         li = self._index[lx.layer]
         table = self._cache.layer_pointers(li)  # nothing resident yet: all point into the home
         stager = self._stager
-        if stager is not None:
-            n = min(n, stager.n)
-            experts = np.arange(n, dtype=np.int64)
-            seconds = hit_seconds(self._hits[lx.layer], lambda: stager.stage(li, experts, table), n, lx.hidden,
-                                  self.device)  # fmt: skip
-            stager.done()
-        else:
-            seconds = hit_seconds(self._hits[lx.layer], table, n, lx.hidden, self.device)
-        return n * expert_bytes / seconds
+        times = {}
+        for k in (1, n):
+            if stager is not None:
+                k = min(k, stager.n)
+                experts = np.arange(k, dtype=np.int64)
+                times[k] = hit_seconds(self._hits[lx.layer], functools.partial(stager.stage, li, experts, table), k,
+                                       lx.hidden, self.device)  # fmt: skip
+                stager.done()
+            else:
+                times[k] = hit_seconds(self._hits[lx.layer], table, k, lx.hidden, self.device)
+        n = max(times)
+        per, fixed = _affine(times[1], times[n], n)
+        return expert_bytes / per, fixed
 
     # ------------------------------------------------------------------------------------------ steps
 
@@ -738,7 +748,9 @@ class TieredRuntime:
         if t.deadline_factor == 0 or self._rates is None or self._rates.cpu_bps <= 0:
             return None
         eb = _expert_bytes(self._layers[layer])
-        predicted = math.fsum(self._rates.cpu_expert_seconds(eb, int(m)) for m in tokens.tolist())
+        predicted = self._rates.cpu_fixed_s + math.fsum(
+            self._rates.cpu_expert_seconds(eb, int(m)) for m in tokens.tolist()
+        )
         return t.deadline_factor * predicted + t.deadline_floor_ms / 1e3
 
     # ------------------------------------------------------------------------------------------ end
@@ -790,6 +802,15 @@ def hit_seconds(kernel: Any, ptrs: torch.Tensor | Callable[[], torch.Tensor], n:
             torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return best
+
+
+def _affine(one: float, many: float, n: int) -> tuple[float, float]:
+    """Seconds per expert and fixed seconds from the time of 1 expert and of ``n`` (``t = fixed + n * per``); the
+    fixed part is 0 when the two do not show one (noise, or ``n == 1``)."""
+    if n > 1 and many > one:
+        per = (many - one) / (n - 1)
+        return per, max(one - per, 0.0)
+    return many / n, 0.0
 
 
 def _expert_bytes(lx: LayerExperts) -> int:
