@@ -279,7 +279,13 @@ def _use_runtime(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
             prefill=bool(spec.get("prefill", False)),
         )
         assert isinstance(tcfg, TieredConfig)
-        rates = Rates(r["cpu"], r["pcie"], r["hbm"], "measured in this run") if r else Rates(1.0, 1.0)
+        if r:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from bench_tiered import model_rates
+
+            rates = model_rates(r, "measured in this run")
+        else:
+            rates = Rates(1.0, 1.0)
         new = MeteredTiered(
             dataclasses.replace(cfg, runtime="tiered", tiered=tcfg),
             home,

@@ -117,7 +117,20 @@ def measure_rates(runtime: Any, lx: Any, device: torch.device, reps: int = 5) ->
             keep.append(t)
             ptrs[c, e] = t.data_ptr()
     hbm = n * eb / hit_seconds(kernel, ptrs, n, lx.hidden, device, reps)
-    return {"cpu": r.cpu_bps, "pcie": pcie, "hbm": hbm}
+    return {"cpu": r.cpu_bps, "pcie": pcie, "hbm": hbm, "cpu_fixed_s": r.cpu_fixed_s, "pcie_fixed_s": r.pcie_fixed_s,
+            "cpu_tokens": [[m, v] for m, v in r.cpu_tokens]}  # fmt: skip
+
+
+def model_rates(rates: dict[str, Any], source: str) -> Any:
+    """The cost model's ``Rates`` from ``measure_rates``' numbers (JSON-safe, so a child process can take them)."""
+    from vllm_dsv41.split import Rates
+
+    return Rates(
+        rates["cpu"], rates["pcie"], rates["hbm"], source,
+        cpu_tokens=tuple((int(m), float(v)) for m, v in rates.get("cpu_tokens", ())),
+        cpu_fixed_s=float(rates.get("cpu_fixed_s", 0.0)),
+        pcie_fixed_s=float(rates.get("pcie_fixed_s", 0.0)),
+    )  # fmt: skip
 
 
 def main() -> int:
@@ -199,8 +212,8 @@ def main() -> int:
     rt._create_cache()
     rates = measure_rates(rt, lx0, device)
     rt.close()
-    print("rates (GB/s of expert weights): " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in rates.items()), flush=True)
-    model_rates = Rates(rates["cpu"], rates["pcie"], rates["hbm"], "measured")
+    model = model_rates(rates, "measured")
+    print(f"rates (GB/s of expert weights): {model.describe()}", flush=True)
     rows: list[dict[str, Any]] = []
     for streams in (int(s) for s in a.streams.split(",")):
         steps = decode_steps(a.layers, lx0.num_experts, streams, a.warmup + a.steps, a.seed)
@@ -208,7 +221,7 @@ def main() -> int:
         n_steps = len(steps)
         trace = Trace.create(ids_all, np.full(n_steps, streams), np.full(n_steps, streams), lx0.num_experts)
         for split in a.splits.split(","):
-            rt = runtime(split, model_rates)
+            rt = runtime(split, model)
             g = torch.Generator(device=device).manual_seed(a.seed)
             xs = torch.randn((streams, lx0.hidden), generator=g, device=device, dtype=torch.bfloat16)
             out = torch.empty_like(xs)
