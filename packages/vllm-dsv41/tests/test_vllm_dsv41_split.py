@@ -79,29 +79,6 @@ def test_cpu_cost_follows_the_tokens_per_expert() -> None:
     assert "8 tokens 4.00" in rates.describe()
 
 
-@pytest.mark.parametrize("seed", range(30))
-def test_auto_split_with_token_costs_is_near_the_best(seed: int) -> None:
-    """Greedy longest-first on two machines: within one job of the best assignment (brute force)."""
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(1, 11))
-    experts = rng.choice(384, size=n, replace=False)
-    tokens = rng.integers(1, 9, size=n)
-    cpu1 = float(rng.uniform(5, 50)) * 1e9
-    rates = Rates(cpu_bps=cpu1, pcie_bps=float(rng.uniform(5, 50)) * 1e9,
-                  cpu_tokens=((2, cpu1 / 1.2), (4, cpu1 / 1.7), (8, cpu1 / 2.6)))  # fmt: skip
-    busy = float(rng.uniform(0, 1e-3))
-    plan = split_misses(experts, tokens, 13 * MB, rates, "auto", gpu_busy_seconds=busy)
-    c = np.array([rates.cpu_expert_seconds(13 * MB, int(m)) for m in tokens])
-    p = 13 * MB / rates.pcie_bps
-    assert math.isclose(plan.cpu_seconds, c[~plan.pcie].sum(), abs_tol=1e-15)
-    assert math.isclose(plan.pcie_seconds, busy + plan.pcie.sum() * p)
-    best = min(
-        max(c[~mask].sum(), busy + mask.sum() * p)
-        for mask in (np.array([(b >> i) & 1 for i in range(n)], bool) for b in range(1 << n))
-    )
-    assert plan.predicted_seconds <= best + max(c.max(), p) + 1e-12
-
-
 def test_fixed_costs_keep_small_shares_on_one_path() -> None:
     # equal rates, 2 experts: the balance would send one each way; a PCIe launch cost of 3 experts' time makes the
     # CPU alone faster, a CPU wake-up cost the PCIe path alone
@@ -125,28 +102,32 @@ def test_fixed_costs_keep_small_shares_on_one_path() -> None:
     assert "ms per layer" in Rates(10e9, 10e9, cpu_fixed_s=cost).describe()
 
 
+@pytest.mark.parametrize("fixed", [False, True])
 @pytest.mark.parametrize("seed", range(30))
-def test_auto_split_with_fixed_costs_is_near_the_best(seed: int) -> None:
-    rng = np.random.default_rng(100 + seed)
+def test_auto_split_is_near_the_best(seed: int, fixed: bool) -> None:
+    """Costs by tokens per expert, with or without fixed costs per path: greedy longest-first (or one path alone)
+    is within one job of the best assignment (brute force), and never worse than either path alone."""
+    rng = np.random.default_rng(100 * fixed + seed)
     n = int(rng.integers(1, 11))
     experts = rng.choice(384, size=n, replace=False)
     tokens = rng.integers(1, 9, size=n)
     cpu1 = float(rng.uniform(5, 50)) * 1e9
-    rates = Rates(cpu_bps=cpu1, pcie_bps=float(rng.uniform(5, 50)) * 1e9, cpu_tokens=((8, cpu1 / 2.6),),
-                  cpu_fixed_s=float(rng.uniform(0, 3e-3)), pcie_fixed_s=float(rng.uniform(0, 3e-3)))  # fmt: skip
+    f_cpu, f_pcie = (float(rng.uniform(0, 3e-3)), float(rng.uniform(0, 3e-3))) if fixed else (0.0, 0.0)
+    rates = Rates(cpu_bps=cpu1, pcie_bps=float(rng.uniform(5, 50)) * 1e9,
+                  cpu_tokens=((2, cpu1 / 1.2), (4, cpu1 / 1.7), (8, cpu1 / 2.6)), cpu_fixed_s=f_cpu,
+                  pcie_fixed_s=f_pcie)  # fmt: skip
     busy = float(rng.uniform(0, 1e-3))
     plan = split_misses(experts, tokens, 13 * MB, rates, "auto", gpu_busy_seconds=busy)
     c = np.array([rates.cpu_expert_seconds(13 * MB, int(m)) for m in tokens])
     p = 13 * MB / rates.pcie_bps
 
     def makespan(mask: np.ndarray) -> float:
-        cpu = c[~mask].sum() + (rates.cpu_fixed_s if (~mask).any() else 0.0)
-        return max(cpu, busy + mask.sum() * p + (rates.pcie_fixed_s if mask.any() else 0.0))
+        cpu = c[~mask].sum() + (f_cpu if (~mask).any() else 0.0)
+        return max(cpu, busy + mask.sum() * p + (f_pcie if mask.any() else 0.0))
 
     assert math.isclose(plan.predicted_seconds, makespan(plan.pcie), rel_tol=1e-12)
     best = min(makespan(np.array([(b >> i) & 1 for i in range(n)], bool)) for b in range(1 << n))
     assert plan.predicted_seconds <= best + max(c.max(), p) + 1e-12
-    # never worse than either path alone
     assert plan.predicted_seconds <= min(makespan(np.zeros(n, bool)), makespan(np.ones(n, bool))) + 1e-12
 
 
