@@ -163,7 +163,11 @@ class _Stager:
     (``slot_alignment``), so any home alignment works.
 
     Ordering: the copies wait for the last kernel that read the slots (``done``), the compute stream waits for the
-    copies; ``ptrs`` is rewritten on the compute stream, after that kernel."""
+    copies; ``ptrs`` is rewritten on the compute stream, after that kernel. The experts' ids reach the device from
+    a pinned buffer with one place per (``use``, round) of a layer (the runtime's two staging pairs), so no copy
+    is pageable (a pageable one would make the host wait for the stream) and no round overwrites ids a queued copy
+    has yet to read; the next layer writes them only after its own input event, which the stream orders after
+    these copies. The slots' addresses are computed once."""
 
     def __init__(self, config: Any, rows: Any, n: int, device: torch.device) -> None:
         self.n = n
@@ -184,6 +188,13 @@ class _Stager:
             raw.record_stream(self.stream)
         self._free: Any = None  # event after the last kernel that read the slots
         self.ptrs: torch.Tensor | None = None
+        # [P, n]: the address of projection p of slot j
+        addr = self.base + np.arange(n, dtype=np.int64)[None, :] * self.stride + self.offs[:, None]
+        self.slot_addr = torch.from_numpy(np.ascontiguousarray(addr)).to(device)
+        rounds = -(-config.num_experts // n)
+        self.h_cols = torch.empty((2, rounds, n), dtype=torch.int64, pin_memory=self.cuda)
+        self.d_cols = torch.empty(n, dtype=torch.int64, device=device)
+        self.cols = self.d_cols[:0]  # the device ids of the experts the last ``stage`` placed
         self.bytes_copied = 0
         self.rounds = 0
 
@@ -191,9 +202,11 @@ class _Stager:
     def nbytes(self) -> int:
         return int(self._raw.numel())
 
-    def stage(self, layer_index: int, experts: np.ndarray, table: torch.Tensor) -> torch.Tensor:
+    def stage(self, layer_index: int, experts: np.ndarray, table: torch.Tensor, use: int = 0,
+              round_: int = 0) -> torch.Tensor:  # fmt: skip
         """Copy ``experts`` (at most ``n``) of cache layer ``layer_index`` into slots ``0..len-1``; the pointer
-        table to read them with (``table`` with their columns repointed), valid on the compute stream."""
+        table to read them with (``table`` with their columns repointed), valid on the compute stream. ``use`` and
+        ``round_`` say which staging of the layer this is (its pinned place for the ids)."""
         if experts.size > self.n:
             raise ValueError(f"staged read: {experts.size} experts for {self.n} transient slots")
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
@@ -218,9 +231,12 @@ class _Stager:
         if self.ptrs is None or self.ptrs.shape != table.shape:
             self.ptrs = torch.empty_like(table)
         self.ptrs.copy_(table)
-        addr = self.base + np.arange(experts.size, dtype=np.int64)[:, None] * self.stride + self.offs[None, :]
-        cols = torch.from_numpy(np.ascontiguousarray(experts, np.int64)).to(self.device)
-        self.ptrs[:, cols] = torch.from_numpy(np.ascontiguousarray(addr.T)).to(self.device)
+        k = experts.size
+        h = self.h_cols[use, round_, :k]
+        h.numpy()[:] = experts
+        self.cols = self.d_cols[:k]
+        self.cols.copy_(h, non_blocking=self.cuda)
+        self.ptrs[:, self.cols] = self.slot_addr[:, :k]
         self.rounds += 1
         return self.ptrs
 
@@ -732,10 +748,9 @@ class TieredRuntime:
         li = self._index[layer]
         for r0 in range(0, experts.size, stager.n):
             chunk = experts[r0 : r0 + stager.n]
-            table = stager.stage(li, chunk, ptrs)
+            table = stager.stage(li, chunk, ptrs, use, r0 // stager.n)
             if chunk.size < experts.size:  # this round's picks only
-                cols = torch.from_numpy(chunk.astype(np.int32)).to(self.device)
-                sub = torch.where(torch.isin(ids2, cols), ids2, torch.full_like(ids2, -1))
+                sub = torch.where(torch.isin(ids2, stager.cols), ids2, torch.full_like(ids2, -1))
             else:
                 sub = ids2
             kernel.forward(table, x, sub, w, y2)
