@@ -225,7 +225,13 @@ def _group_call(a, b, c, gsh, m, ASM_TEXT: tl.constexpr):
 def _mul1_scalar(state, MULT):
     """The MUL1 value of 16-bit states, plain integer ops (the interpreter): hash, byte sum, one fp16 rounding."""
     p = state.to(tl.int32, bitcast=True) * MULT  # wraps modulo 2^32
-    bs = _bytesum(p.to(tl.uint32, bitcast=True), False)
+    return _mul1_value(_bytesum(p.to(tl.uint32, bitcast=True), False))
+
+
+@triton.jit
+def _mul1_value(bs):
+    """fp16 ``(1024 + bs) * MUL1_SCALE + MUL1_BIAS`` of byte sums, plain ops (the interpreter): the value is exact
+    in fp32, so one rounding to fp16, as exllamav3's hfma (an fma in the interpreter would round twice)."""
     return ((bs + 1024).to(tl.float32) * _MUL1_SCALE + _MUL1_BIAS).to(tl.float16)
 
 
@@ -291,7 +297,7 @@ def decode_kernel(
                 f = (bs + 0x4B000000).to(tl.float32, bitcast=True)
                 v = tl.fma(f, _MUL1_SCALE, _MUL1_BIAS_2P23).to(tl.float16)
             else:  # the interpreter's fma rounds twice; this form is exact without one
-                v = ((bs + 1024).to(tl.float32) * _MUL1_SCALE + _MUL1_BIAS).to(tl.float16)
+                v = _mul1_value(bs)
         else:
             x = (p & _LOP3_AND_I32) ^ _LOP3_XOR  # LOP3
             lo = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)

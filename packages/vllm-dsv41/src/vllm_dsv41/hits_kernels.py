@@ -38,13 +38,12 @@ from cpu_tier.exl3 import MUL1_BIAS, MUL1_SCALE
 from dma_prefill.triton_kernels import (
     _LOP3_AND_I32,
     _LOP3_XOR,
-    _MUL1_BIAS,
-    _MUL1_SCALE,
     _bytesum,
     _decode_groups,
     _f16x2,
     _fwht128,
     _group_offsets,
+    _mul1_value,
     _row_scale,
     _trellis_rows,
     _trellis_to_block,
@@ -109,8 +108,8 @@ def _decode(base, off0, off1, sh, MULT, ADD, MUL1: tl.constexpr, ASM: tl.constex
         bs = _bytesum(p.to(tl.uint32, bitcast=True), ASM)
         if ASM:
             v = _mul1_pair(bs)
-        else:  # (1024 + bs) * MUL1_SCALE + MUL1_BIAS is exact in fp32: one rounding to fp16
-            v = ((bs + 1024).to(tl.float32) * _MUL1_SCALE + _MUL1_BIAS).to(tl.float16)
+        else:
+            v = _mul1_value(bs)
     else:
         x = (p & _LOP3_AND_I32) ^ _LOP3_XOR  # LOP3
         lo = (x & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
