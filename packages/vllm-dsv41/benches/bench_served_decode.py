@@ -280,10 +280,7 @@ def _use_runtime(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
         )
         assert isinstance(tcfg, TieredConfig)
         if r:
-            sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from bench_tiered import model_rates
-
-            rates = model_rates(r, "measured in this run")
+            rates = _model_rates(r)
         else:
             rates = Rates(1.0, 1.0)
         new = MeteredTiered(
@@ -315,6 +312,14 @@ def _use_runtime(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
             info["rates"] = measure_rates(new, layers[0], device)
     return info
+
+
+def _model_rates(rates: dict[str, Any]) -> Any:
+    """The cost model of ``bench_tiered.measure_rates``' numbers (``bench_tiered.model_rates``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_tiered import model_rates
+
+    return model_rates(rates, "measured in this run")
 
 
 # ----------------------------------------------------------------------------------------------- driver
@@ -480,8 +485,7 @@ def main() -> int:
     eb, slots = probe["expert_bytes"], probe["slots"]
     log(
         f"{n_layers} MoE layers, expert {eb / 1e6:.2f} MB; VRAM cache {slots} slots of {probe['experts']} experts "
-        f"({slots * eb / GiB:.2f} GiB); rates (GB/s of expert weights, measured now): "
-        + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in rates.items())
+        f"({slots * eb / GiB:.2f} GiB); rates (of expert weights): {_model_rates(rates).describe()}"
     )
     doc: dict[str, Any] = {
         "pack": str(pack),

@@ -39,7 +39,14 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_served_decode import GiB, _full_layers, _use_runtime, add_pack_arguments, build_flash_pack  # noqa: E402
+from bench_served_decode import (  # noqa: E402
+    GiB,
+    _full_layers,
+    _model_rates,
+    _use_runtime,
+    add_pack_arguments,
+    build_flash_pack,
+)
 
 _T0 = time.perf_counter()
 
@@ -183,7 +190,7 @@ def main() -> int:
             "device_budget_bytes": int(a.gpu_memory_gib * GiB) if cuda else None, "decode_max_tokens": 1}  # fmt: skip
     probe = llm.apply_model(functools.partial(_use_runtime, spec={**base, "kind": "tiered", "split": "auto"}))[0]
     rates = probe["rates"]
-    log("decode-path rates (GB/s, the step rule's): " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in rates.items()))
+    log(f"decode-path rates (the step rule's): {_model_rates(rates).describe()}")
     doc: dict[str, Any] = {"pack": str(pack), "layers": n_layers, "chunk": a.chunk, "rates": rates, "rows": [],
                            "skipped": [], "args": {k: str(v) for k, v in vars(a).items()},
                            "device": torch.cuda.get_device_name(0) if cuda else "cpu"}  # fmt: skip
