@@ -158,6 +158,29 @@ def test_kernel_addresses_apart_from_host_addresses(make_home, make_rows) -> Non
     assert (cache.pointer_table.numpy() == host.host_addresses() + shift).all()  # all home again: kernel addresses
 
 
+@pytest.mark.parametrize("alignment", [128, 256, 4096])
+def test_slot_pool_and_copy_expert(make_home, make_rows, alignment: int) -> None:
+    """The one slot allocator is aligned for any slot_alignment, and ``copy_expert`` fills one slot with every
+    projection of one expert at its offset, leaving the padding between columns untouched."""
+    from expert_cache import slot_pool
+
+    cfg = cfg_of(slot_alignment=alignment)
+    home = make_home(cfg, 3)
+    rows = make_rows(cfg, home, 3)
+    pool = slot_pool(cfg, 4, "cpu")
+    assert pool.shape == (4, cfg.slot_stride) and pool.dtype == torch.uint8
+    assert pool.data_ptr() % alignment == 0 and cfg.slot_stride % alignment == 0
+    pool.fill_(0xEE)
+    assert rows.copy_expert(pool[2], 1, 7, cfg, non_blocking=False) == sum(s.nbytes for s in PROJ)
+    assert (pool[[0, 1, 3]] == 0xEE).all()
+    used = torch.zeros(cfg.slot_stride, dtype=torch.bool)
+    for p, spec in enumerate(PROJ):
+        o = cfg.projection_offsets[p]
+        assert torch.equal(pool[2, o : o + spec.nbytes], home[1][p][7].reshape(-1).view(torch.uint8)), spec.name
+        used[o : o + spec.nbytes] = True
+    assert (pool[2][~used] == 0xEE).all()
+
+
 def test_home_alignment(make_home) -> None:
     """The widest load a kernel may issue on a home pointer: the largest power of two dividing all of them."""
     cfg = cfg_of()

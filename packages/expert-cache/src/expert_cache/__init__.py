@@ -7,7 +7,9 @@ See README.md. Public API:
   (:func:`policy_config` builds one from a name);
 * :class:`ExpertCache` - the slot pool, per-layer ``slot_of`` maps and projection-major pointer tables on a device
   (:meth:`ExpertCache.lend` lends its coldest slots' memory out as a :class:`Loan`);
-* :class:`ExpertRows` - an address-based home (rows anywhere in pinned or CUDA-registered host buffers);
+* :class:`ExpertRows` - an address-based home (rows anywhere in pinned or CUDA-registered host buffers;
+  :meth:`ExpertRows.copy_expert` fills one slot), and :func:`slot_pool` - the aligned slot allocator (the cache's
+  pool, a borrower's transient slots);
 * :mod:`expert_cache.policies` - ``decayed`` (the reference), ``lru``, ``lfu``, ``arc``, ``hybrid``;
 * :mod:`expert_cache.trace` - the trace format, :class:`TraceRecorder`, the synthetic generator;
 * :mod:`expert_cache.sim` - :func:`simulate`, Belady's MIN, the CLI.
@@ -35,7 +37,7 @@ from .planner import CacheController, CacheStats, Swap
 from .policies import Policy, load_profile, make_policy, save_profile
 
 if TYPE_CHECKING:
-    from .cache import ExpertCache, Loan
+    from .cache import ExpertCache, Loan, slot_pool
     from .home import ExpertRows
     from .sim import belady_hit_rate, belady_hits, simulate, static_oracle_hit_rate
     from .trace import SyntheticTraceConfig, Trace, TraceRecorder, generate, load_trace
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "ExpertCache": "cache",
     "Loan": "cache",
+    "slot_pool": "cache",
     "ExpertRows": "home",
     "belady_hit_rate": "sim",
     "belady_hits": "sim",
@@ -86,6 +89,7 @@ __all__ = [
     "HybridConfig",
     "LfuConfig",
     "Loan",
+    "slot_pool",
     "LruConfig",
     "Policy",
     "PolicyConfig",

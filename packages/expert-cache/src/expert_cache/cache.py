@@ -47,7 +47,17 @@ from .home import ExpertRows
 from .planner import CacheController, CacheStats, Swap
 from .policies import HybridPolicy, save_profile
 
-__all__ = ["ExpertCache", "Loan"]
+__all__ = ["ExpertCache", "Loan", "slot_pool"]
+
+
+def slot_pool(config: ExpertCacheConfig, num_slots: int, device: torch.device | str) -> torch.Tensor:
+    """A ``[num_slots, slot_stride]`` uint8 pool on ``device`` (uninitialised) whose base is on a
+    ``config.slot_alignment`` boundary, so every projection column of every slot is (the layout the cache's pointer
+    tables and the hit kernels assume). The one allocator of slots: the cache's pool and any transient slots."""
+    n, align = num_slots * config.slot_stride, config.slot_alignment
+    raw = torch.empty(n + align, dtype=torch.uint8, device=device)
+    skip = -raw.data_ptr() % align  # CPU tensors are only 64-aligned
+    return raw[skip : skip + n].view(num_slots, config.slot_stride)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -111,9 +121,7 @@ class ExpertCache:
         if self._cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         L, E = config.num_layers, config.num_experts
-        specs = config.projection_specs
-        P = len(specs)
-        self._specs = specs
+        P = len(config.projection_specs)
         self._offs = config.projection_offsets
         self._stride = config.slot_stride
         rows = home if isinstance(home, ExpertRows) else ExpertRows.from_stacked(home, config)
@@ -196,11 +204,8 @@ class ExpertCache:
     def _allocate(self) -> None:
         if self._pool is not None or self.num_slots == 0:
             return
-        n, align = self.num_slots * self._stride, self.config.slot_alignment
         with self._on_compute():
-            raw = torch.empty(n + align, dtype=torch.uint8, device=self.device)
-            skip = -raw.data_ptr() % align  # the base on a slot_alignment boundary (CPU tensors are 64-aligned)
-            self._pool = raw[skip : skip + n].view(self.num_slots, self._stride)
+            self._pool = slot_pool(self.config, self.num_slots, self.device)
             if self._cuda:
                 # The side stream writes the pool: the allocator must not hand its memory out again before
                 # those copies are done, whenever the pool is dropped.
@@ -229,10 +234,7 @@ class ExpertCache:
         with ctx:
             for key, slot in zip(new.tolist(), slots.tolist(), strict=True):
                 layer, e = divmod(key, E)
-                for p, spec in enumerate(self._specs):
-                    src = self._rows.host_row(layer, e, p, spec.nbytes)
-                    dst = self._pool[slot, self._offs[p] : self._offs[p] + spec.nbytes]
-                    dst.copy_(src, non_blocking=self._cuda)
+                self._rows.copy_expert(self._pool[slot], layer, e, self.config, non_blocking=self._cuda)
         self._fills += new.size
         # 3. activation.
         if not self._cuda:

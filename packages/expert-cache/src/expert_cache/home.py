@@ -205,3 +205,14 @@ class ExpertRows:
         b = int(self.buffer[layer, projection, expert])
         o = int(self.offset[layer, projection, expert])
         return self.buffers[b][o : o + nbytes]
+
+    def copy_expert(self, slot: torch.Tensor, layer: int, expert: int, config: ExpertCacheConfig,
+                    non_blocking: bool) -> int:  # fmt: skip
+        """Copy every projection of ``(layer, expert)`` into ``slot`` (one ``[slot_stride]`` row of a slot pool, at
+        ``config.projection_offsets``) on the current stream; returns the bytes copied. The one fill of a slot, for
+        the cache's fills and any borrower's transient slots."""
+        n = 0
+        for p, (spec, off) in enumerate(zip(config.projection_specs, config.projection_offsets, strict=True)):
+            slot[off : off + spec.nbytes].copy_(self.host_row(layer, expert, p, spec.nbytes), non_blocking=non_blocking)
+            n += spec.nbytes
+        return n

@@ -25,6 +25,7 @@ as an eager break of vLLM's breakable CUDA graphs (see ``methods.py``).
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -47,6 +48,7 @@ __all__ = [
     "replace_runtime",
     "routed_experts",
     "routed_experts_out",
+    "router_weights",
     "unregister_runtime",
 ]
 
@@ -376,12 +378,37 @@ def get_runtime(handle: int) -> ExpertRuntime:
         raise KeyError(f"no expert runtime with handle {handle} in this process") from None
 
 
+def _in_profile_run() -> bool:
+    """True inside one of vLLM's dummy forwards without attention metadata (its memory profiling; a real batch
+    always carries metadata). Read only where vLLM has imported its forward context (importing it here would pull
+    in vLLM's compile stack inside the op)."""
+    fc = sys.modules.get("vllm.forward_context")
+    return fc is not None and fc.is_forward_context_available() and fc.get_forward_context().attn_metadata is None
+
+
+def router_weights(topk_weights: torch.Tensor) -> torch.Tensor:
+    """The routing weights a runtime is given: ``topk_weights`` itself, except in vLLM's memory-profiling forward.
+
+    There the attention backends return their output buffers unwritten (``torch.empty``: any bits, NaN and inf
+    included, e.g. vLLM's CPU attention), so the router's weights are meaningless and may be non-finite; the CPU
+    tier rightly refuses non-finite weights, which failed the engine's start at random. In that forward only,
+    non-finite weights become 0 and every runtime still runs its full path (the profile measures it). A real
+    batch's weights pass unchanged: a non-finite weight there is still an error. Never applied while a CUDA
+    graph is being captured (graph-safe runtimes read the weights as given; the others run in eager breaks).
+    """
+    if topk_weights.is_cuda and torch.cuda.is_current_stream_capturing():
+        return topk_weights
+    if not _in_profile_run():
+        return topk_weights
+    return torch.nan_to_num(topk_weights, nan=0.0, posinf=0.0, neginf=0.0)
+
+
 @torch.library.custom_op("dsv41::routed_experts_out", mutates_args=("out",))
 def routed_experts_out(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, runtime: int, layer: int
 ) -> None:
     """Write MoE ``layer``'s routed-expert output into ``out[:T]`` (runtime ``runtime``; see ``ExpertRuntime``)."""
-    get_runtime(runtime).forward_into(layer, x, topk_ids, topk_weights, out)
+    get_runtime(runtime).forward_into(layer, x, topk_ids, router_weights(topk_weights), out)
 
 
 @routed_experts_out.register_fake

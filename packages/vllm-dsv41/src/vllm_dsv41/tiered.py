@@ -170,22 +170,20 @@ class _Stager:
     these copies. The slots' addresses are computed once."""
 
     def __init__(self, config: Any, rows: Any, n: int, device: torch.device) -> None:
+        from expert_cache import slot_pool
+
         self.n = n
         self.device = device
         self.cuda = device.type == "cuda"
+        self.config = config
         self.stride = config.slot_stride
         self.offs = np.asarray(config.projection_offsets, np.int64)
-        self.sizes = [spec.nbytes for spec in config.projection_specs]
         self.rows = rows
-        align = config.slot_alignment
-        raw = torch.empty(n * self.stride + align, dtype=torch.uint8, device=device)
-        skip = -raw.data_ptr() % align
-        self._raw = raw
-        self.pool = raw[skip : skip + n * self.stride].view(n, self.stride)
+        self.pool = slot_pool(config, n, device)
         self.base = self.pool.data_ptr()
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         if self.stream is not None:  # its copies write the pool: not handed out again before they are done
-            raw.record_stream(self.stream)
+            self.pool.record_stream(self.stream)
         self._free: Any = None  # event after the last kernel that read the slots
         self.ptrs: torch.Tensor | None = None
         # [P, n]: the address of projection p of slot j
@@ -200,7 +198,7 @@ class _Stager:
 
     @property
     def nbytes(self) -> int:
-        return int(self._raw.numel())
+        return int(self.pool.untyped_storage().nbytes())
 
     def stage(self, layer_index: int, experts: np.ndarray, table: torch.Tensor, use: int = 0,
               round_: int = 0) -> torch.Tensor:  # fmt: skip
@@ -219,10 +217,7 @@ class _Stager:
             ctx = torch.no_grad()
         with ctx:
             for j, e in enumerate(experts.tolist()):
-                for p, size in enumerate(self.sizes):
-                    src = self.rows.host_row(layer_index, e, p, size)
-                    self.pool[j, self.offs[p] : self.offs[p] + size].copy_(src, non_blocking=self.cuda)
-                    self.bytes_copied += size
+                self.bytes_copied += self.rows.copy_expert(self.pool[j], layer_index, e, self.config, self.cuda)
         if self.cuda:
             assert compute is not None and self.stream is not None
             ready = torch.cuda.Event()
