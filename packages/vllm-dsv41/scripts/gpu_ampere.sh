@@ -5,7 +5,8 @@
 #   STEPS="aot tests pack served speed" bash packages/vllm-dsv41/scripts/gpu_ampere.sh
 # Steps (in this order, each optional):
 #   aot     every kernel of ours and the upstream Triton kernels the path reuses, compiled for sm_80 and sm_86 with
-#           vLLM's CUDA Triton, the PTX/SASS scanned for instructions sm_8x lacks (python -m vllm_dsv41.ampere.aot)
+#           vLLM's CUDA Triton, the PTX/SASS scanned for instructions sm_8x lacks (python -m vllm_dsv41.ampere.aot);
+#           then V4.1's TileLang mHC kernels lowered (and compiled, with nvcc) for both (vllm_dsv41.ampere.aot_tilelang)
 #   tests   the gpu-marked tests of test_vllm_dsv41_ampere.py (kernels at V4.1 sizes vs float64 and FlashMLA)
 #   pack    tiny-v41 (V4.1's attention sizes: 64 heads of 512, rope 64, window 128, index 32 x 128, top-512,
 #           layers 2-3 kv sources of ratio 2 and 1) and split8 (8 layers: kv sources 2 (ratio 2) and 5 (ratio 1)
@@ -36,6 +37,20 @@ if step aot; then
     timeout "$(gpu_tmo 300)" python3 -m vllm_dsv41.ampere.aot --arch 80 86 --upstream --json "$OUT/ampere_aot.json" \
         2>&1 | tee "$OUT/ampere_aot.log" | tail -40
     r=${PIPESTATUS[0]}; log "aot rc=$r"; rc=$((rc || r))
+    log "aot: V4.1's TileLang mHC kernels (upstream's) for sm_80 / sm_86 at tiny-v41's and Flash's sizes"
+    python3 - <<'PY'
+import json, pathlib
+from pack_tools.presets.tiny_v41 import FLASH, tiny_v41_config
+for name, cfg in (("flash", tiny_v41_config(FLASH)), ("tiny-v41", tiny_v41_config())):
+    d = pathlib.Path("/tmp/dsv41/mhc") / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+PY
+    # nvcc from the toolkit when there is one; else TileLang's lowering and the launch limits only (it says so)
+    timeout "$(gpu_tmo 240)" python3 -m vllm_dsv41.ampere.aot_tilelang --arch 80 86 \
+        --config /tmp/dsv41/mhc/flash/config.json /tmp/dsv41/mhc/tiny-v41/config.json \
+        --json "$OUT/ampere_aot_tilelang.json" 2>&1 | grep -v Warning | tee "$OUT/ampere_aot_tilelang.log" | tail -45
+    r=${PIPESTATUS[0]}; log "aot tilelang rc=$r"; rc=$((rc || r))
 fi
 if step tests; then
     log "tests"

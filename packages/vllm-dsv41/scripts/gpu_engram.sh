@@ -59,7 +59,7 @@ if step fidelity; then
         log "fidelity: served (cpu tier, Engram from the pack's files) vs the oracle"
         timeout "$(gpu_tmo 560)" python3 -m vllm_dsv41.fidelity "$PACK" --runtime cpu --engram mmap --gpu-memory-gib 24 \
             --cpu-threads 8 --reference "$OUT/engram_oracle.npz" --json "$OUT/engram_fidelity.json" \
-            --min-top1 0.999 --max-kl-mean 1e-4 > "$OUT/engram_fidelity.log" 2>&1
+            --noise-floor --min-top1 0.999 --max-kl-mean 1e-4 > "$OUT/engram_fidelity.log" 2>&1
         r=$?; grep -v "INFO\|DEBUG" "$OUT/engram_fidelity.log" | tail -12
         grep -m2 "served from the pack's files" "$OUT/engram_fidelity.log"
         log "served rc=$r"; rc=$((rc || r))

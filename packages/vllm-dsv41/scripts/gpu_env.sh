@@ -2,6 +2,7 @@
 # exllamav3 (staged here from a carried .exl3 the first time, gpu_stage_exl3.sh) behind the kit's site so the kit's
 # pydantic wins, the working tree's pure-Python members first, and the call's housekeeping (gpu_tmo, gpu_time_ok,
 # gpu_out_bundle: below). Set OUT before sourcing.
+export DSV41_CALL_T0=${DSV41_CALL_T0:-$(date +%s)}  # first, so staging exllamav3 below counts (see gpu_tmo)
 source /tmp/gpuvllm/env.sh
 _tree="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
 if [ ! -f /tmp/exl3site/.staged ] && [ -d "$_tree/.exl3" ]; then
@@ -23,7 +24,6 @@ unset _tree _p
 # One device call runs at most 600 s, and the machine kills it there with everything unflushed: every step's timeout
 # is cut to what is left of DSV41_CALL_S (default 585 s, counted from DSV41_CALL_T0: the first source of this file in
 # the call; export DSV41_CALL_T0=$(date +%s) at the start of a call command that chains several scripts).
-export DSV41_CALL_T0=${DSV41_CALL_T0:-$(date +%s)}
 DSV41_CALL_S=${DSV41_CALL_S:-585}
 gpu_left() { echo $((DSV41_CALL_S - ($(date +%s) - DSV41_CALL_T0))); }
 gpu_tmo() {  # seconds: the step's own limit $1, cut to what is left of the call (at least 1: timeout 0 = none)

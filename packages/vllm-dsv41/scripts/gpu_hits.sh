@@ -17,7 +17,7 @@ step() {  # asked for, and at least 30 s of the call left (gpu_env.sh)
     gpu_time_ok 30 || { log "$1: SKIPPED, $(gpu_left) s left of the call"; rc=1; return 1; }
 }
 log() { echo "[gpu_hits $(date +%T)] $*" | tee -a "$OUT/hits_steps.log"; }
-[ -f /tmp/gpuvllm/env.sh ] || { log "the gpu-vllm kit is not staged (/tmp/gpuvllm/env.sh): stage it first"; exit 2; }
+[ -f /tmp/gpuvllm/INFO.txt ] || { log "the gpu-vllm kit is not staged (no /tmp/gpuvllm/INFO.txt, written after its last part): stage every part first"; exit 2; }
 source packages/vllm-dsv41/scripts/gpu_env.sh  # (stages exllamav3 from a carried .exl3 the first time)
 export PYTHONPATH="$PWD/packages/vllm-dsv41/src:$PWD/packages/dma-prefill/src:$PWD/packages/expert-cache/src:$PYTHONPATH"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem,pcie.link.gen.max,pcie.link.width.max \

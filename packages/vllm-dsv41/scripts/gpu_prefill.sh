@@ -19,7 +19,7 @@ step() {  # asked for, and at least 30 s of the call left (gpu_env.sh)
     gpu_time_ok 30 || { log "$1: SKIPPED, $(gpu_left) s left of the call"; rc=1; return 1; }
 }
 log() { echo "[gpu_prefill $(date +%T)] $*" | tee -a "$OUT/prefill_steps.log"; }
-[ -f /tmp/gpuvllm/env.sh ] || { log "the gpu-vllm kit is not staged (/tmp/gpuvllm/env.sh): stage it first"; exit 2; }
+[ -f /tmp/gpuvllm/INFO.txt ] || { log "the gpu-vllm kit is not staged (no /tmp/gpuvllm/INFO.txt, written after its last part): stage every part first"; exit 2; }
 source packages/vllm-dsv41/scripts/gpu_env.sh
 export PYTHONPATH="$PWD/packages/vllm-dsv41/src:$PWD/packages/dma-prefill/src:$PWD/packages/expert-cache/src:$PYTHONPATH"
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv,noheader \
@@ -38,8 +38,9 @@ root = Path("/tmp/dsv41"); synth_tiny_v41(root / "in")
 build_pack(root / "in" / EXL3.dirname, root / "in" / ENGRAM.dirname, root / "tiny-v41", jobs=1, force=True)
 PY
     fi
-    timeout "$(gpu_tmo 240)" python3 -m vllm_dsv41.fidelity "$PACK" --runtime tiered --against all-in-vram \
-        --positions 2048 --length 512 --greedy-prompts 2 --greedy-tokens 16 --gpu-memory-gib 24 --min-top1 0.999 --max-kl-mean 1e-4 \
+    # --noise-floor: the gate is the oracle's own top-1 under reordered sums (0.994 on tiny-v41 in run 2), not 0.999
+    timeout "$(gpu_tmo 300)" python3 -m vllm_dsv41.fidelity "$PACK" --runtime tiered --against all-in-vram \
+        --positions 2048 --length 512 --greedy-prompts 2 --greedy-tokens 16 --gpu-memory-gib 24 --noise-floor --min-top1 0.999 --max-kl-mean 1e-4 \
         --tiered '{"prefill_min_tokens": 64, "cache_gib": 0.05}' --json "$OUT/prefill_fidelity.json" \
         2>&1 | tee "$OUT/prefill_fidelity.log" | tail -20
     r=${PIPESTATUS[0]}; log "fidelity rc=$r"; rc=$((rc || r))
@@ -47,7 +48,7 @@ fi
 if step bench; then
     log "bench: $LAYERS Flash layers, VRAM capped at 24 GiB"
     # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
-    timeout "$(gpu_tmo 330)" python3 packages/vllm-dsv41/benches/bench_prefill.py --layers "$LAYERS" --vram-gib 24 \
+    timeout "$(gpu_tmo 270)" python3 packages/vllm-dsv41/benches/bench_prefill.py --layers "$LAYERS" --vram-gib 24 \
         --json "$OUT/bench_prefill.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_prefill.log"
     r=${PIPESTATUS[0]}; log "bench rc=$r"; rc=$((rc || r))
 fi

@@ -115,6 +115,54 @@ def test_the_scan_flags_hopper_code_and_fp8() -> None:
     assert not sm89.ok and any("FP8 conversion" in p for p in sm89.problems)
 
 
+def _elf(abi_version: int, flags: int) -> bytes:
+    head = bytearray(64)
+    head[:4] = b"\x7fELF"
+    head[4], head[7], head[8] = 2, 0x33, abi_version  # 64-bit, CUDA OS/ABI, ABI version
+    head[48:52] = flags.to_bytes(4, "little")
+    return bytes(head)
+
+
+def test_cubin_arch_reads_both_elf_encodings() -> None:
+    """The SM of a cubin: the low byte of e_flags before CUDA ELF ABI 8 (Triton's ptxas), bits 8-15 from 8 on
+    (CUDA 13's ptxas: e_flags 0x6005604 is sm_86)."""
+    from vllm_dsv41.ampere.aot import cubin_arch
+
+    assert cubin_arch(_elf(7, 0x500550)) == 80
+    assert cubin_arch(_elf(8, 0x6005604)) == 86
+    assert cubin_arch(_elf(8, 0x6005004)) == 80
+    with pytest.raises(ValueError, match="not an ELF"):
+        cubin_arch(b"\0" * 64)
+
+
+def test_tilelang_check_limits_and_reports(tmp_path: Path) -> None:
+    """The parts of the TileLang mHC check that need neither TileLang nor nvcc: the launch limits per arch (a
+    clean run means something: what does not fit is named), ptxas' report, the config's mHC sizes."""
+    from vllm_dsv41.ampere.aot_tilelang import SM_LIMITS, MhcShape, launch_problems, ptxas_usage
+
+    assert launch_problems(86, 1024, 99 * 1024, 64) == []
+    assert launch_problems(86, 1025, 0) == ["1025 threads per block > 1024"]
+    assert launch_problems(86, 96, 99 * 1024 + 1) == [f"{99 * 1024 + 1} B of shared memory per block > {99 * 1024} B"]
+    assert launch_problems(80, 96, 99 * 1024 + 1) == []  # an A100 block may take 163 KiB
+    assert launch_problems(86, 512, 0, 129) == ["129 registers x 512 threads > the 65536-register file"]
+    assert SM_LIMITS[86].dyn_smem < SM_LIMITS[80].dyn_smem
+    report = ("ptxas info    : Function properties for k\n    0 bytes stack frame, 8 bytes spill stores, 4 bytes "
+              "spill loads\nptxas info    : Used 113 registers, used 4 barriers, 436 bytes cmem[0]\n")  # fmt: skip
+    assert ptxas_usage(report) == {"registers": 113, "spill_bytes": 12}
+    with pytest.raises(ValueError, match="no register count"):
+        ptxas_usage("ptxas fatal")
+    from pack_tools.presets.tiny_v41 import FLASH, tiny_v41_config
+
+    (tmp_path / "flash").mkdir()
+    cfg = tmp_path / "flash" / "config.json"
+    cfg.write_text(json.dumps(tiny_v41_config(FLASH)))
+    shape = MhcShape.from_config(cfg)
+    assert (shape.name, shape.hidden, shape.hc_mult, shape.mix) == ("flash", FLASH.hidden, FLASH.hc_mult, 24)
+    cfg.write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ValueError, match=r"config.json: not a V4.1 config with mHC \(no field 'hc_mult'\)"):
+        MhcShape.from_config(cfg)
+
+
 # ----------------------------------------------------------------------------------------------- KV layout
 
 

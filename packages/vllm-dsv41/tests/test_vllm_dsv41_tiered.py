@@ -142,6 +142,58 @@ def test_padding_rows_are_no_picks(home: ExpertHome, reference: ReferenceExperts
         rt.close()
 
 
+def test_hit_calls_in_chunks_equal_one_call(home: ExpertHome, reference: ReferenceExperts,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A MoE call longer than HIT_CHUNK_TOKENS runs its hits (and its PCIe share) in chunks of that many tokens
+    (bounding each layer's kernel scratch): the same result as the reference."""
+    import vllm_dsv41.tiered as tiered
+
+    monkeypatch.setattr(tiered, "HIT_CHUNK_TOKENS", 2)
+    seen: list[int] = []
+    rt = _runtime(home, 5, "auto")
+    for kernel in rt._hits.values():
+        forward = kernel.forward
+        kernel.forward = lambda table, x, *a, _f=forward: (seen.append(x.shape[0]), _f(table, x, *a))[1]
+    rng = np.random.default_rng(5)
+    try:
+        for step in range(6):
+            for layer, x, ids, w, out in _step(rt, rng, tokens=[7, 1, 5][step % 3], hot=5):
+                expected = reference.forward(layer, x, ids, w)
+                np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+        assert rt.stats.hit_picks > 0 and rt.stats.pcie_picks > 0
+        assert seen and max(seen) == 2
+    finally:
+        rt.close()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing vLLM's forward context trips torch's own
+def test_a_dummy_forward_is_answered_with_zeros(home: ExpertHome, reference: ReferenceExperts) -> None:
+    """vLLM's dummy forwards (no attention metadata: profiling, warm-ups, graph-capture warm-ups; NaN inputs
+    possible) get zeros: no step, no cache created, no buffers grown, no CPU job; the next real batch is computed."""
+    from vllm.forward_context import ForwardContext, override_forward_context
+
+    rt = _runtime(home, 5, "auto")
+    try:
+        rng = np.random.default_rng(9)
+        x = torch.full((40, HIDDEN), float("nan"))
+        ids, w = _routing(rng, 40)
+        out = torch.full((40, HIDDEN), float("nan"))
+        dummy = ForwardContext(no_compile_layers={}, attn_metadata=None, slot_mapping={})  # type: ignore[arg-type]
+        with override_forward_context(dummy):
+            for layer in range(LAYERS):
+                rt.forward_into(layer, x, torch.from_numpy(ids), torch.from_numpy(w), out)
+                assert (out == 0).all()
+        assert rt.stats.profile_calls == LAYERS and rt.stats.steps == 0 and rt.stats.picks == 0
+        assert rt.cache is None and not rt._buffers
+        with override_forward_context(ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})):
+            for layer, xs, ids2, w2, got in _step(rt, rng, tokens=3):
+                expected = reference.forward(layer, xs, ids2, w2)
+                np.testing.assert_allclose(got, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+        assert rt.cache is not None and rt.stats.steps == 1
+    finally:
+        rt.close()
+
+
 def test_a_cache_created_inside_a_step(home: ExpertHome, reference: ReferenceExperts) -> None:
     """vLLM binds its KV cache between two layers of a step (the plugin then allows the cache): the cache's step
     opens where it is created, and the next step closes it (one after_step per before_step)."""
@@ -479,5 +531,29 @@ def test_on_the_gpu_the_automatic_cache_stays_inside_the_device_budget(registere
         ids[0, 1] = 1
         rt.forward_into(0, x, ids, torch.full((1, TOP_K), 0.5, device=dev), torch.empty((1, HIDDEN), device=dev))
         assert rt.cache is not None and rt.cache.num_slots == 5
+    finally:
+        rt.close()
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_automatic_cache_leaves_vllm_its_unheld_share(registered_home: ExpertHome) -> None:
+    """The part of vLLM's share (gpu_memory_utilization x total) PyTorch does not hold when the cache is sized
+    (activations of larger forwards, the sampler's) stays out of the cache: free memory minus that."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    stride = _slot_bytes(registered_home)
+    t = TieredConfig(hit_kernel="triton", cache_gib=0.0, cache_margin_gib=0.0, prefill=False)
+    cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=2), runtime="tiered", tiered=t)
+    rt = TieredRuntime(cfg, registered_home, dev, rates=RATES, vllm_share_bytes=1)
+    try:
+        for lx in registered_home.layers():
+            rt.add_layer(lx, swiglu_limit=None)
+        # vLLM's share: what is reserved now plus an unheld part that leaves room for 7.5 slots of the free memory
+        rt._vllm_share = torch.cuda.memory_reserved(dev) + torch.cuda.mem_get_info(dev)[0] - 7 * stride - stride // 2
+        rt.allow_cache()
+        x = torch.zeros((1, HIDDEN), device=dev)
+        ids = torch.zeros((1, TOP_K), dtype=torch.int64, device=dev)
+        ids[0, 1] = 1
+        rt.forward_into(0, x, ids, torch.full((1, TOP_K), 0.5, device=dev), torch.empty((1, HIDDEN), device=dev))
+        assert rt.cache is not None and rt.cache.num_slots == 7
     finally:
         rt.close()

@@ -104,6 +104,8 @@ class CpuTierTail:
                 )
                 ready = torch.cuda.Event()
                 ready.record(side)
+            for t in (idx, local, uniq):  # made on the compute stream, read by the side one: not reused before
+                t.record_stream(side)
         else:
             x_host = x.index_select(0, uniq.to(x.device)).to(torch.float32).contiguous()
             picks = (local.to(torch.int32), plan.sorted_experts[idx].to(torch.int32), plan.sorted_weights[idx])

@@ -43,12 +43,12 @@ __all__ = [
     "CpuExpertRuntime",
     "ExpertRuntime",
     "NoExpertsRuntime",
+    "in_profile_run",
     "make_runtime",
     "register_runtime",
     "replace_runtime",
     "routed_experts",
     "routed_experts_out",
-    "router_weights",
     "unregister_runtime",
 ]
 
@@ -127,6 +127,8 @@ class CpuExpertRuntime:
         self._max_tokens = max_tokens
         self._staging: dict[tuple[torch.device, int, int], _Staging] = {}
         self._metrics = metrics.tier("cpu")
+        #: vLLM's dummy forwards answered with zeros (``in_profile_run``): their inputs are unset memory.
+        self.profile_calls = 0
 
     def add_layer(self, experts: LayerExperts, swiglu_limit: float | None) -> None:
         self._tier.add_layer(experts.layer, list(experts.gate), list(experts.up), list(experts.down),
@@ -144,6 +146,10 @@ class CpuExpertRuntime:
     ) -> None:
         t = _check_args(self._hidden, layer, x, topk_ids, topk_weights, out)
         if t == 0:
+            return
+        if in_profile_run():  # a dummy batch (up to max_num_batched_tokens): no host work, no staging grown for it
+            out[:t].zero_()
+            self.profile_calls += 1
             return
         if x.device.type == "cpu":
             xs = x.detach().to(torch.float32).contiguous()
@@ -329,9 +335,10 @@ def call_path(runtime: Any, device: torch.device) -> str:
 
 
 def make_runtime(config: Dsv41PluginConfig, device: torch.device | str, max_tokens: int = 0,
-                 home: Any = None) -> ExpertRuntime:  # fmt: skip
+                 home: Any = None, vllm_share_bytes: int | None = None) -> ExpertRuntime:  # fmt: skip
     """The runtime ``config.runtime`` names, for a model on ``device``; ``home`` (the ``ExpertHome``, or a callable
-    returning it) is needed by the tiered runtime."""
+    returning it) is needed by the tiered runtime, ``vllm_share_bytes`` (vLLM's share of the device) tells it what
+    its automatic cache size must leave to vLLM."""
     if config.runtime == "cpu":
         return CpuExpertRuntime(config, max_tokens=max_tokens)
     if config.runtime == "all-in-vram":
@@ -341,7 +348,7 @@ def make_runtime(config: Dsv41PluginConfig, device: torch.device | str, max_toke
             raise ValueError("runtime 'tiered': needs the host home of the experts")
         from .tiered import TieredRuntime
 
-        return TieredRuntime(config, home, device)
+        return TieredRuntime(config, home, device, vllm_share_bytes=vllm_share_bytes)
     raise ValueError(f"runtime: unknown expert runtime {config.runtime!r}")
 
 
@@ -378,29 +385,15 @@ def get_runtime(handle: int) -> ExpertRuntime:
         raise KeyError(f"no expert runtime with handle {handle} in this process") from None
 
 
-def _in_profile_run() -> bool:
-    """True inside one of vLLM's dummy forwards without attention metadata (its memory profiling; a real batch
-    always carries metadata). Read only where vLLM has imported its forward context (importing it here would pull
-    in vLLM's compile stack inside the op)."""
+def in_profile_run() -> bool:
+    """True inside one of vLLM's dummy forwards without attention metadata: its memory profiling and warm-up, and
+    the warm-ups of a PIECEWISE graph capture (a real batch always carries metadata). Their batches reach
+    ``max_num_batched_tokens`` and their attention outputs are unwritten memory (vLLM's backends return the buffer
+    as it is), so the router's weights may be NaN: the runtimes that compute on the host answer them with zeros
+    instead of hours of CPU work on garbage. Read only where vLLM has imported its forward context (importing it
+    here would pull vLLM's compile stack into the op)."""
     fc = sys.modules.get("vllm.forward_context")
     return fc is not None and fc.is_forward_context_available() and fc.get_forward_context().attn_metadata is None
-
-
-def router_weights(topk_weights: torch.Tensor) -> torch.Tensor:
-    """The routing weights a runtime is given: ``topk_weights`` itself, except in vLLM's memory-profiling forward.
-
-    There the attention backends return their output buffers unwritten (``torch.empty``: any bits, NaN and inf
-    included, e.g. vLLM's CPU attention), so the router's weights are meaningless and may be non-finite; the CPU
-    tier rightly refuses non-finite weights, which failed the engine's start at random. In that forward only,
-    non-finite weights become 0 and every runtime still runs its full path (the profile measures it). A real
-    batch's weights pass unchanged: a non-finite weight there is still an error. Never applied while a CUDA
-    graph is being captured (graph-safe runtimes read the weights as given; the others run in eager breaks).
-    """
-    if topk_weights.is_cuda and torch.cuda.is_current_stream_capturing():
-        return topk_weights
-    if not _in_profile_run():
-        return topk_weights
-    return torch.nan_to_num(topk_weights, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 @torch.library.custom_op("dsv41::routed_experts_out", mutates_args=("out",))
@@ -408,7 +401,7 @@ def routed_experts_out(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor, runtime: int, layer: int
 ) -> None:
     """Write MoE ``layer``'s routed-expert output into ``out[:T]`` (runtime ``runtime``; see ``ExpertRuntime``)."""
-    get_runtime(runtime).forward_into(layer, x, topk_ids, router_weights(topk_weights), out)
+    get_runtime(runtime).forward_into(layer, x, topk_ids, topk_weights, out)
 
 
 @routed_experts_out.register_fake

@@ -144,7 +144,7 @@ def _eager_split() -> tuple[Any, Any]:
               layer: int) -> None:  # fmt: skip
         rt = _runtime_for_call(runtime)
         if hasattr(rt, "begin"):
-            rt.begin(layer, x, ids, _experts.router_weights(w))
+            rt.begin(layer, x, ids, w)
         else:  # a runtime switched in without the two halves (e.g. the oracle in the fidelity tool): whole, here
             torch.ops.dsv41.routed_experts_out(x, ids, w, out, runtime, layer)
 

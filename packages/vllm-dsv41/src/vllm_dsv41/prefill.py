@@ -288,6 +288,10 @@ class StagedPrefill:
         pf = DmaPrefill(self.store, self.pcfg, device=dev, buffer=buffer)
         if loan is not None and loan.ready is not None:
             dev.wait(pf.ring.copy_stream, loan.ready)  # the first slot write after every read of the region
+        elif loan is None:  # a fresh ring: its memory may be a block freed on the compute stream and still read there
+            fresh = dev.new_event()
+            dev.record(fresh, dev.current_stream())
+            dev.wait(pf.ring.copy_stream, fresh)
         self.stats.episodes += 1
         self.stats.lent_bytes = need if loan is not None else 0
         self._episode = _Episode(pf, dev, loan, self.device.type != "cuda")

@@ -181,7 +181,11 @@ class Exl3Config(QuantizationConfig):
             cfg = self.rank_plugin_config()
             device = torch.device(getattr(getattr(vcfg, "device_config", None), "device", None) or "cpu")
             max_tokens = int(getattr(getattr(vcfg, "scheduler_config", None), "max_num_batched_tokens", 0) or 0)
-            self._runtime = make_runtime(cfg, device, max_tokens=max_tokens, home=self.home)
+            share = None
+            util = getattr(getattr(vcfg, "cache_config", None), "gpu_memory_utilization", None)
+            if device.type == "cuda" and util:
+                share = int(float(util) * torch.cuda.get_device_properties(device).total_memory)
+            self._runtime = make_runtime(cfg, device, max_tokens=max_tokens, home=self.home, vllm_share_bytes=share)
             self._call_path = call_path(self._runtime, device)
             mode = getattr(getattr(vcfg, "compilation_config", None), "cudagraph_mode", None)
             eager = bool(getattr(getattr(vcfg, "model_config", None), "enforce_eager", False))

@@ -52,7 +52,7 @@ import torch
 
 from . import metrics
 from .config import Dsv41PluginConfig, TieredConfig
-from .experts import _check_args, _refuse_capture
+from .experts import _check_args, _refuse_capture, in_profile_run
 from .home import ExpertHome, LayerExperts
 from .split import Rates, split_misses
 
@@ -63,6 +63,9 @@ logger = logging.getLogger("vllm_dsv41.tiered")
 _CPU_RATE_TOKENS = (1, 2, 4, 8)  # tokens per expert at which the CPU tier's rate is measured (it decodes once per <= 8)
 
 GiB = 1 << 30
+#: Tokens per hit-kernel call: a larger MoE call (an eager batch below the streaming threshold) runs in chunks of
+#: this many, so each layer's hit kernel keeps scratch for at most this many tokens' picks (``hits``: per kernel).
+HIT_CHUNK_TOKENS = 64
 
 
 @dataclasses.dataclass(slots=True)
@@ -79,6 +82,7 @@ class TierStats:
     cpu_seconds: float = 0.0  # host wall time from the CPU job's submit to its end
     wait_seconds: float = 0.0  # host time waiting for the inputs' device-to-host copy
     layer_seconds: float = 0.0  # host wall time of whole layer calls
+    profile_calls: int = 0  # layer calls of vLLM's dummy forwards, answered with zeros (experts.in_profile_run)
 
     @property
     def picks(self) -> int:
@@ -118,6 +122,7 @@ class _Pending:
     submitted: float = 0.0
     t0: float = 0.0
     staged: torch.Tensor | None = None  # the staged prefill's fp32 result (``vllm_dsv41.prefill``)
+    profile: bool = False  # a dummy forward's call: zeros
 
 
 class _Buffers:
@@ -184,6 +189,8 @@ class _Stager:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         if self.stream is not None:  # its copies write the pool: not handed out again before they are done
             self.pool.record_stream(self.stream)
+            # and not before what the compute stream queued on the block's former tensors is done
+            self.stream.wait_stream(torch.cuda.current_stream(device))
         self._free: Any = None  # event after the last kernel that read the slots
         self.ptrs: torch.Tensor | None = None
         # [P, n]: the address of projection p of slot j
@@ -258,6 +265,9 @@ class TieredRuntime:
     device_budget_bytes : the device memory this process may use in all (default ``config.tiered.device_gib``;
         0/None: the card). With ``cache_gib`` 0 the cache takes ``min(free memory, budget - memory PyTorch has
         reserved)`` minus ``cache_margin_gib``: a 24 GB card mimicked on a larger one.
+    vllm_share_bytes : vLLM's share of the device (``gpu_memory_utilization`` x total; the plugin passes it): the
+        part of it PyTorch does not hold when the cache is sized (the activations of forwards larger than the
+        one running, the sampler's) stays out of the automatic size.
     """
 
     name = "tiered"
@@ -273,6 +283,7 @@ class TieredRuntime:
         hits_factory: Callable[[LayerExperts, torch.device], Any] | None = None,
         cache_bytes: int | None = None,
         device_budget_bytes: int | None = None,
+        vllm_share_bytes: int | None = None,
     ) -> None:
         from cpu_tier import ExpertTier, Picks
 
@@ -291,6 +302,7 @@ class TieredRuntime:
         self._hits_factory = hits_factory
         self._cache_bytes = cache_bytes
         self._device_budget = device_budget_bytes or int(self.tcfg.device_gib * GiB) or None
+        self._vllm_share = vllm_share_bytes
         self._rates = rates
         self._cache: Any = None
         self._index: dict[int, int] = {}  # MoE layer id -> cache layer index
@@ -380,6 +392,8 @@ class TieredRuntime:
         free = None
         if budget is None and self.device.type == "cuda":
             free = torch.cuda.mem_get_info(self.device)[0]
+            if self._vllm_share:  # what of vLLM's share it does not hold now stays vLLM's
+                free = max(0, free - max(0, self._vllm_share - torch.cuda.memory_reserved(self.device)))
             if self._device_budget:
                 free = max(0, min(free, self._device_budget - torch.cuda.memory_reserved(self.device)))
         self._cache = ExpertCache(cfg, src.rows, self.device, free_bytes=free)
@@ -573,6 +587,10 @@ class TieredRuntime:
         if self._pending is not None:
             raise RuntimeError(f"MoE layer {layer}: begin() while layer {self._pending.layer} is not finished")
         t0 = time.perf_counter()
+        if in_profile_run():  # a dummy batch: no step, no cache, no buffers grown, no host work on unset inputs
+            self.stats.profile_calls += 1
+            self._pending = _Pending(layer, t, t0=t0, profile=True)
+            return
         self._begin_layer(layer, t)
         pf = self._prefill
         if pf is not None and t and pf.wants(t, topk_ids.shape[1]):  # the staged prefill (vllm_dsv41.prefill)
@@ -598,7 +616,9 @@ class TieredRuntime:
             if out.ndim != 2 or out.shape[0] < p.t or out.shape[1] != h or out.device != self.device:
                 raise ValueError(f"MoE layer {layer}: out must be [>= {p.t}, {h}] on {self.device}, got "
                                  f"{tuple(out.shape)} on {out.device}")  # fmt: skip
-            if p.staged is not None:
+            if p.profile:
+                out[: p.t].zero_()
+            elif p.staged is not None:
                 out[: p.t].copy_(p.staged)
             else:
                 self._finish(p, out)
@@ -635,7 +655,7 @@ class TieredRuntime:
         if b.ready is not None:
             b.ready.record(torch.cuda.current_stream(self.device))
         if ptrs is not None:
-            kernel.forward(ptrs, x32, gpu_ids, w, y)
+            _hits_forward(kernel, ptrs, x32, gpu_ids, w, y)
         else:
             y.zero_()
         tw = time.perf_counter()
@@ -736,7 +756,7 @@ class TieredRuntime:
         y2 = b.y2[:t]
         stager = self._stager
         if stager is None:
-            kernel.forward(ptrs, x, ids2, w, y2)
+            _hits_forward(kernel, ptrs, x, ids2, w, y2)
             b.y[:t].add_(y2)
             return
         experts = np.unique(flat[picks])
@@ -748,7 +768,7 @@ class TieredRuntime:
                 sub = torch.where(torch.isin(ids2, stager.cols), ids2, torch.full_like(ids2, -1))
             else:
                 sub = ids2
-            kernel.forward(table, x, sub, w, y2)
+            _hits_forward(kernel, table, x, sub, w, y2)
             stager.done()
             b.y[:t].add_(y2)
 
@@ -788,6 +808,15 @@ class TieredRuntime:
         self._tier.close()
         self._cache = None
         self._buffers.clear()
+
+
+def _hits_forward(kernel: Any, table: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                  y: torch.Tensor) -> None:  # fmt: skip
+    """``kernel.forward`` over the tokens in chunks of ``HIT_CHUNK_TOKENS`` (row slices: contiguous views)."""
+    t = x.shape[0]
+    for a in range(0, t, HIT_CHUNK_TOKENS):
+        b = min(t, a + HIT_CHUNK_TOKENS)
+        kernel.forward(table, x[a:b], ids[a:b], w[a:b], y[a:b])
 
 
 def hit_seconds(kernel: Any, ptrs: torch.Tensor | Callable[[], torch.Tensor], n: int, hidden: int,

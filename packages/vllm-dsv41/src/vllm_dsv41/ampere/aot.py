@@ -477,11 +477,15 @@ def disassemble(cubin: bytes) -> str | None:
 
 
 def cubin_arch(cubin: bytes) -> int:
-    """The SM an ELF cubin is for (``e_flags`` low byte of CUDA ELF; sm_80 -> 80)."""
+    """The SM an ELF cubin is for (sm_80 -> 80), from the ``e_flags`` of its 64-bit ELF header: the low byte in the
+    CUDA ELF ABI before version 8, bits 8-15 from version 8 on (``e_ident[EI_ABIVERSION]``; CUDA 13's ptxas, whose
+    low byte holds other flags)."""
     if cubin[:4] != b"\x7fELF":
         raise ValueError("not an ELF cubin")
-    flags = int.from_bytes(cubin[48:52], "little")  # e_flags of a 64-bit ELF header
-    return flags & 0xFF if flags & 0xFF else (flags >> 8) & 0xFF
+    flags = int.from_bytes(cubin[48:52], "little")
+    if cubin[8] >= 8 or not flags & 0xFF:
+        return (flags >> 8) & 0xFF
+    return flags & 0xFF
 
 
 @dataclasses.dataclass
