@@ -510,6 +510,15 @@ def test_on_the_gpu_the_staged_read_matches_the_reference(registered_home: Exper
         rt.close()
 
 
+def _first_forward(rt: TieredRuntime, dev: torch.device) -> None:
+    """Allow the cache and run one token through layer 0 (the cache is created and sized in it)."""
+    rt.allow_cache()
+    x = torch.zeros((1, HIDDEN), device=dev)
+    ids = torch.zeros((1, TOP_K), dtype=torch.int64, device=dev)
+    ids[0, 1] = 1
+    rt.forward_into(0, x, ids, torch.full((1, TOP_K), 0.5, device=dev), torch.empty((1, HIDDEN), device=dev))
+
+
 @pytest.mark.gpu
 def test_on_the_gpu_the_automatic_cache_stays_inside_the_device_budget(registered_home: ExpertHome) -> None:
     """cache_gib 0: the cache takes what is left of the given budget (vLLM's share of the card) after what
@@ -524,12 +533,8 @@ def test_on_the_gpu_the_automatic_cache_stays_inside_the_device_budget(registere
         for lx in registered_home.layers():
             rt.add_layer(lx, swiglu_limit=None)  # (the hit kernels may reserve memory: the budget is set after)
         rt._device_budget = torch.cuda.memory_reserved(dev) + 5 * stride + stride // 2
-        rt.allow_cache()
         _ = keep
-        x = torch.zeros((1, HIDDEN), device=dev)
-        ids = torch.zeros((1, TOP_K), dtype=torch.int64, device=dev)
-        ids[0, 1] = 1
-        rt.forward_into(0, x, ids, torch.full((1, TOP_K), 0.5, device=dev), torch.empty((1, HIDDEN), device=dev))
+        _first_forward(rt, dev)
         assert rt.cache is not None and rt.cache.num_slots == 5
     finally:
         rt.close()
@@ -549,11 +554,7 @@ def test_on_the_gpu_the_automatic_cache_leaves_vllm_its_unheld_share(registered_
             rt.add_layer(lx, swiglu_limit=None)
         # vLLM's share: what is reserved now plus an unheld part that leaves room for 7.5 slots of the free memory
         rt._vllm_share = torch.cuda.memory_reserved(dev) + torch.cuda.mem_get_info(dev)[0] - 7 * stride - stride // 2
-        rt.allow_cache()
-        x = torch.zeros((1, HIDDEN), device=dev)
-        ids = torch.zeros((1, TOP_K), dtype=torch.int64, device=dev)
-        ids[0, 1] = 1
-        rt.forward_into(0, x, ids, torch.full((1, TOP_K), 0.5, device=dev), torch.empty((1, HIDDEN), device=dev))
+        _first_forward(rt, dev)
         assert rt.cache is not None and rt.cache.num_slots == 7
     finally:
         rt.close()

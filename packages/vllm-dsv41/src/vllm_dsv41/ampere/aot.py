@@ -33,7 +33,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORBIDDEN_PTX", "FORBIDDEN_SASS", "KernelSpec", "compile_for", "kernel_specs", "scan_ptx", "scan_sass"]
+__all__ = [
+    "FORBIDDEN_PTX",
+    "FORBIDDEN_SASS",
+    "CheckResult",
+    "KernelSpec",
+    "compile_for",
+    "cubin_arch",
+    "kernel_specs",
+    "scan_ptx",
+    "scan_sass",
+]
 
 #: PTX that sm_80/sm_86 cannot run, as regular expressions (instruction prefixes and the sm_90+ special registers).
 FORBIDDEN_PTX: dict[str, str] = {
@@ -489,12 +499,18 @@ def cubin_arch(cubin: bytes) -> int:
 
 
 @dataclasses.dataclass
-class Result:
+class CheckResult:
+    """One kernel at one specialization, built for one arch: clean or not, and what is wrong."""
+
     label: str
     arch: int
     ok: bool
     problems: list[str]
     seconds: float
+
+
+@dataclasses.dataclass
+class Result(CheckResult):
     ptx_lines: int = 0
     sass_checked: bool = False
     mma: int = 0  # mma.sync instructions in the PTX (the tensor cores Ampere has)

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from .aot import cubin_arch, scan_ptx
+from .aot import CheckResult, cubin_arch, scan_ptx
 
 __all__ = ["SM_LIMITS", "MhcShape", "Result", "TileLangSpec", "check", "launch_problems", "ptxas_usage", "specs_for"]
 
@@ -211,12 +211,7 @@ def _nvcc_compile(source: str, arch: int, nvcc: str, include: list[str]) -> tupl
 
 
 @dataclasses.dataclass
-class Result:
-    label: str
-    arch: int
-    ok: bool
-    problems: list[str]
-    seconds: float
+class Result(CheckResult):
     threads: int = 0
     dyn_smem: int = 0
     compiled: bool = False
