@@ -146,6 +146,12 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     )
     timer = Timer(dev)
     rows: list[dict[str, Any]] = []
+    git = _git()
+
+    def save() -> None:  # after every row: a run cut by a time limit keeps what it measured
+        if a.json:
+            a.json.write_text(json.dumps(dict(git=git, device=name, args=vars(a) | {"json": str(a.json)}, rows=rows),
+                                         indent=1))  # fmt: skip
 
     # per T: the routings of every run (fresh each run), their distinct-expert bytes, the ceiling of that many bytes
     routes: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]] = {}
@@ -251,12 +257,12 @@ def main() -> None:  # noqa: PLR0915 - one linear script
                     print(f"{label:<34} {m:<7} {t:>3} {mode:<6} {picks:>5.0f} {nb / geo.expert_bytes:>7.1f} "
                           f"{nb / 1e6:>8.1f} {lo:>9.1f} {med:>9.1f} {hi:>9.1f} {gbps:>8.1f} {ceilings[(m, t)]:>8.1f} "
                           f"{ratio:>6.2f} {err:>8.1e}", flush=True)  # fmt: skip
+                    save()
                 del kern
     for p in pools.values():
         p.close()
+    save()
     if a.json:
-        a.json.write_text(json.dumps(dict(git=_git(), device=name, args=vars(a) | {"json": str(a.json)}, rows=rows),
-                                     indent=1))  # fmt: skip
         print(f"# wrote {a.json}")
 
 

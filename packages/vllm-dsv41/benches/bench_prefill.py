@@ -139,6 +139,13 @@ def main() -> int:
     steps = decode_steps(len(lids), E, 1, 2 * a.decode_steps, seed=1)
     before = decode(steps[: a.decode_steps])
     rows: list[dict[str, Any]] = []
+    doc: dict[str, Any] = {"rows": rows, "h2d_bps": h2d, "layer_bytes": layer_bytes, "hit_before": before,
+                           "layers": len(lids)}  # fmt: skip
+
+    def save() -> None:  # after every row: a run cut by a time limit keeps what it measured
+        if a.json:
+            a.json.write_text(json.dumps(doc, indent=1))
+
     for prompt in (int(p) for p in a.prompts.split(",")):
         times = []
         for _ in range(a.runs):
@@ -157,6 +164,7 @@ def main() -> int:
               f"(min/med/max) for {len(lids)} layers, {prompt / med:9.0f} tok/s, ceiling {1e3 * ceiling:9.1f} ms, "
               f"MoE share of the ceiling {ceiling / med:.3f} (best {ceiling / min(times):.3f})",
               flush=True)  # fmt: skip
+        save()
     after = decode(steps[a.decode_steps :])
     short = [moe_pass(a.short) for _ in range(a.runs)]
     rows.append({"case": f"short {a.short}", "s_min": min(short), "s_med": statistics.median(short),
@@ -172,21 +180,8 @@ def main() -> int:
         flush=True,
     )
     rt.close()
-    if a.json:
-        a.json.write_text(
-            json.dumps(
-                {
-                    "rows": rows,
-                    "h2d_bps": h2d,
-                    "layer_bytes": layer_bytes,
-                    "hit_before": before,
-                    "hit_after": after,
-                    "peak_vram": peak,
-                    "layers": len(lids),
-                },
-                indent=1,
-            )
-        )
+    doc.update(hit_after=after, peak_vram=peak)
+    save()
     return 0
 
 

@@ -266,8 +266,8 @@ def main() -> int:
                   f"ratio {row['ratio']:.2f}; hit rate {hits:.3f} (Belady MIN over the whole trace {bel:.3f}); "
                   f"MoE at 40 layers {row['moe_ms_per_step_40_layers']:.1f} ms/step = "
                   f"{row['tok_s_moe_only_40_layers']:.1f} tok/s (experts only)", flush=True)  # fmt: skip
-    if a.json:
-        a.json.write_text(json.dumps({"rates": rates, "rows": rows, "layers": a.layers}, indent=2))
+            if a.json:  # after every row: a run cut by a time limit keeps what it measured
+                a.json.write_text(json.dumps({"rates": rates, "rows": rows, "layers": a.layers}, indent=2))
     home.close()
     return 0
 
