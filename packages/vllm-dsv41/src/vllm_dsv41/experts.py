@@ -390,7 +390,7 @@ def in_profile_run() -> bool:
     the warm-ups of a PIECEWISE graph capture (a real batch always carries metadata). Their batches reach
     ``max_num_batched_tokens`` and their attention outputs are unwritten memory (vLLM's backends return the buffer
     as it is), so the router's weights may be NaN: the runtimes that compute on the host answer them with zeros
-    instead of hours of CPU work on garbage. Read only where vLLM has imported its forward context (importing it
+    instead of minutes of CPU-tier work on garbage. Read only where vLLM has imported its forward context (importing it
     here would pull vLLM's compile stack into the op)."""
     fc = sys.modules.get("vllm.forward_context")
     return fc is not None and fc.is_forward_context_available() and fc.get_forward_context().attn_metadata is None
