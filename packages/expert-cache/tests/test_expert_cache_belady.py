@@ -84,3 +84,34 @@ def test_access_stream_is_distinct_keys_of_decode_steps() -> None:
             keys = keys[want.size :]
         off += r
     assert keys.size == 0
+
+
+def test_hit_mask_and_a_window_of_steps() -> None:
+    """The per-access mask sums to the hit count, and a rate from step s on counts MIN's hits of those steps' own
+    accesses (MIN still sees the whole stream): on a cold start it is higher than the whole stream's."""
+    from expert_cache import belady_hit_mask
+
+    assert belady_hit_mask([0, 1, 2, 0, 1], 2, bypass=True).tolist() == [False, False, False, True, True]
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        seq = rng.integers(0, 6, int(rng.integers(0, 30)))
+        cap = int(rng.integers(0, 4))
+        assert int(belady_hit_mask(seq, cap).sum()) == belady_hits(seq, cap)
+    tr = generate(SyntheticTraceConfig(num_layers=2, num_experts=16, top_k=2, decode_steps=40, seed=4))
+    keys = access_stream(tr)
+    mask = belady_hit_mask(keys, 8)
+    assert belady_hit_rate(tr, 8, from_step=0) == pytest.approx(mask.mean())
+    # the trace step of each decode access, rebuilt by hand (distinct keys of each decode step's rows)
+    steps_l, off = [], 0
+    for s in range(tr.num_steps):
+        r = int(tr.rows_per_step[s])
+        if r and tr.tokens_per_step[s] <= 512:
+            ids = tr.ids[off : off + r]
+            steps_l.append(np.full(np.unique(np.concatenate([ids[:, 0].ravel(), ids[:, 1].ravel() + 16])).size, s))
+        off += r
+    steps = np.concatenate(steps_l)
+    assert steps.size == keys.size
+    for start in (1, 10, 39):
+        assert belady_hit_rate(tr, 8, from_step=start) == pytest.approx(mask[steps >= start].mean())
+    assert belady_hit_rate(tr, 8, from_step=10) > belady_hit_rate(tr, 8)
+    assert belady_hit_rate(tr, 8, from_step=tr.num_steps) == 0.0

@@ -255,15 +255,20 @@ def main() -> int:
             miss_rate = {"cpu": rates["cpu"], "pcie": rates["pcie"], "auto": rates["cpu"] + rates["pcie"]}[split]
             roof = (hit_bytes / rates["hbm"] + miss_bytes / miss_rate) / n
             med = statistics.median(times)
-            bel = belady_hit_rate(trace, cap)
+            # Belady's MIN in its own unit (distinct experts per layer and step) over the timed steps only; the
+            # runtime's rate in the same unit from the residency each timed step saw
+            bel = belady_hit_rate(trace, cap, from_step=a.warmup)
+            hits_distinct = hit_bytes / max(hit_bytes + miss_bytes, 1)
             row = {"streams": streams, "split": split, "slots": cap, "median_ms": 1e3 * med, "min_ms": 1e3 * min(times),
                    "max_ms": 1e3 * max(times), "roofline_ms": 1e3 * roof, "ratio": roof / med, "hit_rate": hits,
-                   "belady": bel, "moe_ms_per_step_40_layers": 1e3 * med * FULL_LAYERS / a.layers,
+                   "hit_rate_distinct": hits_distinct, "belady": bel,
+                   "moe_ms_per_step_40_layers": 1e3 * med * FULL_LAYERS / a.layers,
                    "tok_s_moe_only_40_layers": a.layers / (med * FULL_LAYERS) * streams}  # fmt: skip
             rows.append(row)
             print(f"S={streams} split={split:5s} slots={cap:5d} step {row['median_ms']:.2f} ms "
                   f"(min {row['min_ms']:.2f}, max {row['max_ms']:.2f}) roofline {row['roofline_ms']:.2f} ms "
-                  f"ratio {row['ratio']:.2f}; hit rate {hits:.3f} (Belady MIN over the whole trace {bel:.3f}); "
+                  f"ratio {row['ratio']:.2f}; hit rate {hits:.3f} of picks, {hits_distinct:.3f} of distinct experts "
+                  f"(Belady MIN {bel:.3f}, same steps and unit); "
                   f"MoE at 40 layers {row['moe_ms_per_step_40_layers']:.1f} ms/step = "
                   f"{row['tok_s_moe_only_40_layers']:.1f} tok/s (experts only)", flush=True)  # fmt: skip
             if a.json:  # after every row: a run cut by a time limit keeps what it measured

@@ -39,7 +39,7 @@ from .policies import Policy, load_profile, make_policy, save_profile
 if TYPE_CHECKING:
     from .cache import ExpertCache, Loan, slot_pool
     from .home import ExpertRows
-    from .sim import belady_hit_rate, belady_hits, simulate, static_oracle_hit_rate
+    from .sim import belady_hit_mask, belady_hit_rate, belady_hits, simulate, static_oracle_hit_rate
     from .trace import SyntheticTraceConfig, Trace, TraceRecorder, generate, load_trace
 
 # Loaded on first use: ExpertCache needs torch (the simulator and the trace tools do not), and the modules with a
@@ -49,6 +49,7 @@ _LAZY = {
     "Loan": "cache",
     "slot_pool": "cache",
     "ExpertRows": "home",
+    "belady_hit_mask": "sim",
     "belady_hit_rate": "sim",
     "belady_hits": "sim",
     "simulate": "sim",
@@ -99,6 +100,7 @@ __all__ = [
     "Trace",
     "TraceRecorder",
     "__version__",
+    "belady_hit_mask",
     "belady_hit_rate",
     "belady_hits",
     "generate",

@@ -140,15 +140,24 @@ def simulate(trace: Trace, config: ExpertCacheConfig, policy: Policy | None = No
 def access_stream(trace: Trace, prefill_tokens: int = 512) -> np.ndarray:
     """int64 keys of the decode access stream: per decode step (``tokens <= prefill_tokens``), its distinct keys
     ascending, steps in order."""
+    return _access_stream(trace, prefill_tokens)[0]
+
+
+def _access_stream(trace: Trace, prefill_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """The decode access stream and the trace step of each access."""
     E = trace.num_experts
     out: list[np.ndarray] = []
+    steps: list[np.ndarray] = []
     off = 0
     for s in range(trace.num_steps):
         r = int(trace.rows_per_step[s])
         if r and int(trace.tokens_per_step[s]) <= prefill_tokens:
             out.append(_step_keys(trace.ids[off : off + r], E)[0])
+            steps.append(np.full(out[-1].size, s, np.int64))
         off += r
-    return np.concatenate(out) if out else np.zeros(0, np.int64)
+    if not out:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(out), np.concatenate(steps)
 
 
 def _next_use(keys: np.ndarray) -> np.ndarray:
@@ -163,7 +172,12 @@ def _next_use(keys: np.ndarray) -> np.ndarray:
 
 
 def belady_hits(keys: Sequence[int] | np.ndarray, num_slots: int, bypass: bool = True) -> int:
-    """Hits of Belady's MIN on an access sequence with ``num_slots`` slots.
+    """Hits of Belady's MIN on an access sequence with ``num_slots`` slots (see :func:`belady_hit_mask`)."""
+    return int(belady_hit_mask(keys, num_slots, bypass).sum())
+
+
+def belady_hit_mask(keys: Sequence[int] | np.ndarray, num_slots: int, bypass: bool = True) -> np.ndarray:
+    """Which accesses of ``keys`` hit under Belady's MIN with ``num_slots`` slots (bool, one per access).
 
     Parameters
     ----------
@@ -179,17 +193,17 @@ def belady_hits(keys: Sequence[int] | np.ndarray, num_slots: int, bypass: bool =
     if num_slots < 0:
         raise ValueError(f"num_slots: must be >= 0, got {num_slots}")
     m = keys.size
+    hit = np.zeros(m, bool)
     if m == 0 or num_slots == 0:
-        return 0
+        return hit
     nxt = _next_use(keys).tolist()
     ks = keys.tolist()
     cur: dict[int, int] = {}  # resident key -> its next use
     heap: list[tuple[int, int]] = []  # (-next use, key), lazily invalidated
-    hits = 0
     for i in range(m):
         k, nu = ks[i], nxt[i]
         if k in cur:
-            hits += 1
+            hit[i] = True
             cur[k] = nu
             heapq.heappush(heap, (-nu, k))
             continue
@@ -210,13 +224,18 @@ def belady_hits(keys: Sequence[int] | np.ndarray, num_slots: int, bypass: bool =
         del cur[v]
         cur[k] = nu
         heapq.heappush(heap, (-nu, k))
-    return hits
+    return hit
 
 
-def belady_hit_rate(trace: Trace, num_slots: int, prefill_tokens: int = 512, bypass: bool = True) -> float:
-    """Belady's MIN hit rate over the trace's decode access stream (see :func:`belady_hits`)."""
-    keys = access_stream(trace, prefill_tokens)
-    return belady_hits(keys, num_slots, bypass) / keys.size if keys.size else 0.0
+def belady_hit_rate(trace: Trace, num_slots: int, prefill_tokens: int = 512, bypass: bool = True,
+                    from_step: int = 0) -> float:  # fmt: skip
+    """Belady's MIN hit rate over the trace's decode access stream (see :func:`belady_hits`), counted over the
+    accesses of steps ``>= from_step`` (MIN itself sees the whole stream: a cache measured after a warm-up of
+    ``from_step`` steps is compared with MIN over the same steps, not with MIN's cold start)."""
+    keys, steps = _access_stream(trace, prefill_tokens)
+    counted = steps >= from_step
+    n = int(counted.sum())
+    return int(belady_hit_mask(keys, num_slots, bypass)[counted].sum()) / n if n else 0.0
 
 
 def static_oracle_hit_rate(trace: Trace, num_slots: int, prefill_tokens: int = 512) -> float:
