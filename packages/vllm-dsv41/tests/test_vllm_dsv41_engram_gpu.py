@@ -158,8 +158,8 @@ def test_steps_back_to_back_while_the_gpu_lags(v41_pack: Path, tp1: None) -> Non
 
 def test_the_hooks_under_breakable_cuda_graphs(v41_pack: Path, tp1: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The two hooks of the model's Engram layer as vLLM runs them with breakable CUDA graphs (PIECEWISE +
-    VLLM_USE_BREAKABLE_CUDAGRAPH=1): captured once (both hooks are eager breaks; the gather runs inline during the
-    capture, over the hash buffer's stale contents), then replayed with new row ids. Every replay re-runs the breaks:
+    VLLM_USE_BREAKABLE_CUDAGRAPH=1): captured once (both hooks are eager breaks; nothing is gathered during the
+    capture, whose hash buffer is not written yet), then replayed with new row ids. Every replay re-runs the breaks:
     the worker gathers the new rows while the captured segment between the breaks runs, the segment after the wait
     reads them. A FULL graph (a plain capture) is refused with a message saying how to serve."""
     import types

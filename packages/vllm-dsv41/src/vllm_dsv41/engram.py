@@ -22,8 +22,11 @@ One step, as data sees it:
 
 CUDA graphs: ``_start_prefetch`` and ``_finish_prefetch`` are eager breaks of vLLM's breakable CUDA graphs (as
 upstream's are), so both run on every replay; everything they touch lives in persistent buffers. While a graph is
-being captured the worker is not used (its CUDA calls could collide with the capture): the gather runs inline.
-FULL graphs would capture the host work and are refused.
+being captured nothing is gathered (the hash kernel's segment is recorded, not run, so its ids are unset memory;
+a gather would page in random table rows): the breaks run for real at every replay. FULL graphs would capture the
+host work and are refused. (Under vLLM's V1 model runner, PIECEWISE capture runs without attention metadata and
+upstream's model skips Engram in what it captures; the V2 runner builds metadata for it. A review's finding,
+unchecked on a GPU: see the package README.)
 
 The hook (``engram_construction``): while the plugin's ``Dsv41ForCausalLM`` builds upstream's model, the name
 ``Engram`` that upstream's decoder layer instantiates is bound to our subclass, whose ``_create_embedding`` returns
@@ -436,12 +439,16 @@ def mmap_engram_class() -> type:
 
         @eager_break_during_capture
         def _start_prefetch(self, hash_ids: torch.Tensor, rows: torch.Tensor) -> None:
+            if BreakableCUDAGraphCapture.current() is not None:
+                # While a graph is captured, the hash kernel's segment is recorded, not run: its ids are unset
+                # memory, and gathering their rows would page in random rows of the tables for nothing. This break
+                # runs at every replay, where the ids are real; finish() has nothing pending until then.
+                return
             stream = self._prefetch_stream
             assert stream is not None
             stream.wait_stream(torch.cuda.current_stream())
             hash_ids.record_stream(stream)  # the hash buffer is read on the prefetch stream
-            capturing = BreakableCUDAGraphCapture.current() is not None
-            self.embed_tokens.rows.start(hash_ids, rows, stream, inline=capturing)
+            self.embed_tokens.rows.start(hash_ids, rows, stream)
 
         @eager_break_during_capture
         def _finish_prefetch(self, event: Any) -> None:
