@@ -31,6 +31,20 @@ def test_compare_logits_metrics() -> None:
         compare_logits(a, a[:3])
 
 
+def test_the_noise_floor_gate() -> None:
+    from vllm_dsv41.fidelity import noise_floor_gate
+
+    # run 3's staged prefill: the floor flipped 15 of 2048 positions; the runtime's 17 are within sampling
+    gate = noise_floor_gate(0.999, 1 - 15 / 2048, 2048)
+    assert gate == pytest.approx(1 - 15 / 2048 - 2 * 4 / 2048)
+    assert 1 - 17 / 2048 >= gate > 1 - 24 / 2048  # 17 flips pass; 24 (9 more than the floor's) fail
+    assert noise_floor_gate(0.95, 1 - 15 / 2048, 2048) == 0.95  # a gate the floor reaches stands
+    assert noise_floor_gate(0.999, 1.0, 512) == 0.999
+    assert noise_floor_gate(1.0, 1 - 1 / 512, 512) == pytest.approx(1 - (1 + 2 * 2**0.5) / 512)
+    with pytest.raises(ValueError, match="positions"):
+        noise_floor_gate(0.999, 1.0, 0)
+
+
 @pytest.mark.slow
 def test_fidelity_tool_on_the_demo_pack(demo_pack: Path, tmp_path: Path) -> None:
     out = tmp_path / "fidelity.json"

@@ -394,6 +394,35 @@ def test_steps_replans_and_the_routing_trace(home: ExpertHome, tmp_path: Path) -
     assert trace.num_layers == LAYERS and trace.num_experts == EXPERTS and trace.top_k == TOP_K
 
 
+def test_rows_routing_an_expert_twice_stay_out_of_the_trace(home: ExpertHome, reference: ReferenceExperts,
+                                                            tmp_path: Path) -> None:  # fmt: skip
+    """vLLM's warm-up forwards can route a row to one expert twice (run 3 on the H200: [0, 0]; a trace refuses
+    such rows): the row is computed as routed (twice the expert), left out of the trace and counted, and the trace
+    of the run is saved (it was lost at close)."""
+    path = tmp_path / "routing.npz"
+    rt = _runtime(home, 4, "auto", trace_path=str(path))
+    rng = np.random.default_rng(3)
+    try:
+        _step(rt, rng, 2)
+        for layer in range(LAYERS):  # a step of 3 tokens: row 1 routes expert 0 twice in every layer
+            x = rng.standard_normal((3, HIDDEN)).astype(np.float32)
+            ids, w = _routing(rng, 3)
+            ids[1] = 0
+            out = torch.full((3, HIDDEN), float("nan"))
+            rt.forward_into(layer, torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(w), out)
+            expected = reference.forward(layer, x, ids, w)
+            np.testing.assert_allclose(out.numpy(), expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+        _step(rt, rng, 1)
+        assert rt.stats.trace_rows_dropped == 1
+    finally:
+        rt.close()
+    from expert_cache import load_trace
+
+    trace = load_trace(path)
+    assert trace.num_steps == 3
+    assert trace.rows_per_step.tolist() == [2, 2, 1] and trace.tokens_per_step.tolist() == [2, 3, 1]
+
+
 def test_refuses_what_it_cannot_do(home: ExpertHome) -> None:
     rt = _runtime(home, 2)
     try:

@@ -85,6 +85,7 @@ class TierStats:
     wait_seconds: float = 0.0  # host time waiting for the inputs' device-to-host copy
     layer_seconds: float = 0.0  # host wall time of whole layer calls
     profile_calls: int = 0  # layer calls of vLLM's dummy forwards, answered with zeros (experts.in_profile_run)
+    trace_rows_dropped: int = 0  # token rows left out of the routing trace: they route an expert twice (below)
 
     @property
     def picks(self) -> int:
@@ -551,6 +552,20 @@ class TieredRuntime:
         real = (ids >= 0).all(axis=(1, 2))  # not the rows vLLM pads a CUDA graph's batch with (ids -1)
         padded = int(ids.shape[0] - real.sum())
         ids = ids[real]
+        # A trace routes distinct experts per row and layer (expert_cache.Trace). vLLM 0.32's warm-up forwards that
+        # carry attention metadata (its JIT / mixed-batch attention warm-ups: not dummy forwards to
+        # experts.in_profile_run) can route a row to one expert twice (run 3 on the H200: [0, 0], likely the top-k of
+        # equal scores): computed as routed, but left out of the trace, counted and logged, never silently.
+        srt = np.sort(ids, axis=2)
+        twice = (srt[:, :, 1:] == srt[:, :, :-1]).any(axis=(1, 2))
+        if twice.any():
+            n = int(twice.sum())
+            if self.stats.trace_rows_dropped == 0:
+                logger.warning("dsv41 tiered: %d token row(s) of step %d route an expert twice in a layer (first: %s); "
+                               "left out of the routing trace (counted in trace_rows_dropped)", n, self.stats.steps,
+                               ids[np.flatnonzero(twice)[0]].tolist())  # fmt: skip
+            self.stats.trace_rows_dropped += n
+            ids = ids[~twice]
         if self._recorder is None:
             from expert_cache import TraceRecorder
 
