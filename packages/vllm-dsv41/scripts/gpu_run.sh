@@ -20,7 +20,7 @@
 #             (benches/bench_served_decode.py --build-only; reused by later calls of the same lease)
 #   decode    benches/bench_served_decode.py on that pack: served decode tok/s at 1/2/4 streams for the runtimes
 #             none / tiered (misses cpu, auto, pcie) / cpu vs the roofline of the same run; VRAM capped at 24 GiB,
-#             PIECEWISE; DEC_RUNTIMES picks the cases (none first), DEC_TAG names the outputs; traces under $OUT
+#             PIECEWISE; DEC_RUNTIMES picks the cases (none first), DEC_TAG names the outputs, DEC_THREADS the CPU tier's threads (8); traces under $OUT
 #   sprefill  benches/bench_served_prefill.py on that pack: served prompt tok/s at PF_PROMPTS lengths (default
 #             2048,8192,16384) with PF_CHUNK-token chunks (default 8192), experts off vs the tiered runtime's staged
 #             prefill, against the roofline of the same runs (streamed bytes / the measured copy rate + non-expert time)
@@ -130,7 +130,7 @@ if step decode; then
     log "decode"
     mkdir -p "$OUT/decode${DEC_TAG:-}"
     timeout "$(gpu_tmo 560)" python3 packages/vllm-dsv41/benches/bench_served_decode.py --layers "${DEC_LAYERS:-4}" --root /tmp/dsv41/served \
-        --runtimes "${DEC_RUNTIMES:-none,tiered:auto,tiered:cpu,tiered:pcie,cpu}" --streams 1,2,4 --runs 3 --cpu-threads 8 \
+        --runtimes "${DEC_RUNTIMES:-none,tiered:auto,tiered:cpu,tiered:pcie,cpu}" --streams 1,2,4 --runs 3 --cpu-threads "${DEC_THREADS:-8}" \
         --time-budget-s "${DEC_BUDGET:-430}" --json "$OUT/decode${DEC_TAG:-}/bench_served_decode.json" \
         2>&1 | tee "$OUT/decode${DEC_TAG:-}/bench_served_decode.log" | grep -v "INFO\|DEBUG\|WARNING" | tail -40
     r=${PIPESTATUS[0]}; log "decode rc=$r"; rc=$((rc || r))
