@@ -163,6 +163,88 @@ def test_tilelang_check_limits_and_reports(tmp_path: Path) -> None:
         MhcShape.from_config(cfg)
 
 
+def test_tilelang_check_traces_sm8x_kernels_with_pdl_off_on_a_hopper_box() -> None:
+    """Upstream's mHC kernels emit PDL when ``tilelang_kernels.ENABLE_PDL`` is on, and that flag is set at import from
+    the checking machine's GPU: on an H200 (capability 9.0) every sm_80/sm_86 lowering failed ("PDL is not
+    supported", results/h200-run3-ampere-aot-tilelang.log). The check traces each kernel with the flag an sm_8x card
+    gives it (off), restores it after, and says so in the result."""
+    import types
+
+    from vllm_dsv41.ampere.aot_tilelang import TileLangSpec, trace, upstream_pdl
+
+    assert [upstream_pdl(a) for a in (80, 86, 89, 90, 100)] == [False, False, False, True, True]
+    kernels = types.SimpleNamespace(ENABLE_PDL=True)  # tilelang_kernels as imported on the H200
+    seen: list[tuple[bool, dict[str, Any]]] = []
+
+    class Fn:  # a @tilelang.jit kernel: TileLang re-runs its body, reading the module's flag, per get_tir
+        def get_tir(self, **params: Any) -> str:
+            seen.append((kernels.ENABLE_PDL, params))
+            return "tir"
+
+    spec = TileLangSpec("k", Fn(), {"hc": 4})
+    for arch in (80, 86):
+        tir, note = trace(spec, arch, kernels)
+        assert tir == "tir" and seen[-1] == (False, {"hc": 4})
+        assert note == (f"forced off: an sm_{arch} card gives upstream's ENABLE_PDL False (capability >= 9.0 only); "
+                        "this machine's import gave True")  # fmt: skip
+        assert kernels.ENABLE_PDL is True  # restored
+    assert trace(spec, 90, kernels)[1] == "on, as on sm_90 (upstream's ENABLE_PDL is True here too)"
+    assert seen[-1][0] is True
+    kernels.ENABLE_PDL = False  # a CPU box or an sm_8x card: nothing to force
+    assert trace(spec, 86, kernels)[1] == "off, as on sm_86 (upstream's ENABLE_PDL is False here too)"
+
+    class Failing:
+        def get_tir(self, **params: Any) -> str:
+            raise RuntimeError("trace failed")
+
+    kernels.ENABLE_PDL = True
+    with pytest.raises(RuntimeError, match="trace failed"):
+        trace(TileLangSpec("k", Failing(), {}), 80, kernels)
+    assert kernels.ENABLE_PDL is True  # restored on a failure too
+    with pytest.raises(AttributeError):  # upstream renamed its flag: fail, don't lower with PDL silently
+        trace(spec, 80, types.SimpleNamespace())
+
+
+def test_tilelang_pdl_rule_matches_vllm_source() -> None:
+    """``upstream_pdl`` restates vLLM 0.32's rule, which CPU CI cannot import (TileLang, CUDA build): the mHC kernels
+    wrap their PDL calls in the module flag ``ENABLE_PDL = current_platform.is_arch_support_pdl() and ...``, and
+    ``CudaPlatform.is_arch_support_pdl`` is compute capability major >= 9. A change there fails here."""
+    import re
+
+    import vllm
+
+    root = Path(vllm.__file__).parent
+    kernels = (root / "model_executor/kernels/mhc/tilelang_kernels.py").read_text()
+    assert "\nENABLE_PDL = current_platform.is_arch_support_pdl() and current_platform.is_cuda()\n" in kernels
+    pdl_calls = re.findall(r"^\s*(.*)\n\s*T\.pdl_(?:sync|trigger)\(\)", kernels, re.M)
+    assert pdl_calls and set(pdl_calls) == {"if ENABLE_PDL:"}
+    cuda = (root / "platforms/cuda.py").read_text()
+    rule = re.search(r"def is_arch_support_pdl\(cls\) -> bool:\n(.*?)\n\n", cuda, re.S)
+    assert rule is not None and rule.group(1).strip().endswith("return major >= 9"), rule
+
+
+@pytest.mark.gpu  # needs TileLang, which comes with vLLM's CUDA install (scripts/gpu_ampere.sh "tests"), not a GPU
+@pytest.mark.filterwarnings("ignore:`tl.disable_tma_lower` is deprecated:DeprecationWarning")  # vLLM's pass config
+def test_tilelang_lowers_for_sm8x_when_imported_with_pdl_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With TileLang (vLLM's CUDA install, or a CPU venv with tilelang==0.1.12): upstream's mhc_post traced with
+    ``ENABLE_PDL`` on (an H200's import) carries PDL, which the check refuses for sm_86 by name; ``check`` traces it
+    as an sm_86 card does and lowers it."""
+    from vllm_dsv41.ampere import aot_tilelang as at
+
+    at._tilelang()
+    from vllm.model_executor.kernels.mhc import tilelang_kernels as tk
+
+    monkeypatch.setattr(tk, "ENABLE_PDL", True)
+    spec = at.TileLangSpec("mhc_post", tk.mhc_post_tilelang, {"hc": 4, "hidden": 1024})
+    hopper = spec.fn.get_tir(**spec.params)
+    assert at._pdl_calls(hopper) == ["tl.pdl_sync", "tl.pdl_trigger"]
+    with pytest.raises(RuntimeError, match=r"traced with PDL \(tl.pdl_sync, tl.pdl_trigger\) although sm_86"):
+        at.lower(hopper, 86)
+    [r] = at.check([spec], [86], nvcc=None)
+    assert r.ok and r.threads == 128 and r.pdl.startswith("forced off: an sm_86 card"), r.problems
+    assert tk.ENABLE_PDL is True
+
+
 # ----------------------------------------------------------------------------------------------- KV layout
 
 

@@ -14,7 +14,8 @@ takes its TileLang GEMM, so three kernels run (``kernels/mhc/tilelang_kernels.py
 below sm_100 / without DeepGEMM.) ``python -m vllm_dsv41.ampere.aot_tilelang --config CONFIG.json [--arch 80 86]
 [--nvcc PATH] [--json FILE]`` takes every specialization upstream's own dispatch picks at the config's sizes
 (``HcPrenormGemmTileLangKernel.dispatch`` over the token regimes, ``MHCPreNormKernel.dispatch``), lowers it with
-TileLang for a ``cuda`` target of that arch with vLLM's pass configs, and checks:
+TileLang for a ``cuda`` target of that arch with vLLM's pass configs, as it is built on an sm_<arch> card (PDL off,
+whatever GPU this machine has: ``pdl_as_on``), and checks:
 
 * the launch against the arch (threads per block, dynamic shared memory per block: ``SM_LIMITS``);
 * with nvcc: the CUDA source compiled to PTX for ``compute_<arch>`` and scanned like the Triton kernels
@@ -29,6 +30,7 @@ nvcc only the lowering and the launch limits are checked, and the output says so
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
@@ -37,13 +39,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from .aot import CheckResult, cubin_arch, scan_ptx
 
-__all__ = ["SM_LIMITS", "MhcShape", "Result", "TileLangSpec", "check", "launch_problems", "ptxas_usage", "specs_for"]
+__all__ = ["SM_LIMITS", "MhcShape", "Result", "TileLangSpec", "check", "launch_problems", "pdl_as_on", "ptxas_usage",
+           "specs_for", "trace", "upstream_pdl"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,15 +150,70 @@ def _tilelang() -> Any:
     return tu
 
 
-def lower(spec: TileLangSpec, arch: int) -> tuple[str, dict[str, Any]]:
-    """The CUDA source of ``spec`` for ``sm_<arch>`` and its launch (``threads``, ``dyn_smem`` bytes)."""
+def upstream_pdl(arch: int) -> bool:
+    """Whether upstream's mHC kernels use PDL (``T.pdl_sync`` / ``T.pdl_trigger``: griddepcontrol) on an sm_<arch> card.
+
+    ``kernels/mhc/tilelang_kernels.py`` sets ``ENABLE_PDL = current_platform.is_arch_support_pdl() and
+    current_platform.is_cuda()`` once, at import, from the device of the importing process; ``CudaPlatform.
+    is_arch_support_pdl`` (``platforms/cuda.py``) is ``major >= 9`` of ``torch.cuda.get_device_capability``. TileLang
+    refuses the intrinsics below sm_90 (``MarkCudaSyncCalls(have_pdl(target))``: "PDL is not supported")."""
+    return arch // 10 >= 9
+
+
+@contextlib.contextmanager
+def pdl_as_on(arch: int, kernels: Any) -> Iterator[str]:
+    """Upstream's ``kernels.ENABLE_PDL`` (the module ``tilelang_kernels``) set, for the duration, to what an sm_<arch>
+    card gives it (``upstream_pdl``), then restored; yields a note for the result. Imported on a GPU of compute
+    capability 9.0+ (an H200) the flag is on, and a kernel traced with it carries PDL, which sm_8x cannot lower: the
+    check must build what an sm_8x card builds, whatever GPU (or none) runs it."""
+    had, want = bool(kernels.ENABLE_PDL), upstream_pdl(arch)
+    state = "on" if want else "off"
+    if had == want:
+        note = f"{state}, as on sm_{arch} (upstream's ENABLE_PDL is {had} here too)"
+    else:
+        note = (f"forced {state}: an sm_{arch} card gives upstream's ENABLE_PDL {want} (capability >= 9.0 only); "
+                f"this machine's import gave {had}")  # fmt: skip
+    with mock.patch.object(kernels, "ENABLE_PDL", want):  # no ``create``: a renamed flag fails here, loudly
+        yield note
+
+
+def trace(spec: TileLangSpec, arch: int, kernels: Any = None) -> tuple[Any, str]:
+    """``spec``'s TIR as an sm_<arch> card traces it (``pdl_as_on``; TileLang re-runs an eager kernel's body per
+    ``get_tir``, reading the module's flag then) and the PDL note. ``kernels``: upstream's ``tilelang_kernels``."""
+    if kernels is None:
+        _tilelang()
+        from vllm.model_executor.kernels.mhc import tilelang_kernels
+
+        kernels = tilelang_kernels
+    with pdl_as_on(arch, kernels) as note:
+        tir = spec.fn.get_tir(**spec.params)
+    return tir, note
+
+
+def _pdl_calls(tir: Any) -> list[str]:
+    """The PDL intrinsics (``tl.pdl_sync``, ``tl.pdl_trigger``) in a TIR function."""
+    from tvm import tirx
+
+    found: list[str] = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, tirx.Call) and "pdl" in str(getattr(node.op, "name", "")):
+            found.append(str(node.op.name))
+
+    tirx.stmt_functor.post_order_visit(tir.body, visit)
+    return sorted(set(found))
+
+
+def lower(tir: Any, arch: int) -> tuple[str, dict[str, Any]]:
+    """The CUDA source for ``sm_<arch>`` of a kernel's TIR (``trace``) and its launch (``threads``, ``dyn_smem``)."""
     tu = _tilelang()
     import tvm
     from tilelang.engine.lower import lower as tl_lower
     from tilelang.transform.pass_config import normalize_pass_configs
     from tvm.target import Target
 
-    tir = spec.fn.get_tir(**spec.params)
+    if not upstream_pdl(arch) and (calls := _pdl_calls(tir)):
+        raise RuntimeError(f"traced with PDL ({', '.join(calls)}) although sm_{arch} has it off")
     target = Target({"kind": "cuda", "arch": f"sm_{arch}"})
     with tvm.transform.PassContext(opt_level=3, config=normalize_pass_configs(tu._get_pass_configs())), target:
         art = tl_lower(tir, target=target)
@@ -217,6 +276,7 @@ class Result(CheckResult):
     compiled: bool = False
     registers: int | None = None
     spill_bytes: int | None = None
+    pdl: str = ""  # PDL as built (``pdl_as_on``): sm_8x has it off, whatever the checking machine's GPU
 
 
 def check(specs: Iterable[TileLangSpec], archs: Iterable[int], nvcc: str | None,
@@ -232,7 +292,8 @@ def check(specs: Iterable[TileLangSpec], archs: Iterable[int], nvcc: str | None,
             t0 = time.perf_counter()
             r = Result(spec.label, arch, False, [], 0.0)
             try:
-                source, launch = lower(spec, arch)
+                tir, r.pdl = trace(spec, arch)
+                source, launch = lower(tir, arch)
                 r.threads, r.dyn_smem = launch["threads"], launch["dyn_smem"]
                 if nvcc is not None:
                     ptx, cubin, report = _nvcc_compile(source, arch, nvcc, include)
@@ -249,7 +310,8 @@ def check(specs: Iterable[TileLangSpec], archs: Iterable[int], nvcc: str | None,
             if progress is not None:
                 regs = f" regs={r.registers} spills={r.spill_bytes}B" if r.compiled else ""
                 progress(f"sm_{arch} {'ok  ' if r.ok else 'FAIL'} {r.seconds:5.1f}s {spec.label}: threads={r.threads} "
-                         f"smem={r.dyn_smem}B{regs}" + ("" if r.ok else f" {r.problems}"))  # fmt: skip
+                         f"smem={r.dyn_smem}B{regs} pdl={re.split('[:,]', r.pdl)[0] or '?'}"
+                         + ("" if r.ok else f" {r.problems}"))  # fmt: skip
     return out
 
 
