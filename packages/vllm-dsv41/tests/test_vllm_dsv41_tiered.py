@@ -110,6 +110,11 @@ def test_matches_the_reference_across_cache_sizes_and_splits(home: ExpertHome, r
             assert s.cpu_picks == 0
         if split == "auto" and slots < LAYERS * EXPERTS:
             assert s.cpu_picks > 0 and s.pcie_picks > 0  # equal rates: the misses are shared
+            # the host's time per share is timed (run 3: auto slower than PCIe alone; these say where it goes)
+            assert s.pcie_enqueue_seconds > 0 and s.cpu_wait_seconds > 0
+            assert "PCIe queuing" in s.describe() and "wait for the CPU tier" in s.describe()
+        if split == "cpu":
+            assert s.pcie_enqueue_seconds == 0
     finally:
         rt.close()
 

@@ -86,6 +86,8 @@ class TierStats:
     layer_seconds: float = 0.0  # host wall time of whole layer calls
     profile_calls: int = 0  # layer calls of vLLM's dummy forwards, answered with zeros (experts.in_profile_run)
     trace_rows_dropped: int = 0  # token rows left out of the routing trace: they route an expert twice (below)
+    pcie_enqueue_seconds: float = 0.0  # host time queuing the PCIe share (the CPU job is submitted after it)
+    cpu_wait_seconds: float = 0.0  # host time blocked in finish() on the CPU tier's job (the GPU's share done before)
 
     @property
     def picks(self) -> int:
@@ -102,7 +104,9 @@ class TierStats:
             f"{self.steps} steps, {self.picks} picks: hits {self.hit_picks / p:.1%}, CPU {self.cpu_picks / p:.1%}, "
             f"PCIe {self.pcie_picks / p:.1%}; deadline misses {self.deadline_misses} ({self.fallback_picks} picks "
             f"recomputed on the GPU); per step: layers {1e3 * self.layer_seconds / s:.2f} ms, CPU tier "
-            f"{1e3 * self.cpu_seconds / s:.2f} ms, input wait {1e3 * self.wait_seconds / s:.2f} ms"
+            f"{1e3 * self.cpu_seconds / s:.2f} ms, input wait {1e3 * self.wait_seconds / s:.2f} ms, PCIe queuing "
+            f"{1e3 * self.pcie_enqueue_seconds / s:.2f} ms, wait for the CPU tier "
+            f"{1e3 * self.cpu_wait_seconds / s:.2f} ms"
         )
 
 
@@ -699,7 +703,9 @@ class TieredRuntime:
                 on_pcie = np.isin(flat_ids[miss], experts[plan.pcie])
                 pcie_picks, cpu_picks = miss[on_pcie], miss[~on_pcie]
         if pcie_picks.size:
+            tq = time.perf_counter()
             self._gpu_picks(b, 0, kernel, ptrs, x32, w, t, pcie_picks, layer)
+            self.stats.pcie_enqueue_seconds += time.perf_counter() - tq
         p = _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, n_hit=n_hit, n_miss=int(miss.size),
                      pcie_picks=pcie_picks, cpu_picks=cpu_picks)  # fmt: skip
         # 4. the CPU share, submitted now (the workers start at once); waited for in finish().
@@ -723,10 +729,12 @@ class TieredRuntime:
             n = p.cpu_picks.size
             remaining = None if p.timeout is None else max(0.0, p.timeout - (time.perf_counter() - p.submitted))
             missing = np.empty(0, np.int64)
+            tw = time.perf_counter()
             if not p.job.wait(remaining):
                 missing = p.job.missing()  # cancels, waits for the workers to stop
             else:
                 p.job.result()
+            self.stats.cpu_wait_seconds += time.perf_counter() - tw
             dt = time.perf_counter() - p.submitted
             self.stats.cpu_seconds += dt
             self._m_cpu.forward(dt, picks=n - missing.size)
