@@ -81,7 +81,10 @@ def index_topk(
     for r0 in range(0, num_tokens, rows_per_chunk):
         r1 = min(num_tokens, r0 + rows_per_chunk)
         starts, counts = kernels.token_blocks(query_start_loc, r0, r1, block_tokens)
-        blk = torch.tensor([starts, counts], dtype=torch.int32).to(dev, non_blocking=True)
+        # from pinned memory (the caching host allocator keeps it until the copy ran): a pageable source would make
+        # the driver stage it and the host wait, per indexer layer and step
+        pinned = dev.type == "cuda"
+        blk = torch.tensor([starts, counts], dtype=torch.int32, pin_memory=pinned).to(dev, non_blocking=True)
         logits = torch.empty((r1 - r0, width), dtype=torch.float32, device=dev)
         kernels.indexer_logits(
             q,
