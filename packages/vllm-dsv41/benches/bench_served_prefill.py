@@ -15,7 +15,9 @@ What it does
      through a ring of VRAM slots lent by the cache, computed as GEMMs; the step rule calibrated at startup).
 4. The roofline of the same runs: the bytes the staged prefill copied (counted by the runtime) over the copy
    engine's rate from the host home (measured by the runtime's calibration in this process), plus the ``none``
-   case's time at the same length. Ratio = roofline / measured (goal >= 0.80).
+   case's time at the same length. Ratio = roofline / measured (goal >= 0.80). Each row also gives the peak VRAM
+   PyTorch reserved in the timed runs (KV cache, expert cache, ring, activations) and its wall time: with a short
+   prompt among ``--prompts`` (e.g. ``100,8192``) that wall time is the time to first token of a short prompt.
 5. Scaling: per chunk every MoE layer streams about all of its busy experts once, so the copy time per chunk is
    ``layers x busy experts x expert bytes / H2D rate``; printed for Flash's 40 layers at this run's rate and at
    the mission's PCIe 4 (``--mission-pcie-gbps``), with the arithmetic.
@@ -68,6 +70,18 @@ def _prefill_state(model: Any) -> dict[str, Any]:
             "h2d_bps": float(c.h2d_bps) if c else 0.0, "describe": pf.describe()}  # fmt: skip
 
 
+def _peak_vram(model: Any, reset: bool = False) -> int:
+    """Bytes the worker's PyTorch allocator has reserved at most since the last reset (0 without CUDA): the KV
+    cache, the expert cache, the ring and the activations all come from it; ``reset`` starts a new window."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return int(torch.cuda.max_memory_reserved())
+
+
 def prompt(length: int, run: int, vocab: int) -> list[dict[str, list[int]]]:
     rng = np.random.default_rng([length, run])
     return [{"prompt_token_ids": rng.integers(16, vocab - 16, size=length).tolist()}]
@@ -78,6 +92,7 @@ def run_case(llm: Any, length: int, runs: int, vocab: int) -> list[dict[str, Any
 
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     llm.generate(prompt(length, 999, vocab), sp, use_tqdm=False)  # warm-up (and the prefill's first episode)
+    llm.apply_model(functools.partial(_peak_vram, reset=True))
     out = []
     for run in range(runs):
         before = llm.apply_model(_prefill_state)[0]
@@ -87,7 +102,8 @@ def run_case(llm: Any, length: int, runs: int, vocab: int) -> list[dict[str, Any
         after = llm.apply_model(_prefill_state)[0]
         streamed = after.get("bytes", 0) - before.get("bytes", 0)
         out.append({"wall_s": wall, "tok_s": length / wall, "bytes": streamed, "h2d_bps": after.get("h2d_bps", 0.0),
-                    "streamed_calls": after.get("calls", 0) - before.get("calls", 0)})  # fmt: skip
+                    "streamed_calls": after.get("calls", 0) - before.get("calls", 0),
+                    "peak_vram_bytes": llm.apply_model(_peak_vram)[0]})  # fmt: skip
     return out
 
 
@@ -99,6 +115,10 @@ def summarize(case: str, length: int, runs: list[dict[str, Any]], non_expert: di
                            "median_wall_s": wall}  # fmt: skip
     line = (f"{case:7s} P={length:6d}  {row['median_tok_s']:8.1f} tok/s (min {tok[0]:.1f}, max {tok[-1]:.1f}); "
             f"wall {wall:.3f} s")  # fmt: skip
+    peak = max(r.get("peak_vram_bytes", 0) for r in runs)
+    if peak:  # the timed runs' peak (the warm-up's first episode excluded)
+        row["peak_vram_bytes"] = peak
+        line += f"; peak VRAM reserved {peak / 2**30:.2f} GiB"
     h2d = max((r["h2d_bps"] for r in runs), default=0.0)
     copied = statistics.median(r["bytes"] for r in runs)
     if case != "none" and h2d > 0 and length in non_expert:
