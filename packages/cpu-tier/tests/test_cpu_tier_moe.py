@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -149,10 +150,13 @@ def test_async_jobs(small_experts) -> None:
         tier.add_layer(1, *small_experts, swiglu_limit=None)
         xs = [rng.standard_normal((5, 256)).astype(np.float32) for _ in range(4)]
         picks = [_picks(rng, 5, 6, 2) for _ in range(4)]
+        t0 = time.perf_counter()
         jobs = [tier.submit(i % 2, xs[i], picks[i]) for i in range(4)]
         for i, job in enumerate(jobs):
             assert job.wait(timeout=60.0)
             assert job.done()
+            # the pool's own run time of the job: positive, within the wall time since the first submit
+            assert 0.0 < job.elapsed_s <= time.perf_counter() - t0
             assert job.missing().size == 0
             _check(job.result(), ref_moe(xs[i], picks[i], small_experts, 10.0 if i % 2 == 0 else None), "exact")
 

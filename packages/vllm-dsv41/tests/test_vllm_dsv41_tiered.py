@@ -112,6 +112,7 @@ def test_matches_the_reference_across_cache_sizes_and_splits(home: ExpertHome, r
             assert s.cpu_picks > 0 and s.pcie_picks > 0  # equal rates: the misses are shared
             # the host's time per share is timed (run 3: auto slower than PCIe alone; these say where it goes)
             assert s.pcie_enqueue_seconds > 0 and s.cpu_wait_seconds > 0
+            assert 0 < s.cpu_run_seconds <= s.cpu_seconds  # the pool's run time is within submit-to-wait
             assert "PCIe queuing" in s.describe() and "wait for the CPU tier" in s.describe()
         if split == "cpu":
             assert s.pcie_enqueue_seconds == 0
@@ -332,6 +333,8 @@ class _StalledJob:
 
     def cancel(self) -> None:
         pass
+
+    elapsed_s = 0.0  # its workers never ran
 
 
 class _StallingTier:

@@ -221,6 +221,12 @@ class Job:
         """The output buffer ``[T, H]``: after a cancel, the weighted sum of the computed picks only."""
         return self._out
 
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds the pool ran this job (its first phase's start to its end; 0.0 until it is done). Against the
+        caller's submit-to-wait time it tells the job's own time from its wait in the queue and the wake-up."""
+        return float(self._native.elapsed_s())
+
     def _check_error(self) -> None:
         err = self._native.error()
         if err:
