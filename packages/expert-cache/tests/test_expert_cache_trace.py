@@ -150,3 +150,13 @@ def test_generator_config_errors() -> None:
 def test_trace_create_direct() -> None:
     t = Trace.create(np.zeros((0, 2, 2), np.int16), np.zeros(3, np.int32), np.array([600, 0, 700], np.int32), 4)
     assert t.num_steps == 3 and t.step_ids(1).shape == (0, 2, 2)
+
+
+def test_repeated_experts_marks_rows_and_layers() -> None:
+    from expert_cache import repeated_experts
+
+    ids = np.array([[[0, 1], [2, 2]], [[3, 4], [5, 6]], [[7, 7], [1, 0]]])
+    assert repeated_experts(ids).tolist() == [[False, True], [False, False], [True, False]]
+    assert repeated_experts(np.zeros((4, 2, 1), np.int16)).tolist() == [[False, False]] * 4  # top-1: never twice
+    with pytest.raises(ValueError, match=r"ids must be \[N, L, K\]"):
+        repeated_experts(np.zeros((2, 2)))

@@ -53,7 +53,7 @@ if step tests; then
     r=${PIPESTATUS[0]}; log "tests (rows) rc=$r"; rc=$((rc || r))
     timeout "$(gpu_tmo 560)" python3 -m pytest packages/vllm-dsv41/tests/test_vllm_dsv41_engram_gpu.py -m gpu -v -p no:cacheprovider \
         -W ignore::DeprecationWarning --tb=short -k "served_logits" 2>&1 | tee "$OUT/engram_pytest_served_gpu.log" | tail -25
-    r=${PIPESTATUS[0]}; log "tests rc=$r"; rc=$((rc || r))
+    r=${PIPESTATUS[0]}; log "tests (served) rc=$r"; rc=$((rc || r))
 fi
 if step fidelity; then
     log "fidelity: oracle (all-in-vram, upstream Engram)"

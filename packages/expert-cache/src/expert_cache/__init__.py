@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .cache import ExpertCache, Loan, slot_pool
     from .home import ExpertRows
     from .sim import belady_hit_mask, belady_hit_rate, belady_hits, simulate, static_oracle_hit_rate
-    from .trace import SyntheticTraceConfig, Trace, TraceRecorder, generate, load_trace
+    from .trace import SyntheticTraceConfig, Trace, TraceRecorder, generate, load_trace, repeated_experts
 
 # Loaded on first use: ExpertCache needs torch (the simulator and the trace tools do not), and the modules with a
 # command line (``python -m expert_cache.sim`` / ``.trace``) must not be imported by the package itself.
@@ -59,6 +59,7 @@ _LAZY = {
     "TraceRecorder": "trace",
     "generate": "trace",
     "load_trace": "trace",
+    "repeated_experts": "trace",
 }
 
 
@@ -106,6 +107,7 @@ __all__ = [
     "generate",
     "load_profile",
     "load_trace",
+    "repeated_experts",
     "make_policy",
     "policy_config",
     "save_profile",

@@ -35,10 +35,20 @@ import numpy as np
 
 from cpu_tier.geometry import V41_FLASH
 
-__all__ = ["SyntheticTraceConfig", "Trace", "TraceRecorder", "generate", "load_trace"]
+__all__ = ["SyntheticTraceConfig", "Trace", "TraceRecorder", "generate", "load_trace", "repeated_experts"]
 
 FORMAT = "expert-cache-trace"
 VERSION = 1
+
+
+def repeated_experts(ids: np.ndarray) -> np.ndarray:
+    """bool ``[N, L]``: where row ``n`` routes some expert twice in layer ``l`` (``ids`` ``[N, L, K]``). A trace
+    refuses such rows (:meth:`Trace.create`); a recorder of live routing can leave them out with this mask."""
+    ids = np.asarray(ids)
+    if ids.ndim != 3:
+        raise ValueError(f"ids must be [N, L, K], got shape {ids.shape}")
+    srt = np.sort(ids, axis=2)
+    return np.any(srt[:, :, 1:] == srt[:, :, :-1], axis=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +100,7 @@ class Trace:
             if lo < 0 or hi >= num_experts:
                 raise ValueError(f"{where}: ids must be in [0, {num_experts}), found values in [{lo}, {hi}]")
             if ids.shape[2] > 1:
-                srt = np.sort(ids, axis=2)
-                dup = np.any(srt[:, :, 1:] == srt[:, :, :-1], axis=2)
+                dup = repeated_experts(ids)
                 if dup.any():
                     r, layer = (int(v[0]) for v in np.nonzero(dup))
                     raise ValueError(

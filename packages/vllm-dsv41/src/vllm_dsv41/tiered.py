@@ -561,8 +561,9 @@ class TieredRuntime:
         # carry attention metadata (its JIT / mixed-batch attention warm-ups: not dummy forwards to
         # experts.in_profile_run) can route a row to one expert twice (run 3 on the H200: [0, 0], likely the top-k of
         # equal scores): computed as routed, but left out of the trace, counted and logged, never silently.
-        srt = np.sort(ids, axis=2)
-        twice = (srt[:, :, 1:] == srt[:, :, :-1]).any(axis=(1, 2))
+        from expert_cache import repeated_experts
+
+        twice = repeated_experts(ids).any(axis=1)
         if twice.any():
             n = int(twice.sum())
             if self.stats.trace_rows_dropped == 0:
