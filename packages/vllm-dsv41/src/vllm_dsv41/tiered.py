@@ -86,7 +86,7 @@ class TierStats:
     layer_seconds: float = 0.0  # host wall time of whole layer calls
     profile_calls: int = 0  # layer calls of vLLM's dummy forwards, answered with zeros (experts.in_profile_run)
     trace_rows_dropped: int = 0  # token rows left out of the routing trace: they route an expert twice (below)
-    pcie_enqueue_seconds: float = 0.0  # host time queuing the PCIe share (the CPU job is submitted after it)
+    pcie_enqueue_seconds: float = 0.0  # host time queuing the PCIe share (after the CPU job is submitted)
     cpu_wait_seconds: float = 0.0  # host time blocked in finish() on the CPU tier's job (the GPU's share done before)
     cpu_run_seconds: float = 0.0  # the CPU tier's own run time of those jobs (cpu_seconds less queue and wake-up)
 
@@ -704,10 +704,6 @@ class TieredRuntime:
             if plan.pcie.any():
                 on_pcie = np.isin(flat_ids[miss], experts[plan.pcie])
                 pcie_picks, cpu_picks = miss[on_pcie], miss[~on_pcie]
-        if pcie_picks.size:
-            tq = time.perf_counter()
-            self._gpu_picks(b, 0, kernel, ptrs, x32, w, t, pcie_picks, layer)
-            self.stats.pcie_enqueue_seconds += time.perf_counter() - tq
         p = _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, n_hit=n_hit, n_miss=int(miss.size),
                      pcie_picks=pcie_picks, cpu_picks=cpu_picks)  # fmt: skip
         # 4. the CPU share, submitted now (the workers start at once); waited for in finish().
@@ -721,6 +717,12 @@ class TieredRuntime:
             p.timeout = self._deadline(layer, np.unique(experts_c, return_counts=True)[1])
             p.submitted = time.perf_counter()
             p.job = self._tier.submit(layer, xr, picks_obj, out=b.h_cpu[:n].numpy())
+        # 5. the PCIe share queued after the CPU job is submitted: its copies' host-side queuing (per projection)
+        # overlaps the CPU tier's work instead of delaying its start.
+        if pcie_picks.size:
+            tq = time.perf_counter()
+            self._gpu_picks(b, 0, kernel, ptrs, x32, w, t, pcie_picks, layer)
+            self.stats.pcie_enqueue_seconds += time.perf_counter() - tq
         return p
 
     def _finish(self, p: _Pending, out: torch.Tensor) -> None:
@@ -755,7 +757,7 @@ class TieredRuntime:
                                "picks recomputed on the GPU from the host home", p.layer, 1e3 * (p.timeout or 0),
                                missing.size, n)  # fmt: skip
                 self._gpu_picks(b, 1, p.kernel, p.ptrs, b.x32[:t], b.w[:t], t, p.cpu_picks[missing], p.layer)
-        # 5. fixed-order sum over the picks of each token.
+        # 6. fixed-order sum over the picks of each token.
         torch.sum(b.y[:t], dim=1, out=b.x32[:t])
         out[:t].copy_(b.x32[:t])
         s = self.stats
