@@ -19,7 +19,7 @@ from pack_tools.origin import ENGRAM, EXL3
 from pack_tools.presets import PRESETS
 from pack_tools.presets._common import V41_SPECIAL_TOKENS
 from pack_tools.presets.flash_layer import FlashLayer, flash_layer_plan
-from pack_tools.presets.tiny_v41 import TinyV41, expected_engram_rows
+from pack_tools.presets.tiny_v41 import TinyV41, expected_engram_rows, synth_tiny_v41
 from pack_tools.st import read_header
 from pack_tools.v41 import engram_primes
 
@@ -128,6 +128,22 @@ def test_tiny_v41_dims_validate():
         TinyV41(hidden=200)
     with pytest.raises(ValueError, match="engram"):
         TinyV41(engram_layers=(7,))
+    with pytest.raises(ValueError, match="index_source_layers"):
+        TinyV41(kv_source_layers=(2,), index_source_layers=(1, 2))  # layer 1 has no kv source at or below it
+
+
+def test_tiny_v41_index_only_layers_have_no_key_projection(tmp_path):
+    """Upstream's V4.1 gives wk / k_norm only to index sources that are KV sources (``owns_k``); an index-only
+    layer reuses their keys, and a pack with those tensors there is refused by upstream's weight loader."""
+    d = TinyV41(layers=8, kv_source_layers=(2, 5), index_source_layers=(2, 5, 7))
+    synth_tiny_v41(tmp_path, dims=d)
+    names: set[str] = set()
+    for f in (tmp_path / EXL3.dirname).glob("*.safetensors"):
+        with safe_open(f, "np") as h:
+            names.update(h.keys())
+    owns = {i for i in range(d.layers) if any(f"layers.{i}.attn.indexer.k_norm.weight" in n for n in names)}
+    index = {i for i in range(d.layers) if any(f"layers.{i}.attn.indexer.weights_proj" in n for n in names)}
+    assert owns == {2, 5} and index == {2, 5, 7}
 
 
 def test_flash_layer_plan_real_shape():

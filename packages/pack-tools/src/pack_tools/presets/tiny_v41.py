@@ -109,6 +109,11 @@ class TinyV41:
             raise ValueError("TinyV41.o_groups: heads * head_dim / o_groups must be a multiple of 128")
         if any(not 0 <= i < self.layers for i in self.engram_layers + self.kv_source_layers):
             raise ValueError("TinyV41: engram / kv-source layer ids must be decoder layers")
+        if any(not 0 <= i < self.layers for i in self.index_source_layers):
+            raise ValueError("TinyV41.index_source_layers: index-source layer ids must be decoder layers")
+        if any(not any(s <= i for s in self.kv_source_layers) for i in self.index_source_layers):
+            raise ValueError("TinyV41.index_source_layers: each needs a kv-source layer at or below it (whose "
+                             "indexer produces the keys it reads)")
         if self.vocab < len(c.V41_SPECIAL_TOKENS) + 257:
             raise ValueError(f"TinyV41.vocab: must hold the byte alphabet and the special tokens, got {self.vocab}")
 
@@ -447,8 +452,10 @@ def _layer_tensors(d: TinyV41, g: Gen, root: str, layer: int, is_mtp: bool) -> d
     if not is_mtp and layer in d.index_source_layers:
         ip = a + "indexer."
         t.update(g.exl3(ip + "wq_b", d.q_lora_rank, d.index_heads * d.index_head_dim, db))
-        t.update(g.exl3(ip + "wk", d.head_dim, d.index_head_dim, db))  # the compressor's latent -> index keys
-        t[ip + "k_norm.weight"] = g.bf16(ip + "k_norm.weight", (d.index_head_dim,), 0.05, 1.0)
+        if layer in d.kv_source_layers:  # only an index source that is also a KV source produces (owns) the keys;
+            # the others reuse the keys of the KV source below them and have no wk / k_norm (upstream's ``owns_k``)
+            t.update(g.exl3(ip + "wk", d.head_dim, d.index_head_dim, db))  # the compressor's latent -> index keys
+            t[ip + "k_norm.weight"] = g.bf16(ip + "k_norm.weight", (d.index_head_dim,), 0.05, 1.0)
         t[ip + "weights_proj.weight"] = g.bf16(ip + "weights_proj.weight", (d.index_heads, H))
     f = p + "ffn."
     n_exp = d.mtp_experts if is_mtp else d.experts
