@@ -215,6 +215,8 @@ class EngramRowGather:
         self.table = table
         self.name = name
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" = the current device, named here: the
+            self.device = torch.device("cuda", torch.cuda.current_device())  # worker thread sets it by index
         self.max_tokens = max_tokens
         self.n_cols = n_cols
         self.dim = table.head_dim
@@ -245,8 +247,8 @@ class EngramRowGather:
         self.trace_events = False
 
     def _init_worker(self) -> None:
-        if self.cuda:  # the CUDA current device is per thread
-            torch.cuda.set_device(self.device)
+        if self.cuda:  # the CUDA current device is per thread (torch.cuda.set_device needs the index)
+            torch.cuda.set_device(self.device.index)
 
     @property
     def host_bytes(self) -> int:
