@@ -99,6 +99,10 @@ def test_matches_the_reference_across_cache_sizes_and_splits(home: ExpertHome, r
                 np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
         s = rt.stats
         assert s.picks == 2 * LAYERS * (1 + 3 + 17 + 2) * TOP_K
+        # the decode-size calls' own counters (<= HIT_CHUNK_TOKENS = 16 tokens): the 17-token steps stay out
+        d = rt.stats_decode
+        assert d.steps == 6 and d.layer_calls == 6 * LAYERS and d.picks == 2 * LAYERS * (1 + 3 + 2) * TOP_K
+        assert 0 < d.layer_seconds < s.layer_seconds and d.hit_picks <= s.hit_picks
         assert rt.cache is not None and rt.cache.num_slots == slots
         if slots == 0:
             assert s.hit_picks == 0

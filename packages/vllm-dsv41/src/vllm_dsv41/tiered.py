@@ -131,6 +131,8 @@ class _Pending:
     t0: float = 0.0
     staged: torch.Tensor | None = None  # the staged prefill's fp32 result (``vllm_dsv41.prefill``)
     profile: bool = False  # a dummy forward's call: zeros
+    wait_s: float = 0.0  # this call's parts of TierStats' seconds, added to the counters once in ``finish``
+    pcie_enqueue_s: float = 0.0
 
 
 class _Buffers:
@@ -320,6 +322,9 @@ class TieredRuntime:
         self._step_tokens = 0
         self._buffers: dict[tuple[int, int], _Buffers] = {}
         self.stats = TierStats()
+        #: The same counters for decode-size calls only (at most ``HIT_CHUNK_TOKENS`` tokens: a decode step's layer
+        #: calls), so the per-step figures are not mixed with prompts computed on the decode path.
+        self.stats_decode = TierStats()
         self._m_cpu = metrics.tier("cpu")
         self._recorder: Any = None  # expert_cache.TraceRecorder, created at the first recorded step
         self._step_ids: dict[int, np.ndarray] = {}
@@ -530,6 +535,8 @@ class TieredRuntime:
             self._end_step()
         self._step_tokens = tokens
         self.stats.steps += 1
+        if tokens <= HIT_CHUNK_TOKENS:
+            self.stats_decode.steps += 1
         if cache is not None:
             cache.before_step(tokens)
             self._cache_step = True
@@ -645,8 +652,13 @@ class TieredRuntime:
                 out[: p.t].copy_(p.staged)
             else:
                 self._finish(p, out)
-        self.stats.layer_calls += 1
-        self.stats.layer_seconds += time.perf_counter() - p.t0
+        dt = time.perf_counter() - p.t0
+        small = 0 < p.t <= HIT_CHUNK_TOKENS and not p.profile and p.staged is None
+        for st in (self.stats, self.stats_decode) if small else (self.stats,):
+            st.layer_calls += 1
+            st.layer_seconds += dt
+            st.wait_seconds += p.wait_s
+            st.pcie_enqueue_seconds += p.pcie_enqueue_s
 
     def _begin(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                t: int) -> _Pending:  # fmt: skip
@@ -684,7 +696,7 @@ class TieredRuntime:
         tw = time.perf_counter()
         if b.ready is not None:
             b.ready.synchronize()
-        self.stats.wait_seconds += time.perf_counter() - tw
+        wait_s = time.perf_counter() - tw
         h_ids = b.h_ids[:t].numpy()
         h_hit = b.h_hit[:t].numpy()
         if self.tcfg.trace_path:
@@ -705,7 +717,7 @@ class TieredRuntime:
                 on_pcie = np.isin(flat_ids[miss], experts[plan.pcie])
                 pcie_picks, cpu_picks = miss[on_pcie], miss[~on_pcie]
         p = _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, n_hit=n_hit, n_miss=int(miss.size),
-                     pcie_picks=pcie_picks, cpu_picks=cpu_picks)  # fmt: skip
+                     pcie_picks=pcie_picks, cpu_picks=cpu_picks, wait_s=wait_s)  # fmt: skip
         # 4. the CPU share, submitted now (the workers start at once); waited for in finish().
         if cpu_picks.size:
             n = cpu_picks.size
@@ -722,13 +734,14 @@ class TieredRuntime:
         if pcie_picks.size:
             tq = time.perf_counter()
             self._gpu_picks(b, 0, kernel, ptrs, x32, w, t, pcie_picks, layer)
-            self.stats.pcie_enqueue_seconds += time.perf_counter() - tq
+            p.pcie_enqueue_s = time.perf_counter() - tq
         return p
 
     def _finish(self, p: _Pending, out: torch.Tensor) -> None:
         cuda = self.device.type == "cuda"
         b, t = p.b, p.t
         assert b is not None
+        sts = (self.stats, self.stats_decode) if t <= HIT_CHUNK_TOKENS else (self.stats,)
         if p.job is not None:
             n = p.cpu_picks.size
             remaining = None if p.timeout is None else max(0.0, p.timeout - (time.perf_counter() - p.submitted))
@@ -738,10 +751,12 @@ class TieredRuntime:
                 missing = p.job.missing()  # cancels, waits for the workers to stop
             else:
                 p.job.result()
-            self.stats.cpu_wait_seconds += time.perf_counter() - tw
-            self.stats.cpu_run_seconds += p.job.elapsed_s
+            t_wait = time.perf_counter() - tw
             dt = time.perf_counter() - p.submitted
-            self.stats.cpu_seconds += dt
+            for st in sts:
+                st.cpu_wait_seconds += t_wait
+                st.cpu_run_seconds += p.job.elapsed_s
+                st.cpu_seconds += dt
             self._m_cpu.forward(dt, picks=n - missing.size)
             if missing.size:  # their rows were never written (stale bytes): zeros, then the GPU's values added
                 b.h_cpu[:n].numpy()[missing] = 0.0
@@ -750,8 +765,9 @@ class TieredRuntime:
             b.cpu_rows[:n].copy_(b.h_cpu[:n], non_blocking=cuda)
             b.y[:t].view(-1, b.hidden).index_copy_(0, b.cpu_index[:n], b.cpu_rows[:n])
             if missing.size:
-                self.stats.deadline_misses += 1
-                self.stats.fallback_picks += int(missing.size)
+                for st in sts:
+                    st.deadline_misses += 1
+                    st.fallback_picks += int(missing.size)
                 metrics.cpu_deadline_miss(int(missing.size))
                 logger.warning("dsv41 tiered: MoE layer %d: the CPU tier missed its deadline (%.2f ms); %d of %d "
                                "picks recomputed on the GPU from the host home", p.layer, 1e3 * (p.timeout or 0),
@@ -760,10 +776,10 @@ class TieredRuntime:
         # 6. fixed-order sum over the picks of each token.
         torch.sum(b.y[:t], dim=1, out=b.x32[:t])
         out[:t].copy_(b.x32[:t])
-        s = self.stats
-        s.hit_picks += p.n_hit
-        s.cpu_picks += int(p.cpu_picks.size)
-        s.pcie_picks += int(p.pcie_picks.size)
+        for st in sts:
+            st.hit_picks += p.n_hit
+            st.cpu_picks += int(p.cpu_picks.size)
+            st.pcie_picks += int(p.pcie_picks.size)
         metrics.cache_lookups(p.n_hit, p.n_miss)
         metrics.picks("gpu_cache", p.n_hit)
         metrics.picks("pcie", int(p.pcie_picks.size))
@@ -835,6 +851,8 @@ class TieredRuntime:
             logger.info("dsv41 tiered: routing trace of %d steps written to %s", self.stats.steps, path)
         if self.stats.steps:
             logger.info("dsv41 tiered: %s", self.stats.describe())
+        if self.stats_decode.steps:
+            logger.info("dsv41 tiered: decode-size calls only: %s", self.stats_decode.describe())
         self._tier.close()
         self._cache = None
         self._buffers.clear()
