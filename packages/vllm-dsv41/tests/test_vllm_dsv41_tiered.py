@@ -272,6 +272,35 @@ def test_the_staged_read_through_transient_slots(home: ExpertHome, reference: Re
             assert s.cpu_picks == 0
         if slots == 1 and split == "pcie":
             assert rt._stager.rounds > s.steps * LAYERS  # several rounds per layer (every miss is read by the GPU)
+        st = rt._stager
+        assert st.groups == (2 if slots >= 2 else 1) and st.round_size == slots // st.groups
+    finally:
+        rt.close()
+
+
+def test_staged_rounds_alternate_between_two_slot_groups(home: ExpertHome) -> None:
+    """Double buffering: consecutive rounds fill the two halves of the transient slots in turn (round r + 1's copies
+    never write the slots round r's kernel reads), each round's table points its experts into its own half, and a
+    round larger than a half is refused."""
+    rt = _wide_runtime(home, split="pcie", pcie_read="auto", pcie_stage_slots=4)
+    try:
+        _step(rt, np.random.default_rng(3), tokens=1, hot=6)  # creates the cache and the stager
+        st = rt._stager
+        assert st is not None and st.groups == 2 and st.round_size == 2
+        table = rt.cache.layer_pointers(0)
+        stride = st.stride
+        groups = []
+        for r, experts in enumerate((np.array([1, 4]), np.array([2, 7]), np.array([5]))):
+            ptrs = st.stage(0, experts, table, 0, r)
+            slots = (ptrs[:, experts].numpy() - st.base - st.offs[:, None]) // stride  # [P, k] slot of each expert
+            assert (slots == slots[0]).all()  # every projection of an expert in one slot
+            groups.append(set((slots[0] // st.round_size).tolist()))
+            untouched = np.setdiff1d(np.arange(table.shape[1]), experts)
+            assert torch.equal(ptrs[:, untouched], table[:, untouched])  # the other columns still read the home
+            st.done()
+        assert groups[0] == {0} and groups[1] == {1} and groups[2] == {0}
+        with pytest.raises(ValueError, match="rounds of 2 transient slots"):
+            st.stage(0, np.array([1, 2, 3]), table, 0, 0)
     finally:
         rt.close()
 

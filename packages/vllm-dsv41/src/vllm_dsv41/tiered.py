@@ -173,21 +173,30 @@ class _Buffers:
 
 class _Stager:
     """Transient VRAM slots for the GPU's reads of the host home (``pcie_read`` staged): the copy engine copies
-    up to ``n`` experts into them on its own stream, and the hit kernel reads them through a copy of the layer's
-    pointer table whose columns of those experts point into the slots. Slot layout and alignment are the cache's
-    (``slot_alignment``), so any home alignment works.
+    up to ``round_size`` experts into them on its own stream, and the hit kernel reads them through a copy of the
+    layer's pointer table whose columns of those experts point into the slots. Slot layout and alignment are the
+    cache's (``slot_alignment``), so any home alignment works.
 
-    Ordering: the copies wait for the last kernel that read the slots (``done``), the compute stream waits for the
-    copies; ``ptrs`` is rewritten on the compute stream, after that kernel. The experts' ids reach the device from
-    a pinned buffer with one place per (``use``, round) of a layer (the runtime's two staging pairs), so no copy
-    is pageable (a pageable one would make the host wait for the stream) and no round overwrites ids a queued copy
-    has yet to read; the next layer writes them only after its own input event, which the stream orders after
-    these copies. The slots' addresses are computed once."""
+    Double buffering: with ``n >= 2`` slots the rounds alternate between two groups of ``n // 2``, so the copies
+    of round r + 1 (one group) run on the copy engine while the kernel of round r reads the other group (run 4 on
+    the H200: one group, every round's copy waited for the previous round's kernel).
+
+    Ordering: the copies into a group wait for the last kernel that read that group (``done``), the compute stream
+    waits for the copies; ``ptrs`` is rewritten on the compute stream, after the kernel queued before it. The
+    experts' ids reach the device from a pinned buffer with one place per (``use``, round) of a layer (the runtime's
+    two staging pairs), so no copy is pageable (a pageable one would make the host wait for the stream) and no round
+    overwrites ids a queued copy has yet to read; the next layer writes them only after its own input event, which
+    the stream orders after these copies.
+    The slots' addresses are computed once."""
 
     def __init__(self, config: Any, rows: Any, n: int, device: torch.device) -> None:
         from expert_cache import slot_pool
 
         self.n = n
+        self.groups = 2 if n >= 2 else 1
+        self.round_size = n // self.groups  # experts per round (a stage call)
+        self._next = 0  # the group the next stage fills
+        self._group = 0  # the group the last stage filled (done() marks it)
         self.device = device
         self.cuda = device.type == "cuda"
         self.config = config
@@ -201,12 +210,12 @@ class _Stager:
             self.pool.record_stream(self.stream)
             # and not before what the compute stream queued on the block's former tensors is done
             self.stream.wait_stream(torch.cuda.current_stream(device))
-        self._free: Any = None  # event after the last kernel that read the slots
+        self._free: list[Any] = [None] * self.groups  # per group: event after the last kernel that read it
         self.ptrs: torch.Tensor | None = None
         # [P, n]: the address of projection p of slot j
         addr = self.base + np.arange(n, dtype=np.int64)[None, :] * self.stride + self.offs[:, None]
         self.slot_addr = torch.from_numpy(np.ascontiguousarray(addr)).to(device)
-        rounds = -(-config.num_experts // n)
+        rounds = -(-config.num_experts // self.round_size)
         self.h_cols = torch.empty((2, rounds, n), dtype=torch.int64, pin_memory=self.cuda)
         self.d_cols = torch.empty(n, dtype=torch.int64, device=device)
         self.cols = self.d_cols[:0]  # the device ids of the experts the last ``stage`` placed
@@ -219,22 +228,26 @@ class _Stager:
 
     def stage(self, layer_index: int, experts: np.ndarray, table: torch.Tensor, use: int = 0,
               round_: int = 0) -> torch.Tensor:  # fmt: skip
-        """Copy ``experts`` (at most ``n``) of cache layer ``layer_index`` into slots ``0..len-1``; the pointer
-        table to read them with (``table`` with their columns repointed), valid on the compute stream. ``use`` and
-        ``round_`` say which staging of the layer this is (its pinned place for the ids)."""
-        if experts.size > self.n:
-            raise ValueError(f"staged read: {experts.size} experts for {self.n} transient slots")
+        """Copy ``experts`` (at most ``round_size``) of cache layer ``layer_index`` into the next group's slots; the
+        pointer table to read them with (``table`` with their columns repointed), valid on the compute stream.
+        ``use`` and ``round_`` say which staging of the layer this is (its pinned place for the ids)."""
+        if experts.size > self.round_size:
+            raise ValueError(f"staged read: {experts.size} experts for rounds of {self.round_size} transient slots")
+        g = self._group = self._next
+        self._next = (g + 1) % self.groups
+        base = g * self.round_size
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda:
             assert self.stream is not None
-            if self._free is not None:
-                self.stream.wait_event(self._free)
+            if self._free[g] is not None:
+                self.stream.wait_event(self._free[g])
             ctx: Any = torch.cuda.stream(self.stream)
         else:
             ctx = torch.no_grad()
         with ctx:
             for j, e in enumerate(experts.tolist()):
-                self.bytes_copied += self.rows.copy_expert(self.pool[j], layer_index, e, self.config, self.cuda)
+                self.bytes_copied += self.rows.copy_expert(self.pool[base + j], layer_index, e, self.config,
+                                                           self.cuda)  # fmt: skip
         if self.cuda:
             assert compute is not None and self.stream is not None
             ready = torch.cuda.Event()
@@ -248,15 +261,16 @@ class _Stager:
         h.numpy()[:] = experts
         self.cols = self.d_cols[:k]
         self.cols.copy_(h, non_blocking=self.cuda)
-        self.ptrs[:, self.cols] = self.slot_addr[:, :k]
+        self.ptrs[:, self.cols] = self.slot_addr[:, base : base + k]
         self.rounds += 1
         return self.ptrs
 
     def done(self) -> None:
-        """After the kernel that read the slots was queued: the next copies wait for it."""
+        """After the kernel that read the last stage's slots was queued: the next copies into them wait for it."""
         if self.cuda:
-            self._free = torch.cuda.Event()
-            self._free.record(torch.cuda.current_stream(self.device))
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self._free[self._group] = ev
 
 
 class TieredRuntime:
@@ -507,7 +521,7 @@ class TieredRuntime:
         times = {}
         for k in (1, n):
             if stager is not None:
-                k = min(k, stager.n)
+                k = min(k, stager.round_size)
                 experts = np.arange(k, dtype=np.int64)
                 times[k] = hit_seconds(self._hits[lx.layer], functools.partial(stager.stage, li, experts, table), k,
                                        lx.hidden, self.device)  # fmt: skip
@@ -807,9 +821,10 @@ class TieredRuntime:
             return
         experts = np.unique(flat[picks])
         li = self._index[layer]
-        for r0 in range(0, experts.size, stager.n):
-            chunk = experts[r0 : r0 + stager.n]
-            table = stager.stage(li, chunk, ptrs, use, r0 // stager.n)
+        rs = stager.round_size
+        for r0 in range(0, experts.size, rs):
+            chunk = experts[r0 : r0 + rs]
+            table = stager.stage(li, chunk, ptrs, use, r0 // rs)
             if chunk.size < experts.size:  # this round's picks only
                 sub = torch.where(torch.isin(ids2, stager.cols), ids2, torch.full_like(ids2, -1))
             else:
