@@ -200,6 +200,122 @@ def case_indexer_q(r: Rng) -> tuple[bool, str]:
     return u <= 1 and werr <= 1e-6 * float(w_ref.abs().max()), f"q err/bound {u:.2f}, weights err {werr:.2g}"
 
 
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (so -0.0 differs from 0.0), bf16 or fp32."""
+    view = torch.int16 if a.dtype == BF16 else torch.int32
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+def case_fp8_rounding(r: Rng) -> tuple[bool, str]:
+    """``kernels.e4m3_round_blocks`` (integer / fp32 arithmetic, no fp8 conversion) against ``fp8.round_blocks``
+    (torch's ``float8_e4m3fn`` cast with upstream's scale rule), bit for bit: bf16 blocks at scales from 2^-30
+    to 2^30 with the UE8M0 rule, and fp32 values at given scales with the edge cases: zeros of both signs, values
+    past 448 * scale (saturate), e4m3 subnormals, exact ties between e4m3 neighbours (normal and subnormal), amax
+    exactly 448 * 2^k (the ratio an exact power of two) and below the 1e-4 floor."""
+    from vllm_dsv41.ampere import fp8, kernels
+
+    msgs, ok = [], True
+    for b in (64, 128):
+        x = (r.randn(96, b) * torch.exp2(r.randint(-30, 31, 96, 1).float())).to(BF16)
+        x[0] = 0.0
+        x[1, ::2] = -0.0
+        x[2, 0] = 448 * 2.0**5  # ratio exactly 2^5
+        x[3, 0] = -1.75 * 2.0**-3
+        x[4] = (r.randn(b) * 1e-6).to(BF16)  # amax under the 1e-4 floor
+        x[5] = (r.randn(b) * 2**-120).to(BF16)  # tiny values: subnormal e4m3 after the floor's scale
+        out = torch.empty_like(x)
+        kernels.e4m3_round_blocks(x, out)
+        ref = fp8.round_blocks(x.float(), b).to(BF16)
+        good = _bits_equal(out, ref)
+        ok &= good
+        msgs.append(f"UE8M0 blocks of {b}: {'bit-equal' if good else 'DIFFER'}")
+    n = 64
+    x = r.randn(40, n) * torch.exp2(r.randint(-4, 12, 40, 1).float())
+    e = r.randint(-8, 9, 40).int()
+    grid = torch.tensor([m * 2.0**k for k in range(-6, 9) for m in (1, 1.125, 1.25, 1.375, 1.5, 1.625, 1.75, 1.875)])
+    sub = torch.arange(0, 8) * 2.0**-9
+    ties = torch.cat([(grid[1:] + grid[:-1]) / 2, (sub[1:] + sub[:-1]) / 2, (sub[-1:] + 2**-6) / 2])
+    edge = torch.cat([ties, -ties, torch.tensor([0.0, -0.0, 448, 449, 464, 465, 1e9, -1e9, 2**-10, -(2**-10)]), sub])
+    for i in range(0, edge.numel(), n):  # rows at scale 2^0 and 2^3: the edge values times the scale
+        chunk = edge[i : i + n]
+        for row, ex in ((2 * (i // n), 0), (2 * (i // n) + 1, 3)):
+            x[row] = 0.0
+            x[row, : chunk.numel()] = chunk * 2.0**ex
+            e[row] = ex
+    out32 = torch.empty_like(x)
+    kernels.e4m3_round_blocks(x, out32, e)
+    ref32 = fp8.round_blocks(x, n, e[:, None])
+    good = _bits_equal(out32, ref32)
+    ok &= good
+    msgs.append(f"given scales, {edge.numel()} edge values + random: {'bit-equal' if good else 'DIFFER'}")
+    return ok, "; ".join(msgs)
+
+
+def case_fp8_stores(r: Rng) -> tuple[bool, str]:
+    """The store kernels with ``fp8``: (a) bit for bit ``fp8.round_blocks`` of what the same kernel stores without
+    it (window and compressed rows: the NoPE dims in blocks of 64, RoPE dims untouched; index keys and queries: the
+    whole 128-dim key / head), and (b) against ``reference`` with ``fp8`` (float64, then the same rounding): the
+    rows' NoPE dims bit for bit (their input is the bf16 row itself); keys and queries up to one e4m3 step plus
+    what the bf16 tolerance of their plain cases allows (the normed key's one-ulp rounding, carried by RoPE)."""
+    from vllm_dsv41.ampere import fp8, kernels, reference
+
+    msgs, ok = [], True
+    cs = r.cos_sin(200)
+    t, d, nope = 12, 512, 448
+    kv = (r.randn(t, d) * torch.exp2(r.randint(-6, 7, t, 1).float())).to(BF16)
+    kv[0, :64] = 0.0  # an all-zero block
+    pos = r.randint(0, 200, t)
+    slots = r.perm(24)[:t].clone()
+    slots[2] = -1
+    cache = paged(6, 4, d)
+    plain, rounded = cache.clone(), cache.clone()
+    kernels.rope_q_kv_insert(None, kv, pos, cs, plain, slots)
+    kernels.rope_q_kv_insert(None, kv, pos, cs, rounded, slots, fp8=True)
+    want = plain.clone()
+    want[..., :nope] = fp8.round_blocks(plain[..., :nope].float(), 64).to(BF16)
+    _, ref = reference.rope_q_kv_insert(None, kv, pos, cs, cache, slots, fp8=True)
+    exact = _bits_equal(rounded, want)
+    good, msg = close(rounded, ref, 2**-7, 2**-20 * float(kv.abs().max()))
+    ok &= exact and good and _bits_equal(rounded[..., :nope], ref[..., :nope])
+    msgs.append(f"window rows: bit-equal {exact}, vs reference {msg}")
+    for ratio in (1, 2):
+        latent = r.randn(t, d, dtype=BF16)
+        c_plain, c_fp8 = cache.clone(), cache.clone()
+        kernels.compressed_kv_insert(latent, pos, cs, c_plain, slots, ratio)
+        kernels.compressed_kv_insert(latent, pos, cs, c_fp8, slots, ratio, fp8=True)
+        ref_plain = reference.compressed_kv_insert(latent, pos, cs, cache, slots, ratio)
+        ref_fp8 = reference.compressed_kv_insert(latent, pos, cs, cache, slots, ratio, fp8=True)
+        want = c_plain.clone()
+        want[..., :nope] = fp8.round_blocks(c_plain[..., :nope].float(), 64).to(BF16)
+        sc = float(latent.abs().max())
+        u = (bf16_rounding(c_plain, ref_plain, sc), bf16_rounding(c_fp8, ref_fp8, sc))
+        exact = _bits_equal(c_fp8, want) and _bits_equal(c_fp8[..., :nope], ref_fp8[..., :nope])
+        ok &= exact and max(u) <= 1
+        msgs.append(f"compressed ratio {ratio}: bf16 err/bound {u[0]:.2f}, fp8 bit-equal {exact} ({u[1]:.2f})")
+    w = (1 + 0.1 * r.randn(128)).to(BF16)
+    k_pre = r.randn(t, 128, dtype=BF16)
+    k_plain, k_fp8 = paged(6, 4, 128), paged(6, 4, 128)
+    kernels.indexer_k_store(k_pre, pos, cs, w, 1e-6, k_plain, slots, 2)
+    kernels.indexer_k_store(k_pre, pos, cs, w, 1e-6, k_fp8, slots, 2, fp8=True)
+    ref = reference.indexer_k_store(k_pre, pos, cs, w, 1e-6, paged(6, 4, 128), slots, 2, fp8=True)
+    exact = _bits_equal(k_fp8, fp8.round_blocks(k_plain.float(), 128).to(BF16))
+    good, msg = close(k_fp8, ref, 2**-3, 2**-6 * float(ref.abs().max()))
+    ok &= exact and good
+    msgs.append(f"index keys: bit-equal {exact}, vs reference {msg}")
+    nh = 20
+    q = (r.randn(t, nh, 128) * torch.exp2(r.randint(-5, 6, t, nh, 1).float())).to(BF16)
+    q_plain, q_fp8, w1, w2 = q.clone(), q.clone(), torch.empty(t, nh), torch.empty(t, nh)
+    iw = r.randn(t, nh)
+    kernels.indexer_q_rope(q_plain, pos, cs, iw, w1, 0.01)
+    kernels.indexer_q_rope(q_fp8, pos, cs, iw, w2, 0.01, fp8=True)
+    q_ref, _ = reference.indexer_q_rope(q, pos, cs, iw, 0.01, fp8=True)
+    exact = _bits_equal(q_fp8, fp8.round_blocks(q_plain.float(), 128).to(BF16)) and torch.equal(w1, w2)
+    good, msg = close(q_fp8, q_ref, 2**-3, 2**-6 * float(q_ref.abs().max()))
+    ok &= exact and good
+    msgs.append(f"index queries: bit-equal {exact} (weights unchanged), vs reference {msg}")
+    return ok, "; ".join(msgs)
+
+
 def _requests(r: Rng, lens: list[int], rows: int, n_blocks: int) -> tuple[torch.Tensor, list[int]]:
     """A block table (distinct random blocks per request) and query_start_loc for requests of ``lens`` tokens."""
     need = [-(-n // rows) for n in lens]
@@ -444,6 +560,8 @@ CASES: dict[str, Callable[[Rng], tuple[bool, str]]] = {
     "topk_rows": case_topk,
     "inv_rope_grouped": case_inv_rope,
     "pipeline_prefill_decode": case_pipeline,
+    "fp8_rounding": case_fp8_rounding,
+    "fp8_stores": case_fp8_stores,
 }
 
 

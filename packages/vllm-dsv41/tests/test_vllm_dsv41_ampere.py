@@ -1,7 +1,8 @@
 """vllm_dsv41.ampere on the CPU (CI): the V4.1 attention path for sm_80/sm_86.
 
 * every Triton kernel against its float64 reference under Triton's interpreter, on fresh random data (the seed is
-  printed on failure), including a prefill + decode pipeline with prompts longer than the window and than top-k
+  printed on failure), including a prefill + decode pipeline with prompts longer than the window and than top-k,
+  and the FP8 rounding of ``kv_rounding="fp8"`` bit for bit against torch's e4m3 cast with upstream's scale rule
   (``ampere_cases.py``, run in a subprocess with ``TRITON_INTERPRET=1``);
 * every kernel compiled ahead of time for sm_80 and sm_86 with no instruction those lack, and the scan's own
   negative controls (Hopper code for sm_90, FP8 conversions);
@@ -30,6 +31,8 @@ CASES = [
     "topk_rows",
     "inv_rope_grouped",
     "pipeline_prefill_decode",
+    "fp8_rounding",
+    "fp8_stores",
 ]
 
 
@@ -280,6 +283,40 @@ def test_kv_bytes_bf16_rows_against_fp8_records_at_262k() -> None:
 # --------------------------------------------------------------------------------------- selection, wiring
 
 
+def test_kv_rounding_config_defaults_to_fp8_and_reads_additional_config() -> None:
+    import types
+
+    from vllm_dsv41.ampere.fp8 import TritonAttentionConfig
+
+    assert TritonAttentionConfig().kv_rounding == "fp8" and TritonAttentionConfig().fp8
+    vc = types.SimpleNamespace
+    assert TritonAttentionConfig.from_vllm_config(vc(additional_config=None)).fp8
+    assert TritonAttentionConfig.from_vllm_config(vc(additional_config={"dsv41": {}})).fp8
+    got = TritonAttentionConfig.from_vllm_config(vc(additional_config={"dsv41_ampere": {"kv_rounding": "bf16"}}))
+    assert got == TritonAttentionConfig("bf16") and not got.fp8
+    with pytest.raises(ValueError, match="additional_config 'dsv41_ampere': kv_rounding: expected one of"):
+        TritonAttentionConfig.from_vllm_config(vc(additional_config={"dsv41_ampere": {"kv_rounding": "fp4"}}))
+    with pytest.raises(ValueError, match="unknown field 'kv'"):
+        TritonAttentionConfig.from_mapping({"kv": "bf16"})
+
+
+def test_fp8_scale_rule_is_exact_on_bf16_amaxes() -> None:
+    """Upstream computes the UE8M0 exponent as ``ceil(log2(amax * fp32(1/448)))`` (Triton) or from the ratio's
+    bits (CuTe); ``fp8.py`` says they agree on every bf16 amax: the ratio is an exact power of two (amax 1.75 * 2^k)
+    or far from one. Checked here over every positive finite bf16 value."""
+    import torch
+
+    from vllm_dsv41.ampere.fp8 import ue8m0_exponents
+
+    bits = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16)
+    amax = bits.view(torch.bfloat16).float()
+    y = amax.clamp(min=1e-4) * torch.tensor(1 / 448, dtype=torch.float32)
+    from_bits = ((y.view(torch.int32) + 0x7FFFFF) >> 23) - 127
+    assert torch.equal(ue8m0_exponents(amax), from_bits)
+    exact = torch.ceil(torch.log2(amax.double().clamp(min=float(torch.tensor(1e-4))) / 448)).int()
+    assert torch.equal(from_bits, exact)  # and both equal the real-number rule
+
+
 @pytest.mark.parametrize(
     ("mode", "cap", "ours"),
     [
@@ -368,6 +405,8 @@ with set_current_vllm_config(vc):
         layers = {i: nv._select_dsv4_attn_cls(vc)(vc, prefix=f"language_model.model.layers.{i}.attn",
                                                   topk_indices_buffer=buf) for i in (0, 2, 3)}
     print("CLASS", cls.__name__)
+    print("COMPRESSORS", sorted(type(l.compressor).__name__ for l in layers.values() if l.compressor is not None),
+          all(l.kv_fp8 for l in layers.values()), all(l.indexer.kv_fp8 for l in layers.values() if l.indexer))
     for i, l in layers.items():
         spec = l.get_kv_cache_spec(vc)
         swa = l.swa_cache_layer.get_kv_cache_spec(vc)
@@ -381,7 +420,8 @@ with set_current_vllm_config(vc):
 
 @pytest.mark.slow
 def test_forced_attention_builds_bf16_layers_on_vllm(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """``attention: "triton"`` in the plugin config: the V4.1 layers vLLM builds are ours, with bf16 KV specs."""
+    """``attention: "triton"`` in the plugin config: the V4.1 layers vLLM builds are ours, with bf16 KV specs, and
+    with the default ``kv_rounding="fp8"`` our compressed-cache insert and the FP8 rounding on."""
     from pack_tools import build_pack
     from pack_tools.origin import ENGRAM, EXL3
     from pack_tools.presets.tiny_v41 import synth_tiny_v41
@@ -392,6 +432,7 @@ def test_forced_attention_builds_bf16_layers_on_vllm(tmp_path_factory: pytest.Te
     port = str(29500 + secrets.randbelow(400))
     r = subprocess.run([sys.executable, "-c", _BUILD, str(pack), port], capture_output=True, text=True, timeout=600)
     assert "CLASS DeepseekV41TritonAttention" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "COMPRESSORS ['TritonCompressor', 'TritonCompressor'] True True" in r.stdout, r.stdout[-2000:]
     rows = {
         int(w[1]): w[2:] for w in (line.split(" ", 2) for line in r.stdout.splitlines() if line.startswith("LAYER"))
     }
@@ -502,3 +543,86 @@ def test_gpu_indexer_selection_at_v41_sizes_vs_float64() -> None:
         if n > topk:
             kth = torch.topk(s, topk).values[-1]
             assert float(s[chosen].min()) >= float(kth) - 1e-5 * float(s.abs().max()), f"token {i}"
+
+
+def _fp8_record_rows(cache: Any, block: int) -> Any:
+    """fp32 [blocks * block, 512] rows of a V4 ``fp8_ds_mla`` cache [blocks, block, 584] (values of a page first,
+    576 B a row: 448 e4m3 + 64 bf16; then 8 UE8M0 bytes a row, 7 used), dequantized as FlashMLA reads them."""
+    import torch
+
+    pages = cache.reshape(cache.shape[0], -1)
+    vals = pages[:, : block * 576].reshape(-1, 576)
+    scales = pages[:, block * 576 : block * 584].reshape(-1, 8)[:, :7].float() - 127
+    nope = vals[:, :448].contiguous().view(torch.float8_e4m3fn).float().reshape(-1, 7, 64)
+    nope = (nope * torch.exp2(scales)[..., None]).reshape(-1, 448)
+    return torch.cat([nope, vals[:, 448:].contiguous().view(torch.bfloat16).float()], 1)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_rounding_equals_upstreams_fp8_caches() -> None:
+    """``kv_rounding="fp8"`` against upstream's own FP8 writers on a Hopper GPU (the served comparison's): every
+    stored value of ours equals upstream's dequantized FP8 value, bit for bit (as bf16): window rows
+    (``_C.fused_deepseek_v4_kv_rope_insert`` into the 584-byte record), compressed rows (``rope_quant_insert``),
+    index keys (``indexer_k_norm_rope_store``, FP8 with an fp32 scale) and index queries
+    (``fused_indexer_q_rope_quant``, the scale recovered from the folded weights)."""
+    torch = _cuda()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("upstream's V4 fp8_ds_mla record is the sm_90 one")
+    from vllm.models.deepseek_v41.common.ops import fused_indexer_q_rope_quant, indexer_k_norm_rope_store
+    from vllm.models.deepseek_v41.common.ops.fused_compress_quant_cache import rope_quant_insert
+
+    from vllm_dsv41.ampere import kernels
+
+    g = torch.Generator(device="cuda").manual_seed(secrets.randbits(30))
+    dev, t, block, nb = "cuda", 96, 64, 4
+    ang = torch.rand(4096, 32, generator=g, device=dev, dtype=torch.float64) * 6.3
+    cs = torch.cat([ang.cos(), ang.sin()], 1).float()
+    pos = torch.randperm(4096, generator=g, device=dev)[:t].sort().values
+    slots = torch.randperm(nb * block, generator=g, device=dev)[:t].long()
+    mags = torch.exp2(torch.randint(-12, 8, (t, 1), generator=g, device=dev).float())
+
+    def differ(a: Any, b: Any) -> int:  # values whose bf16 bits differ
+        return int((a.bfloat16().view(torch.int16) != b.bfloat16().view(torch.int16)).sum())
+
+    rows: list[tuple[str, int, int]] = []  # (what, values differing, values compared)
+    # window rows: the NoPE dims (the RoPE dims are bf16 in both, rotated by different code: CUDA vs Triton)
+    kv = (torch.randn(t, 512, generator=g, device=dev) * mags).bfloat16()
+    rec = torch.zeros(nb, block, 584, dtype=torch.uint8, device=dev)
+    torch.ops._C.fused_deepseek_v4_kv_rope_insert(kv, rec, slots, pos, cs, block, None, False)
+    ours = torch.zeros(nb, block, 512, dtype=torch.bfloat16, device=dev)
+    kernels.rope_q_kv_insert(None, kv, pos, cs, ours, slots, fp8=True)
+    up, mine = _fp8_record_rows(rec, block)[slots, :448], ours.reshape(-1, 512)[slots, :448]
+    rows.append(("window rows (NoPE)", differ(up, mine), up.numel()))
+    for ratio in (1, 2):  # compressed rows: the same record from upstream's Triton kernel, whole rows
+        latent = (torch.randn(t, 512, generator=g, device=dev) * mags).bfloat16()
+        rec = torch.zeros(nb, block, 584, dtype=torch.uint8, device=dev)
+        rope_quant_insert(latent, pos, cs, rec, slots, ratio)
+        ours = torch.zeros(nb, block, 512, dtype=torch.bfloat16, device=dev)
+        kernels.compressed_kv_insert(latent, pos, cs, ours, slots, ratio, fp8=True)
+        done = slots[(pos + 1) % ratio == 0]
+        up, mine = _fp8_record_rows(rec, block)[done], ours.reshape(-1, 512)[done]
+        rows.append((f"compressed rows ratio {ratio}", differ(up, mine), up.numel()))
+    # index keys (FP8 cache: a page's 128-byte e4m3 rows, then one fp32 scale a row)
+    k_pre = (torch.randn(t, 128, generator=g, device=dev) * mags).bfloat16()
+    w = (1 + 0.1 * torch.randn(128, generator=g, device=dev)).bfloat16()
+    rec = torch.zeros(nb, block, 132, dtype=torch.uint8, device=dev)
+    indexer_k_norm_rope_store(k_pre, pos, cs, w, 1e-6, rec, slots, 2, False)
+    pages = rec.reshape(nb, -1)
+    vals = pages[:, : block * 128].reshape(-1, 128).view(torch.float8_e4m3fn).float()
+    up = vals * pages[:, block * 128 :].reshape(-1, 4).contiguous().view(torch.float32)
+    ours = torch.zeros(nb, block, 128, dtype=torch.bfloat16, device=dev)
+    kernels.indexer_k_store(k_pre, pos, cs, w, 1e-6, ours, slots, 2, fp8=True)
+    done = slots[(pos + 1) % 2 == 0]
+    rows.append(("index keys", differ(up[done], ours.reshape(-1, 128)[done]), int(done.numel()) * 128))
+    # index queries: upstream folds the power-of-two scale into the weights (CuTe kernel where CuTe-DSL is there)
+    nh = 32
+    q = (torch.randn(t, nh, 128, generator=g, device=dev) * mags[:, None]).bfloat16()
+    iw = torch.randn(t, nh, generator=g, device=dev).abs() + 0.5
+    q_fp8, w_out = fused_indexer_q_rope_quant(pos, q.clone(), cs, iw, 128**-0.5, nh**-0.5, use_fp4=False)
+    scale = torch.exp2(torch.round(torch.log2(w_out.double() / (iw.double() * 128**-0.5 * nh**-0.5)))).float()
+    mine, w_mine = q.clone(), torch.empty(t, nh, device=dev)
+    kernels.indexer_q_rope(mine, pos, cs, iw, w_mine, 128**-0.5 * nh**-0.5, fp8=True)
+    rows.append(("index queries", differ(q_fp8.float() * scale[..., None], mine), mine.numel()))
+    report = "; ".join(f"{what}: {n} of {total} values differ" for what, n, total in rows)
+    print(f"ours (kv_rounding=fp8) vs upstream's FP8 caches, dequantized: {report}")
+    assert all(n == 0 for _, n, _ in rows), report

@@ -11,9 +11,9 @@ no GPU needed: Triton ships ``ptxas``) and checks the generated code:
   instruction the arch does not have;
 * when ``nvdisasm`` is available, the SASS has none of ``FORBIDDEN_SASS`` (HGMMA, UTMA*, UBLKCP, ...).
 
-``--upstream`` adds the upstream vLLM Triton kernels the Ampere path reuses unchanged (compressed-cache insert,
-compressor, index bookkeeping, candidate blocks); it needs vLLM's CUDA build (the CPU build replaces Triton
-with a placeholder), so it runs in the device script.
+``--upstream`` adds the upstream vLLM Triton kernels the Ampere path reuses unchanged (compressed-cache insert
+with ``kv_rounding="bf16"``, compressor, index bookkeeping, candidate blocks); it needs vLLM's CUDA build (the CPU
+build replaces Triton with a placeholder), so it runs in the device script.
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ def kernel_specs() -> list[KernelSpec]:
                 slots=I64,
                 D=512,
                 ROPE=64,
+                FP8=False,
             ),
         ),
         KernelSpec(
@@ -136,6 +137,7 @@ def kernel_specs() -> list[KernelSpec]:
                 ratio=2,
                 D=128,
                 ROPE=64,
+                FP8=False,
             ),
             num_warps=1,
         ),
@@ -158,6 +160,7 @@ def kernel_specs() -> list[KernelSpec]:
                 D=128,
                 ROPE=64,
                 NH=32,
+                FP8=False,
             ),
         ),
         KernelSpec(
@@ -261,6 +264,34 @@ def kernel_specs() -> list[KernelSpec]:
                 num_warps=warps,
             )
         )
+    # kv_rounding="fp8": the store kernels' FP8 rounding (integer / fp32 arithmetic only, no e4m3 conversion)
+    for spec in [s for s in specs if "FP8" in s.args]:
+        specs.append(dataclasses.replace(spec, label=f"{spec.label} fp8", args={**spec.args, "FP8": True}))
+    for fp8 in (False, True):
+        specs.append(
+            KernelSpec(
+                "compressed_kv_insert" + (" fp8" if fp8 else ""),
+                k._compressed_kv_insert_kernel,
+                dict(
+                    latent=BF16,
+                    l_s_t=512,
+                    positions=I64,
+                    cos_sin=F32,
+                    cs_s=64,
+                    cache=BF16,
+                    c_s_blk=big,
+                    c_s_row=512,
+                    c_rows=32,
+                    slots=I64,
+                    ratio=2,
+                    D=512,
+                    ROPE=64,
+                    FP8=fp8,
+                ),
+            )
+        )
+    rows = dict(x=BF16, x_s=64, out=BF16, o_s=64, exps=I32, B=64, GIVEN=False)
+    specs.append(KernelSpec("e4m3_round_blocks", k._e4m3_round_kernel, rows))
     return specs
 
 

@@ -2,6 +2,8 @@
 
 Every kernel uses only what Ampere has (``mma.sync`` through ``tl.dot`` on bf16, plain global loads and stores,
 shared-memory histograms and scans): no fp8 conversion, no TMA, no ``wgmma``, no programmatic dependent launch.
+The store kernels' ``fp8`` mode (``vllm_dsv41.ampere.fp8``: upstream's FP8 rounding of the stored values, kept in
+bf16) rounds onto the e4m3 grid with integer and fp32 arithmetic (``_e4m3_round``), not with a conversion.
 ``vllm_dsv41.ampere.aot`` compiles each of them for sm_80 and sm_86 and checks the generated code.
 
 Conventions (those of upstream vLLM's V4.1 code):
@@ -27,6 +29,8 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "compressed_kv_insert",
+    "e4m3_round_blocks",
     "indexer_k_store",
     "indexer_logits",
     "indexer_q_rope",
@@ -37,6 +41,8 @@ __all__ = [
 ]
 
 LOG2E = 1.4426950408889634
+#: Values per UE8M0 scale of the main KV rows' NoPE dims in upstream's sm_90 ``fp8_ds_mla`` record (``fp8.py``).
+FP8_BLOCK = 64
 
 
 def _check(cond: bool, what: str) -> None:
@@ -49,6 +55,85 @@ def _paged(cache: torch.Tensor, name: str, width: int) -> tuple[int, int, int]:
     _check(cache.dim() == 3, f"{name}: expected [blocks, rows, {width}], got shape {tuple(cache.shape)}")
     _check(cache.shape[2] == width and cache.stride(2) == 1, f"{name}: rows must be {width} contiguous values")
     return cache.stride(0), cache.stride(1), cache.shape[1]
+
+
+# ------------------------------------------------------------------------------- FP8 rounding, kept in bf16
+
+
+@triton.jit
+def _pow2(e):
+    """2^e as fp32 for int32 ``e`` in [-126, 127] (the exponent field alone)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _ue8m0_exponent(amax):
+    """int32 ``e`` of upstream's power-of-two scale ``2^e = 2^ceil(log2(max(amax, 1e-4) / 448))`` (``fp8.py``).
+
+    Exact: the fp32 ratio's biased exponent, plus one when its mantissa is not zero (the bit trick of upstream's
+    CuTe query kernel; its Triton kernels' ``ceil(log2(.))`` gives the same on the bf16 amaxes they see).
+    """
+    y = tl.maximum(amax, 1e-4) * (1.0 / 448.0)
+    return ((y.to(tl.int32, bitcast=True) + 0x7FFFFF) >> 23) - 127
+
+
+@triton.jit
+def _e4m3_round(x, e):
+    """``x`` (fp32) as upstream stores it: ``x * 2^-e`` cast to e4m3 (nearest, ties to even, saturating at 448),
+    times ``2^e``. Exact in fp32 (and in bf16: at most 4 significant bits times a power of two).
+
+    Normal e4m3 values keep 3 mantissa bits (an integer round-to-nearest-even on the fp32 bits; a carry moves to
+    the exponent); below 2^-6 the grid is e4m3's subnormal step 2^-9, which adding and subtracting 2^14 rounds to
+    (fp32's ulp at 2^14 is 2^-9). The sign is copied from the bits, so -0.0 and values rounding to zero keep it.
+    """
+    y = x * _pow2(-e)
+    a = tl.minimum(tl.abs(y), 448.0)
+    b = a.to(tl.int32, bitcast=True)
+    normal = ((b + 0x7FFFF + ((b >> 20) & 1)) & ~0xFFFFF).to(tl.float32, bitcast=True)
+    sub = (a + 16384.0) - 16384.0
+    r = tl.where(a < 0.015625, sub, normal).to(tl.int32, bitcast=True)
+    sign = y.to(tl.int32, bitcast=True) & ~0x7FFFFFFF
+    return (r | sign).to(tl.float32, bitcast=True) * _pow2(e)
+
+
+@triton.jit
+def _e4m3_round_rows(x, ROWS: tl.constexpr, QB: tl.constexpr):
+    """``x`` [ROWS * QB] rounded per block of ``QB`` consecutive values, each block with its own UE8M0 scale."""
+    blk = tl.reshape(x, (ROWS, QB))
+    e = _ue8m0_exponent(tl.max(tl.abs(blk), 1))
+    return tl.reshape(_e4m3_round(blk, e[:, None]), (ROWS * QB,))
+
+
+@triton.jit
+def _e4m3_round_kernel(x, x_s, out, o_s, exps, B: tl.constexpr, GIVEN: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, B)
+    v = tl.load(x + r * x_s + i).to(tl.float32)
+    if GIVEN:
+        e = tl.load(exps + r)
+    else:
+        e = _ue8m0_exponent(tl.max(tl.abs(v), 0))
+    tl.store(out + r * o_s + i, _e4m3_round(v, e).to(out.dtype.element_ty))
+
+
+def e4m3_round_blocks(x: torch.Tensor, out: torch.Tensor, exponents: torch.Tensor | None = None) -> None:
+    """Each row of ``x`` [R, B] rounded as upstream's FP8 store rounds a block into ``out`` [R, B]: with the UE8M0
+    scale of the row's amax (``exponents`` None) or with scale ``2^exponents[r]`` (int32 [R]). The rounding the
+    store kernels' ``fp8`` mode applies, on its own (tests, and the reference of ``vllm_dsv41.ampere.fp8``)."""
+    _check(x.dim() == 2 and x.stride(1) == 1 and out.shape == x.shape and out.stride(1) == 1, "x/out: [rows, B]")
+    b = x.shape[1]
+    _check(b & (b - 1) == 0, f"x: block {b} must be a power of two")
+    if exponents is not None:
+        _check(exponents.dtype == torch.int32 and exponents.numel() >= x.shape[0], "exponents: int32 [rows]")
+    if x.shape[0] == 0:
+        return
+    _e4m3_round_kernel[(x.shape[0],)](
+        x, x.stride(0), out, out.stride(0), exponents if exponents is not None else x, B=b, GIVEN=exponents is not None
+    )
+
+
+def _check_fp8(fp8: bool, nope: int, what: str) -> None:
+    _check(not fp8 or nope % FP8_BLOCK == 0, f"{what}: fp8 rounding needs NoPE dims ({nope}) in blocks of {FP8_BLOCK}")
 
 
 # ----------------------------------------------------------------------------------------------- RoPE + insert
@@ -72,6 +157,7 @@ def _rope_q_kv_insert_kernel(
     slots,
     D: tl.constexpr,
     ROPE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -93,7 +179,10 @@ def _rope_q_kv_insert_kernel(
             dst = cache + (slot // c_rows) * c_s_blk + (slot % c_rows) * c_s_row
             d = tl.arange(0, D)
             src = kv + t * kv_s_t
-            tl.store(dst + d, tl.load(src + d).to(cache.dtype.element_ty), mask=d < NOPE)
+            x = tl.load(src + d)
+            if FP8:  # the NoPE dims on upstream's grid (the RoPE block's scale is computed, not used)
+                x = _e4m3_round_rows(x.to(tl.float32), D // 64, 64)
+            tl.store(dst + d, x.to(cache.dtype.element_ty), mask=d < NOPE)
             e = tl.load(src + NOPE + 2 * i).to(tl.float32)
             o = tl.load(src + NOPE + 2 * i + 1).to(tl.float32)
             tl.store(dst + NOPE + 2 * i, (e * c - o * s).to(cache.dtype.element_ty))
@@ -108,11 +197,15 @@ def rope_q_kv_insert(
     cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     num_tokens: int | None = None,
+    fp8: bool = False,
 ) -> None:
     """RoPE on ``q`` [T, H, D] in place (when given) and on ``kv`` [T, D], whose rows go to ``cache`` at the slots.
 
-    Replaces upstream's ``_C.fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert`` (no query norm: V4.1
-    norms the query's low-rank input instead) and ``_C.fused_deepseek_v4_kv_rope_insert`` (``q=None``).
+    With ``fp8`` the row's NoPE dims are rounded as upstream's FP8 record stores them (blocks of 64, UE8M0 scales;
+    ``vllm_dsv41.ampere.fp8``); the RoPE dims stay bf16, as there. Replaces upstream's
+    ``_C.fused_deepseek_v4_qnorm_rope_kv_rope_full_cache_bf16_insert`` (no query norm: V4.1 norms the query's
+    low-rank input instead), ``_C.fused_deepseek_v4_kv_rope_insert`` (``q=None``) and, with ``fp8``, their
+    ``..._quant_insert`` counterparts.
     """
     d = kv.shape[-1]
     rope = cos_sin.shape[-1]
@@ -120,6 +213,7 @@ def rope_q_kv_insert(
     _check(kv.dim() == 2 and kv.stride(1) == 1, f"kv: expected [tokens, {d}] with unit-stride rows")
     _check(rope % 2 == 0 and 0 < rope <= d, f"cos_sin: width {rope} does not fit head_dim {d}")
     _check(slot_mapping.numel() >= t and positions.numel() >= t, "slot_mapping/positions: fewer than num_tokens")
+    _check_fp8(fp8, d - rope, "kv")
     c_blk, c_row, c_rows = _paged(cache, "cache", d)
     if t == 0:
         return
@@ -145,6 +239,89 @@ def rope_q_kv_insert(
         slot_mapping,
         D=d,
         ROPE=rope,
+        FP8=fp8,
+        num_warps=4,
+    )
+
+
+@triton.jit
+def _compressed_kv_insert_kernel(
+    latent,
+    l_s_t,
+    positions,
+    cos_sin,
+    cs_s,
+    cache,
+    c_s_blk,
+    c_s_row,
+    c_rows,
+    slots,
+    ratio,
+    D: tl.constexpr,
+    ROPE: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots + t).to(tl.int64)
+    pos = tl.load(positions + t).to(tl.int64)
+    if (slot >= 0) & ((pos + 1) % ratio == 0):  # the last token of a group publishes the group's row
+        HALF: tl.constexpr = ROPE // 2
+        NOPE: tl.constexpr = D - ROPE
+        d = tl.arange(0, D)
+        x = tl.load(latent + t * l_s_t + d).to(tl.float32)
+        even, odd = tl.split(tl.reshape(x, (D // 2, 2)))
+        pair = tl.arange(0, D // 2) - NOPE // 2
+        is_rope = pair >= 0
+        cs = cos_sin + (pos // ratio * ratio) * cs_s + tl.maximum(pair, 0)
+        c = tl.load(cs, mask=is_rope, other=1.0).to(tl.float32)
+        s = tl.load(cs + HALF, mask=is_rope, other=0.0).to(tl.float32)
+        row = tl.interleave(even * c - odd * s, odd * c + even * s)
+        if FP8:  # NoPE dims from the latent itself (upstream quantizes the unrotated values), RoPE dims bf16
+            row = tl.where(d < NOPE, _e4m3_round_rows(x, D // 64, 64), row)
+        dst = cache + (slot // c_rows) * c_s_blk + (slot % c_rows) * c_s_row
+        tl.store(dst + d, row.to(cache.dtype.element_ty))
+
+
+def compressed_kv_insert(
+    latent: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    ratio: int,
+    fp8: bool = False,
+    num_tokens: int | None = None,
+) -> None:
+    """The compressed KV rows of the closed groups: the compressor's normed latent [T, D] with RoPE at the group's
+    first position, at ``slot_mapping[t]`` when token ``t`` ends a group (``(pos + 1) % ratio == 0``).
+
+    Upstream's ``rope_quant_insert``: bf16 rows as its plain-row kernel writes them, or with ``fp8`` the NoPE dims
+    rounded as its 584-byte ``fp8_ds_mla`` record stores them (``vllm_dsv41.ampere.fp8``).
+    """
+    d = latent.shape[1]
+    rope = cos_sin.shape[-1]
+    t = slot_mapping.numel() if num_tokens is None else num_tokens
+    _check(latent.dim() == 2 and latent.stride(1) == 1 and latent.shape[0] >= t, "latent: expected [tokens, D]")
+    _check(positions.numel() >= t and ratio >= 1, "positions: fewer than the tokens, or ratio < 1")
+    _check_fp8(fp8, d - rope, "latent")
+    c_blk, c_row, c_rows = _paged(cache, "compressed cache", d)
+    if t == 0:
+        return
+    _compressed_kv_insert_kernel[(t,)](
+        latent,
+        latent.stride(0),
+        positions,
+        cos_sin,
+        cos_sin.stride(0),
+        cache,
+        c_blk,
+        c_row,
+        c_rows,
+        slot_mapping,
+        ratio,
+        D=d,
+        ROPE=rope,
+        FP8=fp8,
         num_warps=4,
     )
 
@@ -345,6 +522,7 @@ def _indexer_k_store_kernel(
     ratio,
     D: tl.constexpr,
     ROPE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + t).to(tl.int64)
@@ -363,6 +541,9 @@ def _indexer_k_store_kernel(
         c = tl.load(cs, mask=is_rope, other=1.0).to(tl.float32)
         s = tl.load(cs + HALF, mask=is_rope, other=0.0).to(tl.float32)
         row = tl.interleave(even * c - odd * s, odd * c + even * s)
+        if FP8:  # the bf16 key on upstream's grid: one UE8M0 scale for the whole key
+            row = row.to(tl.bfloat16).to(tl.float32)
+            row = _e4m3_round(row, _ue8m0_exponent(tl.max(tl.abs(row), 0)))
         dst = cache + (slot // c_rows) * c_s_blk + (slot % c_rows) * c_s_row
         tl.store(dst + d, row.to(cache.dtype.element_ty))
 
@@ -377,12 +558,14 @@ def indexer_k_store(
     slot_mapping: torch.Tensor,
     ratio: int,
     num_tokens: int | None = None,
+    fp8: bool = False,
 ) -> None:
     """Index keys of the closed groups: ``k_norm`` (RMSNorm with weight), RoPE at the group's first position, bf16 rows.
 
     Row ``t`` of ``k_pre`` [T, 128] (``wk`` of the compressor latent) is stored at ``slot_mapping[t]`` when token
-    ``t`` ends a group (``(pos + 1) % ratio == 0``). Replaces upstream's ``indexer_k_norm_rope_store``, which
-    writes FP8 (or MXFP4) rows with Triton's ``float8e4nv`` (sm_89+).
+    ``t`` ends a group (``(pos + 1) % ratio == 0``). With ``fp8`` the key is rounded as upstream's FP8 index cache
+    stores it (one UE8M0 scale per key, ``vllm_dsv41.ampere.fp8``). Replaces upstream's
+    ``indexer_k_norm_rope_store``, which writes FP8 (or MXFP4) rows with Triton's ``float8e4nv`` (sm_89+).
     """
     d = k_pre.shape[1]
     rope = cos_sin.shape[-1]
@@ -408,6 +591,7 @@ def indexer_k_store(
         ratio,
         D=d,
         ROPE=rope,
+        FP8=fp8,
         num_warps=1,
     )
 
@@ -429,6 +613,7 @@ def _indexer_q_rope_kernel(
     D: tl.constexpr,
     ROPE: tl.constexpr,
     NH: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = ROPE // 2
@@ -439,11 +624,23 @@ def _indexer_q_rope_kernel(
     pos = tl.load(positions + t).to(tl.int64)
     c = tl.load(cos_sin + pos * cs_s + i).to(tl.float32)[None, :]
     s = tl.load(cos_sin + pos * cs_s + HALF + i).to(tl.float32)[None, :]
-    base = q + t * q_s_t + h[:, None] * q_s_h + NOPE + 2 * i[None, :]
+    head = q + t * q_s_t + h[:, None] * q_s_h
+    base = head + NOPE + 2 * i[None, :]
     e = tl.load(base, mask=hm[:, None]).to(tl.float32)
     o = tl.load(base + 1, mask=hm[:, None]).to(tl.float32)
-    tl.store(base, (e * c - o * s).to(q.dtype.element_ty), mask=hm[:, None])
-    tl.store(base + 1, (o * c + e * s).to(q.dtype.element_ty), mask=hm[:, None])
+    re = (e * c - o * s).to(q.dtype.element_ty)
+    ro = (o * c + e * s).to(q.dtype.element_ty)
+    if FP8:  # the whole head on upstream's grid, one UE8M0 scale per (token, head) over the bf16 values
+        n = tl.arange(0, NOPE)
+        xn = tl.load(head + n[None, :], mask=hm[:, None], other=0.0).to(tl.float32)
+        re32, ro32 = re.to(tl.float32), ro.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(xn), 1), tl.maximum(tl.max(tl.abs(re32), 1), tl.max(tl.abs(ro32), 1)))
+        ex = _ue8m0_exponent(amax)[:, None]
+        tl.store(head + n[None, :], _e4m3_round(xn, ex).to(q.dtype.element_ty), mask=hm[:, None])
+        re = _e4m3_round(re32, ex).to(q.dtype.element_ty)
+        ro = _e4m3_round(ro32, ex).to(q.dtype.element_ty)
+    tl.store(base, re, mask=hm[:, None])
+    tl.store(base + 1, ro, mask=hm[:, None])
     wt = tl.load(w + t * w_s_t + h, mask=hm).to(tl.float32)
     tl.store(w_out + t * wo_s_t + h, wt * w_scale, mask=hm)
 
@@ -456,15 +653,20 @@ def indexer_q_rope(
     weights_out: torch.Tensor,
     weight_scale: float,
     num_tokens: int | None = None,
+    fp8: bool = False,
 ) -> None:
     """Indexer queries: RoPE on ``q`` [T, NH, 128] in place (bf16 stays bf16); ``weights_out = weights * scale``.
 
     ``weight_scale`` is ``head_dim ** -0.5 * n_heads ** -0.5`` (upstream's softmax and head scales). Replaces
-    upstream's ``fused_indexer_q_rope_quant``, which also quantizes ``q`` to FP8 (sm_89+) and folds that scale in.
+    upstream's ``fused_indexer_q_rope_quant``, which also quantizes ``q`` to FP8 (sm_89+) and folds that scale in;
+    with ``fp8`` each head is rounded as that FP8 query is (``vllm_dsv41.ampere.fp8``), its scale kept in the
+    values (exact in bf16) instead of the weights: the same scores up to fp32 summation order.
     """
     t = q.shape[0] if num_tokens is None else num_tokens
     _check(q.dim() == 3 and q.stride(2) == 1, "q: expected [tokens, heads, head_dim]")
     _check(weights.shape[-1] >= q.shape[1] and weights_out.dtype == torch.float32, "weights: [tokens, heads] fp32")
+    nope = q.shape[2] - cos_sin.shape[-1]
+    _check(not fp8 or nope > 0 and nope & (nope - 1) == 0, f"q: fp8 rounding needs a power-of-two NoPE width ({nope})")
     if t == 0:
         return
     heads = q.shape[1]
@@ -484,6 +686,7 @@ def indexer_q_rope(
         D=q.shape[2],
         ROPE=cos_sin.shape[-1],
         NH=triton.next_power_of_2(heads),
+        FP8=fp8,
         num_warps=4,
     )
 

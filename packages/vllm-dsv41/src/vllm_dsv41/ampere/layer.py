@@ -7,8 +7,10 @@ KV-sharing topology, metadata plumbing all stay upstream's) whose Hopper-only pi
 upstream (CUDA, sm_90+)                                    here
 =========================================================  ====================================================
 fp8_ds_mla KV records (Triton ``float8e4nv``: sm_89+)      plain bf16 rows (``use_fp8_ds_mla_layout = False``)
+                                                           holding upstream's FP8-rounded values (``fp8.py``)
 ``_C.fused_deepseek_v4_qnorm_rope_kv_rope_*_insert``       ``kernels.rope_q_kv_insert``
 ``_C.fused_deepseek_v4_kv_rope_insert`` (``forward_kv``)   ``kernels.rope_q_kv_insert`` (no query)
+compressed rows ``rope_quant_insert`` (584-byte record)    ``kernels.compressed_kv_insert`` (``TritonCompressor``)
 FlashMLA ``flash_mla_with_kvcache`` / ``_sparse_fwd``      ``kernels.sparse_mqa_attention``
 FlashMLA ``get_mla_metadata`` (SWA metadata builder)       no tile scheduler (``TritonSWAMetadataBuilder``)
 indexer keys ``indexer_k_norm_rope_store`` (FP8/MXFP4)     ``kernels.indexer_k_store`` (bf16 keys)
@@ -19,8 +21,13 @@ inverse RoPE with PDL                                      bf16 ``wo_a``
 =========================================================  ====================================================
 
 Reused unchanged (arch-neutral Triton; ``python -m vllm_dsv41.ampere.aot --upstream`` compiles them for sm_8x):
-the compressor (``fused_save_compress_norm``), the compressed-cache insert on bf16 rows (``rope_quant_insert``),
-the candidate-block filter, the SWA / compressed slot mapping and index metadata kernels.
+the compressor (``fused_save_compress_norm``), the compressed-cache insert on bf16 rows (``rope_quant_insert``,
+with ``kv_rounding="bf16"``), the candidate-block filter, the SWA / compressed slot mapping and index metadata
+kernels.
+
+``TritonAttentionConfig.kv_rounding`` (``additional_config["dsv41_ampere"]``, default "fp8") decides whether the
+store kernels round the window and compressed rows, the index keys and the index queries as upstream's FP8 caches
+do (``fp8.py``: the values stay bf16, the cache size does not change) or keep them unrounded ("bf16").
 
 The attention and the indexer's selection run in an eager break of vLLM's breakable CUDA graphs (they size work
 from host-side metadata); the builders report ``AttentionCGSupport.NEVER`` so vLLM keeps graphs PIECEWISE.
@@ -35,6 +42,7 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
 from vllm.models.deepseek_v41.attention import DeepseekV4Attention, DeepseekV4Indexer
+from vllm.models.deepseek_v41.compressor import DeepseekCompressor
 from vllm.models.deepseek_v41.sparse_mla import (
     DeepseekV4SparseMLABackend,
     DeepseekV4SparseMLAMetadataBuilder,
@@ -45,9 +53,11 @@ from vllm.v1.attention.backends.mla import sparse_swa
 from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWABackend
 
 from . import kernels, ops
+from .fp8 import TritonAttentionConfig
 
 __all__ = [
     "DeepseekV41TritonAttention",
+    "TritonCompressor",
     "TritonIndexer",
     "TritonIndexerOp",
     "TritonSWABackend",
@@ -168,9 +178,31 @@ class TritonIndexerOp(torch.nn.Module):
         )
 
 
+class TritonCompressor(DeepseekCompressor):
+    """Upstream's compressor whose compressed-cache insert is ours (``kernels.compressed_kv_insert``), so that
+    ``kv_rounding="fp8"`` rounds the rows as upstream's 584-byte record does. The attention layer turns its
+    compressor into one (``__class__``: upstream builds it inline, with no hook for the class)."""
+
+    def insert_cache(self, latent: torch.Tensor | None, positions: torch.Tensor, rotary_emb: Any) -> None:
+        if latent is None:
+            return
+        md = get_forward_context().attn_metadata
+        assert isinstance(md, dict)
+        slots = md[self.k_cache_prefix].slot_mapping
+        kernels.compressed_kv_insert(
+            latent,
+            positions,
+            rotary_emb.cos_sin_cache,
+            self._static_forward_context[self.k_cache_prefix].kv_cache,
+            slots,
+            self.compress_ratio,
+            fp8=True,
+        )
+
+
 class TritonIndexer(DeepseekV4Indexer):
     """Upstream's V4.1 indexer (``wq_b``, ``weights_proj``, ``wk``, ``k_norm``, the short-context shortcut) with bf16
-    keys and queries and the Triton selection."""
+    keys and queries (FP8-rounded with ``kv_rounding="fp8"``) and the Triton selection."""
 
     attn_cls: ClassVar[Any] = TritonIndexerOp
 
@@ -182,6 +214,7 @@ class TritonIndexer(DeepseekV4Indexer):
             )
         super().__init__(vllm_config, *args, **kwargs)
         self.indexer_weights_dtype = torch.float32
+        self.kv_fp8 = TritonAttentionConfig.from_vllm_config(vllm_config).fp8
 
     def _produce_k(self, latent: torch.Tensor | None, positions: torch.Tensor, rotary_emb: Any) -> None:
         md = get_forward_context().attn_metadata
@@ -198,6 +231,7 @@ class TritonIndexer(DeepseekV4Indexer):
             self.k_cache.kv_cache,
             md[self.k_cache.prefix].slot_mapping,
             self.compress_ratio,
+            fp8=self.kv_fp8,
         )
 
     def forward_q(
@@ -211,7 +245,13 @@ class TritonIndexer(DeepseekV4Indexer):
         q = self._wq_b_proj(qr, qr_scale).view(-1, self.n_head, self.head_dim)
         weights = torch.empty(q.shape[0], self.n_head, dtype=torch.float32, device=q.device)
         kernels.indexer_q_rope(
-            q, positions, rotary_emb.cos_sin_cache, indexer_weights, weights, self.softmax_scale * self.n_head**-0.5
+            q,
+            positions,
+            rotary_emb.cos_sin_cache,
+            indexer_weights,
+            weights,
+            self.softmax_scale * self.n_head**-0.5,
+            fp8=self.kv_fp8,
         )
         return q, None, weights
 
@@ -235,6 +275,9 @@ class DeepseekV41TritonAttention(DeepseekV4Attention):
                 "(leave it 'auto')"
             )
         super().__init__(vllm_config, *args, **kwargs)
+        self.kv_fp8 = TritonAttentionConfig.from_vllm_config(vllm_config).fp8
+        if self.kv_fp8 and self.compressor is not None:
+            self.compressor.__class__ = TritonCompressor
         if self.indexer is not None:
             self.indexer.indexer_op.swa_prefix = self.swa_cache_layer.prefix
         from vllm.compilation.breakable_cudagraph import eager_break_during_capture
@@ -275,6 +318,7 @@ class DeepseekV41TritonAttention(DeepseekV4Attention):
             self.swa_cache_layer.kv_cache,
             slots,
             num_tokens=min(q.shape[0], slots.numel()),
+            fp8=self.kv_fp8,
         )
         return q
 
@@ -292,6 +336,7 @@ class DeepseekV41TritonAttention(DeepseekV4Attention):
                 self.swa_cache_layer.kv_cache,
                 slots,
                 num_tokens=min(kv.shape[0], slots.numel()),
+                fp8=self.kv_fp8,
             )
         if self.compressor is not None:
             latent = self.compressor(kv_score, positions)

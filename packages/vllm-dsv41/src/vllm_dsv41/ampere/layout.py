@@ -10,7 +10,8 @@ V4.1 keeps three kinds of attention state (vLLM 0.32 ``models/deepseek_v41/atten
 Row sizes (``RECORD_BYTES``): upstream stores the FP8 ``fp8_ds_mla`` record (448 e4m3 NoPE values + 64 bf16 RoPE
 values + 8 UE8M0 scale bytes = 584 B on sm_90; 512 MXFP8 bytes + 16 scales = 528 B on sm_100) and FP8 index keys
 (128 e4m3 + one fp32 scale = 132 B). Triton cannot write e4m3 below sm_89, so the Ampere path stores plain bf16
-rows: ``head_dim * 2`` = 1024 B and ``index_head_dim * 2`` = 256 B.
+rows: ``head_dim * 2`` = 1024 B and ``index_head_dim * 2`` = 256 B, whichever ``kv_rounding`` (``fp8.py``: with
+"fp8" the rows hold upstream's FP8-rounded values, in bf16).
 """
 
 from __future__ import annotations

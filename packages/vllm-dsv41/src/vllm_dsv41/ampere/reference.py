@@ -3,15 +3,19 @@ candidate filter V4.1's indexers use.
 
 Each reference takes the kernel's inputs and returns what the kernel writes, rounded to the output dtype where
 the kernel stores a narrower type (bf16 rows): the kernel is then equal to the reference up to the rounding of
-its own fp32 arithmetic. They are slow (Python loops over tokens) and meant for tests at tiny sizes.
+its own fp32 arithmetic. With ``fp8`` the stores also apply upstream's FP8 rounding (``fp8.round_blocks``) to the
+bf16 values. They are slow (Python loops over tokens) and meant for tests at tiny sizes.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .fp8 import round_blocks
+
 __all__ = [
     "apply_candidate_mask",
+    "compressed_kv_insert",
     "indexer_k_store",
     "indexer_logits",
     "indexer_q_rope",
@@ -55,8 +59,9 @@ def rope_q_kv_insert(
     cos_sin: torch.Tensor,
     cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    fp8: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(rotated q, cache after the inserts); inputs are not modified."""
+    """(rotated q, cache after the inserts); inputs are not modified. ``fp8``: NoPE dims in FP8 blocks of 64."""
     q_out = None if q is None else q.clone()
     cache_out = cache.clone()
     for t in range(kv.shape[0]):
@@ -65,8 +70,38 @@ def rope_q_kv_insert(
             q_out[t] = _rotate(q[t].to(F64), c, s).to(q.dtype)
         slot = int(slot_mapping[t])
         if slot >= 0:
-            _row(cache_out, slot)[:] = _rotate(kv[t].to(F64), c, s).to(cache.dtype)
+            _row(cache_out, slot)[:] = _kv_row(_rotate(kv[t].to(F64), c, s), kv[t], 2 * c.numel(), fp8, cache.dtype)
     return q_out, cache_out
+
+
+def _kv_row(rotated: torch.Tensor, raw: torch.Tensor, rope: int, fp8: bool, dtype: torch.dtype) -> torch.Tensor:
+    """A stored KV row: the rotated row in ``dtype``; with ``fp8`` its NoPE dims (``raw``'s) rounded in blocks of 64."""
+    row = rotated.to(dtype)
+    if fp8:
+        nope = raw.shape[-1] - rope
+        row[:nope] = round_blocks(raw[:nope].to(dtype).float(), 64).to(dtype)
+    return row
+
+
+def compressed_kv_insert(
+    latent: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    ratio: int,
+    fp8: bool = False,
+) -> torch.Tensor:
+    """The compressed cache after the stores: the latent of each group-ending token, RoPE at the group's first
+    position (``fp8``: NoPE dims in FP8 blocks of 64, as upstream's 584-byte record)."""
+    out = cache.clone()
+    for t in range(slot_mapping.numel()):
+        slot, pos = int(slot_mapping[t]), int(positions[t])
+        if slot < 0 or (pos + 1) % ratio:
+            continue
+        c, s = _cs(cos_sin, pos // ratio * ratio)
+        _row(out, slot)[:] = _kv_row(_rotate(latent[t].to(F64), c, s), latent[t], 2 * c.numel(), fp8, cache.dtype)
+    return out
 
 
 def sparse_mqa_attention(
@@ -110,8 +145,10 @@ def indexer_k_store(
     cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     ratio: int,
+    fp8: bool = False,
 ) -> torch.Tensor:
-    """The index cache after the stores (bf16 rounding of the normed key before RoPE, as upstream's kernel)."""
+    """The index cache after the stores (bf16 rounding of the normed key before RoPE, as upstream's kernel; ``fp8``:
+    the bf16 key then rounded as one FP8 block)."""
     out = cache.clone()
     w = norm_weight.to(F64)
     for t in range(slot_mapping.numel()):
@@ -121,18 +158,26 @@ def indexer_k_store(
         k = k_pre[t].to(F64)
         k = (k * torch.rsqrt(k.square().mean() + eps) * w).to(torch.bfloat16).to(F64)
         c, s = _cs(cos_sin, pos // ratio * ratio)
-        _row(out, slot)[:] = _rotate(k, c, s).to(cache.dtype)
+        key = _rotate(k, c, s).to(cache.dtype)
+        _row(out, slot)[:] = round_blocks(key.float(), key.numel()).to(cache.dtype) if fp8 else key
     return out
 
 
 def indexer_q_rope(
-    q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, weights: torch.Tensor, weight_scale: float
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    weights: torch.Tensor,
+    weight_scale: float,
+    fp8: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rotated q in q's dtype, weights * weight_scale in fp32)."""
+    """(rotated q in q's dtype, weights * weight_scale in fp32); ``fp8``: each head then rounded as one FP8 block."""
     out = q.clone()
     for t in range(q.shape[0]):
         c, s = _cs(cos_sin, int(positions[t]))
         out[t] = _rotate(q[t].to(F64), c, s).to(q.dtype)
+        if fp8:
+            out[t] = round_blocks(out[t].float(), q.shape[-1]).to(q.dtype)
     return out, (weights[:, : q.shape[1]].to(F64) * weight_scale).to(torch.float32)
 
 
