@@ -375,6 +375,11 @@ def test_layer_classes_fit_upstreams_interfaces() -> None:
     want = list(inspect.signature(SparseAttnIndexer.__init__).parameters)
     assert list(inspect.signature(layer.TritonIndexerOp.__init__).parameters) == want
     assert layer.TritonIndexer.attn_cls is layer.TritonIndexerOp
+    # the compressor's insert, replaced for kv_rounding="fp8", is called as upstream's (attention.py, forward_kv)
+    base = layer.TritonCompressor.__mro__[1]
+    assert list(inspect.signature(layer.TritonCompressor.insert_cache).parameters) == list(
+        inspect.signature(base.insert_cache).parameters
+    )
     cls = layer.DeepseekV41TritonAttention
     assert cls.use_fp8_ds_mla_layout is False and cls.get_padded_num_q_heads(24) == 24
     for backend in (cls.backend_cls, cls.swa_backend_cls):
