@@ -81,9 +81,10 @@ def test_flags_map_onto_the_configs(tmp_path: Path) -> None:
     assert dict(cfg.plugin_overrides) == {"cpu": {"cpus": (0, 1), "isa": "avx2", "precision": "fast",
                                                   "amx_min_tokens": 4}}  # fmt: skip
     cfg, _ = parse_args(["--expert-runtime", "all-in-vram", "--dense-kernel", "triton", "--cpu-prefetch-blocks", "2",
-                         "--attention", "triton"])  # fmt: skip
+                         "--attention", "triton", "--attention-kv-rounding", "bf16"])  # fmt: skip
     assert dict(cfg.plugin_overrides) == {"cpu": {"prefetch_blocks": 2}, "runtime": "all-in-vram",
-                                          "dense_kernel": "triton", "attention": "triton"}  # fmt: skip
+                                          "dense_kernel": "triton", "attention": "triton",
+                                          "attention_kv_rounding": "bf16"}  # fmt: skip
     cfg, _ = parse_args(["--expert-runtime", "tiered", "--cache-gib", "6.5", "--cache-margin-gib", "0.5",
                          "--cache-policy", "decayed", "--miss-split", "pcie", "--hit-kernel", "triton",
                          "--cpu-gbps", "40", "--pcie-gbps", "20", "--record-routing", str(tmp_path / "r.npz"),

@@ -208,7 +208,8 @@ def test_interrupted_build_leaves_no_valid_pack_and_resumes(tiny_inputs, monkeyp
     monkeypatch.setattr(reconstruct_mod, "_decode_linear", lambda r, w, p: (calls.append(p), real(r, w, p))[1])
     tiny_inputs.build()
     assert not [c for c in calls if c.startswith("layers.0.")]  # layers.0's wo_a was not decoded again
-    predecoded = 2 * len(d.kv_source_layers) + len(set(d.index_source_layers) & set(d.kv_source_layers))  # wkv/wgate, wk
+    owns_k = set(d.index_source_layers) & set(d.kv_source_layers)  # index sources with their own wk
+    predecoded = 2 * len(d.kv_source_layers) + len(owns_k)  # compressor wkv/wgate, indexer wk
     assert len(calls) == (d.layers + d.mtp) * d.o_groups + predecoded - d.o_groups
     assert verify_pack(tiny_inputs.pack) == []
     assert not list(tiny_inputs.root.glob("pack.partial-*"))

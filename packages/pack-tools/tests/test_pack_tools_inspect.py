@@ -33,8 +33,10 @@ def test_inspect_pack_counts(tiny_session):
     assert info["bits"]["routed"] == {"3 mul1": d.layers * d.experts * 3}
     assert info["bits"]["mtp"] == {"4 mul1": d.mtp_experts * 3 + 9}  # + wq_a wkv wq_b wo_b shared(3) e/h_proj
     assert info["bits"]["dense"] == {"4 mul1": 32, "6 mul1": 1}
-    # one wo_a per layer / MTP stage, compressor wkv + wgate per KV source, indexer wk per index source
-    assert info["predecoded_fp16"] == (d.layers + d.mtp) + 2 * len(d.kv_source_layers) + len(set(d.index_source_layers) & set(d.kv_source_layers))
+    # one wo_a per layer / MTP stage, compressor wkv + wgate per KV source, indexer wk per index source that is a KV
+    # source too (the others reuse its keys)
+    owns_k = set(d.index_source_layers) & set(d.kv_source_layers)
+    assert info["predecoded_fp16"] == (d.layers + d.mtp) + 2 * len(d.kv_source_layers) + len(owns_k)
     # every indexed byte lands in exactly one tier
     wm = json.loads((tiny_session.pack / "model.safetensors.index.json").read_text())["weight_map"]
     headers = {f: read_header(tiny_session.pack / f) for f in set(wm.values())}

@@ -87,6 +87,36 @@ def prompt(length: int, run: int, vocab: int) -> list[dict[str, list[int]]]:
     return [{"prompt_token_ids": rng.integers(16, vocab - 16, size=length).tolist()}]
 
 
+_TIER_FIELDS = ("layer_calls", "hit_picks", "cpu_picks", "pcie_picks", "layer_seconds", "wait_seconds",
+                "pcie_enqueue_seconds", "cpu_wait_seconds", "cpu_run_seconds")  # fmt: skip
+
+
+def _tier_counters(llm: Any) -> dict[str, float]:
+    """The tiered runtime's decode-path counters (``TierStats``) now: where a prompt that did not stream spent its
+    layer calls (the time to first token of a short prompt); empty for other runtimes."""
+    from vllm_dsv41.fidelity import _runtime_stats
+
+    st = llm.apply_model(_runtime_stats)[0]
+    return {k: float(st[k]) for k in _TIER_FIELDS if k in st}
+
+
+def decode_path_line(runs: list[dict[str, Any]]) -> str:
+    """The median run's decode-path counters as one line: picks per path and host milliseconds per layer call."""
+    d = sorted(runs, key=lambda r: r["wall_s"])[len(runs) // 2].get("decode_path") or {}
+    calls = d.get("layer_calls", 0.0)
+    if not calls:
+        return ""
+    picks = max(d["hit_picks"] + d["cpu_picks"] + d["pcie_picks"], 1.0)
+
+    def ms(k: str) -> str:
+        return f"{1e3 * d[k] / calls:.2f}"
+
+    return (f"decode path: {calls:.0f} layer calls, {picks:.0f} picks (hits {d['hit_picks'] / picks:.1%}, CPU "
+            f"{d['cpu_picks'] / picks:.1%}, PCIe {d['pcie_picks'] / picks:.1%}); per layer call {ms('layer_seconds')} "
+            f"ms: input wait {ms('wait_seconds')}, PCIe queuing {ms('pcie_enqueue_seconds')}, wait for the CPU tier "
+            f"{ms('cpu_wait_seconds')} (its run {ms('cpu_run_seconds')})")  # fmt: skip
+
+
 def run_case(llm: Any, length: int, runs: int, vocab: int) -> list[dict[str, Any]]:
     from vllm import SamplingParams
 
@@ -96,13 +126,16 @@ def run_case(llm: Any, length: int, runs: int, vocab: int) -> list[dict[str, Any
     out = []
     for run in range(runs):
         before = llm.apply_model(_prefill_state)[0]
+        tier0 = _tier_counters(llm)
         t0 = time.perf_counter()
         llm.generate(prompt(length, run, vocab), sp, use_tqdm=False)
         wall = time.perf_counter() - t0
         after = llm.apply_model(_prefill_state)[0]
+        tier1 = _tier_counters(llm)
         streamed = after.get("bytes", 0) - before.get("bytes", 0)
         out.append({"wall_s": wall, "tok_s": length / wall, "bytes": streamed, "h2d_bps": after.get("h2d_bps", 0.0),
                     "streamed_calls": after.get("calls", 0) - before.get("calls", 0),
+                    "decode_path": {k: v - tier0.get(k, 0.0) for k, v in tier1.items()},
                     "peak_vram_bytes": llm.apply_model(_peak_vram)[0]})  # fmt: skip
     return out
 
@@ -127,6 +160,8 @@ def summarize(case: str, length: int, runs: list[dict[str, Any]], non_expert: di
         line += (f"; streamed {copied / 1e9:.2f} GB in {statistics.median(r['streamed_calls'] for r in runs):.0f} "
                  f"MoE calls; roofline {roof:.3f} s = {copied / 1e9:.2f} GB / {h2d / 1e9:.2f} GB/s + non-expert "
                  f"{non_expert[length]:.3f} s; ratio {roof / wall:.2f}")  # fmt: skip
+    if case != "none" and (dp := decode_path_line(runs)):
+        line += "\n  " + dp
     row["line"] = line
     return row
 

@@ -6,8 +6,8 @@ Two steps, each a separate process (the attention class is fixed when vLLM build
     python gpu_ampere_check.py run PACK --attention triton   --out DIR/triton   [--kv-rounding fp8|bf16] [--speed ...]
     python gpu_ampere_check.py compare DIR/upstream DIR/triton [--min-top1 0.999 --max-kl-mean 1e-4]
 
-``--kv-rounding`` is the Ampere path's ``TritonAttentionConfig.kv_rounding`` (``vllm_dsv41.ampere.fp8``, passed
-as ``additional_config["dsv41_ampere"]``): "fp8" (its default) rounds the stored KV rows, index keys and index
+``--kv-rounding`` is the plugin's ``Dsv41PluginConfig.attention_kv_rounding`` (``vllm_dsv41.ampere.fp8``, passed
+in ``additional_config["dsv41"]``): "fp8" (its default) rounds the stored KV rows, index keys and index
 queries as upstream's FP8 caches do, "bf16" keeps them unrounded.
 
 ``run`` builds the pack's model (experts all in VRAM, eager: no CUDA graph, no torch.compile, so the wrappers
@@ -109,8 +109,7 @@ def run(a: argparse.Namespace) -> int:
         max_model_len=a.max_model_len,
         extra={
             "additional_config": {
-                "dsv41": {"runtime": "all-in-vram", "attention": a.attention},
-                "dsv41_ampere": {"kv_rounding": a.kv_rounding},
+                "dsv41": {"runtime": "all-in-vram", "attention": a.attention, "attention_kv_rounding": a.kv_rounding},
             },
             "max_num_batched_tokens": a.max_num_batched_tokens,
             "compilation_config": {"mode": 0},  # no torch.compile: the wrappers run as Python on every call
@@ -238,13 +237,21 @@ def _bf16(bits: np.ndarray) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vllm_dsv41 import Dsv41PluginConfig
+    from vllm_dsv41.config import KV_ROUNDINGS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("pack")
     r.add_argument("--attention", choices=("upstream", "triton"), required=True)
     r.add_argument("--out", required=True)
-    r.add_argument("--kv-rounding", choices=("fp8", "bf16"), default="fp8", help="the Ampere path's KV rounding")
+    r.add_argument(
+        "--kv-rounding",
+        choices=KV_ROUNDINGS,
+        default=Dsv41PluginConfig().attention_kv_rounding,
+        help="the Ampere path's KV rounding (Dsv41PluginConfig.attention_kv_rounding)",
+    )
     r.add_argument("--positions", type=int, default=6144, help="scored prompt positions")
     r.add_argument("--length", type=int, default=1536, help="tokens per prompt (> window 128, > top-k 512 entries)")
     r.add_argument("--max-model-len", type=int, default=65536)

@@ -284,20 +284,19 @@ def test_kv_bytes_bf16_rows_against_fp8_records_at_262k() -> None:
 
 
 def test_kv_rounding_config_defaults_to_fp8_and_reads_additional_config() -> None:
+    """``attention_kv_rounding`` is a field of the plugin's one configuration: "fp8" by default, read from
+    ``additional_config["dsv41"]``, a bad value named."""
     import types
 
-    from vllm_dsv41.ampere.fp8 import TritonAttentionConfig
+    from vllm_dsv41 import Dsv41PluginConfig
 
-    assert TritonAttentionConfig().kv_rounding == "fp8" and TritonAttentionConfig().fp8
+    assert Dsv41PluginConfig().attention_kv_rounding == "fp8"
     vc = types.SimpleNamespace
-    assert TritonAttentionConfig.from_vllm_config(vc(additional_config=None)).fp8
-    assert TritonAttentionConfig.from_vllm_config(vc(additional_config={"dsv41": {}})).fp8
-    got = TritonAttentionConfig.from_vllm_config(vc(additional_config={"dsv41_ampere": {"kv_rounding": "bf16"}}))
-    assert got == TritonAttentionConfig("bf16") and not got.fp8
-    with pytest.raises(ValueError, match="additional_config 'dsv41_ampere': kv_rounding: expected one of"):
-        TritonAttentionConfig.from_vllm_config(vc(additional_config={"dsv41_ampere": {"kv_rounding": "fp4"}}))
-    with pytest.raises(ValueError, match="unknown field 'kv'"):
-        TritonAttentionConfig.from_mapping({"kv": "bf16"})
+    assert Dsv41PluginConfig.from_vllm_config(vc(additional_config=None)).attention_kv_rounding == "fp8"
+    got = Dsv41PluginConfig.from_vllm_config(vc(additional_config={"dsv41": {"attention_kv_rounding": "bf16"}}))
+    assert got.attention_kv_rounding == "bf16" and got.to_mapping()["attention_kv_rounding"] == "bf16"
+    with pytest.raises(ValueError, match="additional_config 'dsv41': attention_kv_rounding: expected one of"):
+        Dsv41PluginConfig.from_vllm_config(vc(additional_config={"dsv41": {"attention_kv_rounding": "fp4"}}))
 
 
 def test_fp8_scale_rule_is_exact_on_bf16_amaxes() -> None:

@@ -244,7 +244,7 @@ def _wide_runtime(home: ExpertHome, **tiered: object) -> TieredRuntime:
     t = TieredConfig(hit_kernel="reference", replan_every=2, **tiered)  # type: ignore[arg-type]
     cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact"), runtime="tiered", tiered=t)
     # a cache of 5 slots once the transient slots (taken from the budget when the read is staged) are out
-    budget = (6 + int(tiered.get("pcie_stage_slots", 8))) * _slot_bytes(home)  # type: ignore[call-overload]
+    budget = (6 + int(tiered.get("pcie_stage_slots", TieredConfig().pcie_stage_slots))) * _slot_bytes(home)  # type: ignore[call-overload]
     rt = TieredRuntime(cfg, home, "cpu", rates=RATES, cache_bytes=budget, hits_factory=factory)
     for lx in home.layers():
         rt.add_layer(lx, swiglu_limit=None)

@@ -11,10 +11,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from vllm_dsv41.config import KV_ROUNDINGS, Dsv41PluginConfig, TieredConfig
+
 from .config import ServerConfig, default_demo_dir
 from .errors import ExitCode, ServerError
 
 __all__ = ["main", "parse_args"]
+
+_TIERED = TieredConfig()  # the defaults the help texts name (one home: vllm_dsv41.config)
+_PLUGIN = Dsv41PluginConfig()
 
 log = logging.getLogger("dsv41_server")
 
@@ -84,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
         help="DeepSeek-V4.1 attention kernels: upstream (vLLM's FlashMLA/DeepGEMM, sm_90+), triton (the "
         "plugin's, any GPU from sm_80: RTX 3090, A100) or auto (default: triton below sm_90)",
     )
+    p.add_argument(
+        "--attention-kv-rounding",
+        choices=KV_ROUNDINGS,
+        help="what the plugin's Triton attention stores in its bf16 KV rows: fp8 (rounded as upstream's FP8 caches "
+        f"store them: Hopper's numerics) or bf16 (unrounded); default {_PLUGIN.attention_kv_rounding}",
+    )
     t = p.add_argument_group("Tiered expert runtime (--expert-runtime tiered)")
     t.add_argument(
         "--cache-gib",
@@ -91,7 +102,9 @@ def _parser() -> argparse.ArgumentParser:
         help="VRAM for the expert cache (default 0: what vLLM leaves free after its KV cache, minus the "
         "margin; vLLM's share is --gpu-memory-utilization)",
     )
-    t.add_argument("--cache-margin-gib", type=float, help="VRAM left free beside the cache (default 1)")
+    t.add_argument(
+        "--cache-margin-gib", type=float, help=f"VRAM left free beside the cache (default {_TIERED.cache_margin_gib:g})"
+    )
     t.add_argument(
         "--cache-policy",
         choices=("hybrid", "decayed", "lru", "lfu", "arc"),
@@ -119,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
         "--pcie-stage-slots",
         type=int,
         metavar="N",
-        help="transient VRAM slots of the staged read, one expert each, out of the cache's budget (default 8)",
+        help="transient VRAM slots of the staged read, one expert each, out of the cache's budget, used in two halves "
+        f"(default {_TIERED.pcie_stage_slots})",
     )
     t.add_argument("--cpu-gbps", type=float, help="the cost model's CPU-tier rate in GB/s (default: measured)")
     t.add_argument("--pcie-gbps", type=float, help="the cost model's PCIe read rate in GB/s (default: measured)")
@@ -133,7 +147,7 @@ def _parser() -> argparse.ArgumentParser:
         "--tier-stats-every",
         type=int,
         metavar="STEPS",
-        help="log hit rate, miss shares and ms per step every this many steps (default 256; 0: never)",
+        help=f"log hit rate, miss shares and ms per step every this many steps (default {_TIERED.stats_every}; 0: never)",
     )
     t.add_argument(
         "--prefill",
@@ -147,7 +161,11 @@ def _parser() -> argparse.ArgumentParser:
         metavar="TOKENS",
         help="MoE calls of at least this many tokens stream (default 0: the step cost model calibrated at startup)",
     )
-    t.add_argument("--prefill-ring-slots", type=int, help="staging slots of the prefill ring (default 8)")
+    t.add_argument(
+        "--prefill-ring-slots",
+        type=int,
+        help=f"staging slots of the prefill ring (default {_TIERED.prefill_ring_slots})",
+    )
     t.add_argument("--prefill-experts-per-batch", type=int, help="experts per staging slot (default 8)")
     t.add_argument(
         "--prefill-cpu-tail-batches",
@@ -208,6 +226,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
         plugin["dense_kernel"] = a.dense_kernel
     if a.attention is not None:
         plugin["attention"] = a.attention
+    if a.attention_kv_rounding is not None:
+        plugin["attention_kv_rounding"] = a.attention_kv_rounding
     # flag -> field of the plugin's nested tiered-runtime config (TieredConfig)
     tiered_fields = {"cache_gib": "cache_gib", "cache_margin_gib": "cache_margin_gib", "cache_policy": "policy",
                      "miss_split": "split", "hit_kernel": "hit_kernel", "pcie_read": "pcie_read",

@@ -33,6 +33,7 @@ Split = Literal["auto", "cpu", "pcie"]
 HitKernelName = Literal["auto", "exllamav3", "triton", "reference"]
 PcieRead = Literal["auto", "mapped", "staged"]
 Attention = Literal["auto", "upstream", "triton"]
+KvRounding = Literal["fp8", "bf16"]
 RUNTIMES: tuple[str, ...] = ("cpu", "all-in-vram", "tiered")
 DENSE_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton")
 SPLITS: tuple[str, ...] = ("auto", "cpu", "pcie")
@@ -40,6 +41,7 @@ HIT_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton", "reference")
 PCIE_READS: tuple[str, ...] = ("auto", "mapped", "staged")
 ENGRAM_MODES: tuple[str, ...] = ("mmap", "upstream")
 ATTENTIONS: tuple[str, ...] = ("auto", "upstream", "triton")
+KV_ROUNDINGS: tuple[str, ...] = ("fp8", "bf16")
 PREFILL_BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
 #: vLLM's ``max_num_batched_tokens`` (the prefill chunk) the server sets for GPU packs: 8192 keeps the staged
 #: prefill's activations (~1 GB at V4.1-Flash sizes, on top of the ring lent by the cache) under a 24 GB card's
@@ -98,7 +100,8 @@ class TieredConfig:
         them into transient VRAM slots first (any alignment; ``pcie_stage_slots`` experts at a time), then the hit
         kernel reads the slots; "auto": mapped where the kernel can read the home in place, else staged.
     pcie_stage_slots : transient VRAM slots of the staged read (each one expert; their memory is taken from the
-        cache's budget). More experts than slots go in rounds.
+        cache's budget), used as two halves in turn (a round's copies overlap the previous round's kernel): rounds
+        of ``pcie_stage_slots // 2`` experts. Default 16: rounds of 8 (213 MB at Flash's sizes).
     cpu_gbps, pcie_gbps : the cost model's rates (expert bytes per second, in GB/s) of the CPU tier and of the
         GPU's PCIe reads of the host home (mapped or staged, as configured); 0 = measured at startup.
     deadline_factor, deadline_floor_ms : the CPU tier's deadline per layer, ``factor * predicted + floor``; picks
@@ -131,7 +134,7 @@ class TieredConfig:
     split: Split = "auto"
     hit_kernel: HitKernelName = "auto"
     pcie_read: PcieRead = "auto"
-    pcie_stage_slots: int = 8
+    pcie_stage_slots: int = 16
     cpu_gbps: float = 0.0
     pcie_gbps: float = 0.0
     deadline_factor: float = 4.0
@@ -206,6 +209,11 @@ class Dsv41PluginConfig:
         capability 9.0 and up); "triton": the plugin's Triton path for any GPU from sm_80 (``vllm_dsv41.ampere``:
         bf16 KV rows, no Hopper instruction); "auto": ours below compute capability 9.0 (RTX 3090, A100),
         upstream's from Hopper on. Applies to every V4.1 pack, EXL3 or not.
+    attention_kv_rounding : what the plugin's Triton attention stores in its bf16 KV rows. "fp8" (default): the
+        window and compressed rows, index keys and index queries rounded exactly as upstream's FP8 caches store
+        them (``vllm_dsv41.ampere.fp8``: UE8M0 block scales, e4m3 round-to-nearest-even), so a sm_8x card computes
+        with the numerics of upstream on Hopper and of DeepSeek's reference inference; "bf16": unrounded (more
+        precision than upstream keeps). The KV memory is the same either way. Ignored by upstream's attention.
     tiered : the tiered runtime's settings (``TieredConfig``; used when ``runtime="tiered"``: VRAM cache hits on
         the GPU, misses on the CPU tier or over PCIe).
     engram : where V4.1's Engram tables live while serving. "mmap": in the pack's files, memory-mapped by
@@ -222,6 +230,7 @@ class Dsv41PluginConfig:
     dense_kernel: DenseKernel = "auto"
     register_host_memory: bool = True
     attention: Attention = "auto"
+    attention_kv_rounding: KvRounding = "fp8"
     tiered: TieredConfig = dataclasses.field(default_factory=TieredConfig)
     engram: EngramMode = "mmap"
     engram_table: TableConfig = dataclasses.field(default_factory=TableConfig)
@@ -246,6 +255,9 @@ class Dsv41PluginConfig:
             raise ValueError(f"engram_table: expected an engram-mmap TableConfig, got {got}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention: expected one of {ATTENTIONS}, got {self.attention!r}")
+        if self.attention_kv_rounding not in KV_ROUNDINGS:
+            raise ValueError(f"attention_kv_rounding: expected one of {KV_ROUNDINGS}, got "
+                             f"{self.attention_kv_rounding!r}")  # fmt: skip
 
     @property
     def effective_threads(self) -> int:
@@ -270,6 +282,7 @@ class Dsv41PluginConfig:
         cpu["cpus"] = list(self.cpu.cpus)
         return {"cpu": cpu, "runtime": self.runtime, "dense_kernel": self.dense_kernel,
                 "register_host_memory": self.register_host_memory, "attention": self.attention,
+                "attention_kv_rounding": self.attention_kv_rounding,
                 "tiered": dataclasses.asdict(self.tiered), "engram": self.engram,
                 "engram_table": dataclasses.asdict(self.engram_table),
                 "pp_cpus": [list(c) for c in self.pp_cpus]}  # fmt: skip

@@ -201,8 +201,8 @@ def _runtime_stats(model: torch.nn.Module) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = dataclasses.asdict(stats)
     out["describe"] = stats.describe() if hasattr(stats, "describe") else ""
-    dec = getattr(rt, "stats_decode", None)  # the tiered runtime's counters of decode-size calls alone
-    if dec is not None and dataclasses.is_dataclass(dec) and not isinstance(dec, type) and dec.steps:
+    dec: Any = getattr(rt, "stats_decode", None)  # the tiered runtime's counters of decode-size calls alone
+    if getattr(dec, "steps", 0) and hasattr(dec, "describe"):
         out["decode"] = dataclasses.asdict(dec)
         out["describe"] += "; decode-size calls only: " + dec.describe()
     cache = getattr(rt, "cache", None)

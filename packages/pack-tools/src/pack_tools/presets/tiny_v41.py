@@ -112,8 +112,10 @@ class TinyV41:
         if any(not 0 <= i < self.layers for i in self.index_source_layers):
             raise ValueError("TinyV41.index_source_layers: index-source layer ids must be decoder layers")
         if any(not any(s <= i for s in self.kv_source_layers) for i in self.index_source_layers):
-            raise ValueError("TinyV41.index_source_layers: each needs a kv-source layer at or below it (whose "
-                             "indexer produces the keys it reads)")
+            raise ValueError(
+                "TinyV41.index_source_layers: each needs a kv-source layer at or below it (whose "
+                "indexer produces the keys it reads)"
+            )
         if self.vocab < len(c.V41_SPECIAL_TOKENS) + 257:
             raise ValueError(f"TinyV41.vocab: must hold the byte alphabet and the special tokens, got {self.vocab}")
 

@@ -6,7 +6,7 @@ KV records that Triton cannot write below sm_89). This subpackage is the plugin'
 * ``kernels``: the Triton kernels (KV insert with RoPE, compressed-row insert, sparse MQA attention over window +
   selected compressed rows, index keys and queries, indexer scores, exact top-k, the output's inverse RoPE);
 * ``fp8``: how upstream rounds what it stores (FP8 e4m3 with power-of-two scales), the option that makes our
-  store kernels round the same way in bf16 (``TritonAttentionConfig.kv_rounding``, default "fp8") and the torch
+  store kernels round the same way in bf16 (``Dsv41PluginConfig.attention_kv_rounding``, default "fp8") and the torch
   reference of that rounding;
 * ``ops``: the indexer's selection (scores -> V4.1's candidate blocks -> top-k) and the slot bookkeeping;
 * ``reference``: float64 torch references of every kernel (the tests compare against them);

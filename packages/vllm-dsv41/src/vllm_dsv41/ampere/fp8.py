@@ -33,14 +33,14 @@ holding those values is what FlashMLA and DeepGEMM compute with (DeepGEMM's fp8 
 
 On Blackwell upstream writes a different record (MXFP8: all 512 dims incl. RoPE, blocks of 32); it is not emulated.
 
-``kv_rounding = "fp8"`` (the default) makes the Ampere path's store kernels apply exactly that rounding (integer and
-fp32 arithmetic: Ampere has no e4m3 conversion) and keep the values in its bf16 rows; "bf16" stores the values
-unrounded. The KV memory is the same either way (``layout.py``); what changes is which numerics the model runs
-with. "fp8" is the default because it reproduces the numerics of upstream on Hopper and of DeepSeek's reference
-inference (FP8 KV and index cache), which is what the model is served and evaluated with, so a sm_8x card answers
-like a Hopper one; "bf16" keeps more precision in the cache (a ~3 % relative difference per layer's attention, the
-size of e4m3 rounding) for whoever prefers it. It is set per process in vLLM's ``additional_config`` under
-``"dsv41_ampere"`` (``{"kv_rounding": "bf16"}``), read by ``TritonAttentionConfig.from_vllm_config``.
+``Dsv41PluginConfig.attention_kv_rounding = "fp8"`` (the default) makes the Ampere path's store kernels apply
+exactly that rounding (integer and fp32 arithmetic: Ampere has no e4m3 conversion) and keep the values in its bf16
+rows; "bf16" stores the values unrounded. The KV memory is the same either way (``layout.py``); what changes is
+which numerics the model runs with. "fp8" is the default because it reproduces the numerics of upstream on Hopper
+and of DeepSeek's reference inference (FP8 KV and index cache), which is what the model is served and evaluated
+with, so a sm_8x card answers like a Hopper one; "bf16" keeps more precision in the cache (a ~3 % relative
+difference per layer's attention, the size of e4m3 rounding) for whoever prefers it. It is one field of the plugin's
+configuration (``additional_config["dsv41"]["attention_kv_rounding"]``; the server's ``--attention-kv-rounding``).
 
 ``round_blocks`` is the torch reference of the rounding (``torch.float8_e4m3fn`` casts with upstream's scale
 rule), which the tests hold the kernels to, bit for bit.
@@ -48,61 +48,11 @@ rule), which the tests hold the kernels to, bit for bit.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
-from typing import Any, Literal
-
 import torch
 
-__all__ = ["CONFIG_KEY", "KV_ROUNDINGS", "KvRounding", "TritonAttentionConfig", "round_blocks", "ue8m0_exponents"]
+__all__ = ["round_blocks", "ue8m0_exponents"]
 
-KvRounding = Literal["fp8", "bf16"]
-KV_ROUNDINGS: tuple[str, ...] = ("fp8", "bf16")
-#: Where the settings sit in vLLM's ``additional_config``.
-CONFIG_KEY = "dsv41_ampere"
 FP8_MAX = 448.0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class TritonAttentionConfig:
-    """Settings of the Ampere attention path (``vllm_dsv41.ampere``).
-
-    Attributes
-    ----------
-    kv_rounding : "fp8": the sliding-window and compressed KV rows, the index keys and the index queries are
-        rounded as upstream's FP8 caches store them (see the module docstring), kept in bf16; "bf16": unrounded.
-    """
-
-    kv_rounding: KvRounding = "fp8"
-
-    def __post_init__(self) -> None:
-        if self.kv_rounding not in KV_ROUNDINGS:
-            raise ValueError(f"kv_rounding: expected one of {KV_ROUNDINGS}, got {self.kv_rounding!r}")
-
-    @property
-    def fp8(self) -> bool:
-        return self.kv_rounding == "fp8"
-
-    @classmethod
-    def from_mapping(cls, values: Mapping[str, Any], source: str = "config") -> TritonAttentionConfig:
-        if not isinstance(values, Mapping):
-            raise ValueError(f"{source}: expected an object of Ampere attention settings, got {type(values).__name__}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - fields)
-        if unknown:
-            raise ValueError(f"{source}: unknown field {unknown[0]!r}; known fields: {sorted(fields)}")
-        try:
-            return cls(**values)
-        except ValueError as e:
-            raise ValueError(f"{source}: {e}") from None
-
-    @classmethod
-    def from_vllm_config(cls, vllm_config: Any) -> TritonAttentionConfig:
-        """``additional_config["dsv41_ampere"]`` of a vLLM config (the defaults where absent)."""
-        extra = getattr(vllm_config, "additional_config", None) or {}
-        if not isinstance(extra, Mapping) or CONFIG_KEY not in extra:
-            return cls()
-        return cls.from_mapping(extra[CONFIG_KEY], f"additional_config {CONFIG_KEY!r}")
 
 
 def ue8m0_exponents(amax: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ the compressor (``fused_save_compress_norm``), the compressed-cache insert on bf
 with ``kv_rounding="bf16"``), the candidate-block filter, the SWA / compressed slot mapping and index metadata
 kernels.
 
-``TritonAttentionConfig.kv_rounding`` (``additional_config["dsv41_ampere"]``, default "fp8") decides whether the
+``Dsv41PluginConfig.attention_kv_rounding`` (default "fp8") decides whether the
 store kernels round the window and compressed rows, the index keys and the index queries as upstream's FP8 caches
 do (``fp8.py``: the values stay bf16, the cache size does not change) or keep them unrounded ("bf16").
 
@@ -52,8 +52,8 @@ from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.mla import sparse_swa
 from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWABackend
 
+from ..config import Dsv41PluginConfig
 from . import kernels, ops
-from .fp8 import TritonAttentionConfig
 
 __all__ = [
     "DeepseekV41TritonAttention",
@@ -214,7 +214,7 @@ class TritonIndexer(DeepseekV4Indexer):
             )
         super().__init__(vllm_config, *args, **kwargs)
         self.indexer_weights_dtype = torch.float32
-        self.kv_fp8 = TritonAttentionConfig.from_vllm_config(vllm_config).fp8
+        self.kv_fp8 = Dsv41PluginConfig.from_vllm_config(vllm_config).attention_kv_rounding == "fp8"
 
     def _produce_k(self, latent: torch.Tensor | None, positions: torch.Tensor, rotary_emb: Any) -> None:
         md = get_forward_context().attn_metadata
@@ -275,7 +275,7 @@ class DeepseekV41TritonAttention(DeepseekV4Attention):
                 "(leave it 'auto')"
             )
         super().__init__(vllm_config, *args, **kwargs)
-        self.kv_fp8 = TritonAttentionConfig.from_vllm_config(vllm_config).fp8
+        self.kv_fp8 = Dsv41PluginConfig.from_vllm_config(vllm_config).attention_kv_rounding == "fp8"
         if self.kv_fp8 and self.compressor is not None:
             self.compressor.__class__ = TritonCompressor
         if self.indexer is not None:
