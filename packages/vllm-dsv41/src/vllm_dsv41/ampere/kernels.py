@@ -245,6 +245,21 @@ def rope_q_kv_insert(
 
 
 @triton.jit
+def _rope_tail(x, cos_sin, row_pos, cs_s, sign, D: tl.constexpr, ROPE: tl.constexpr):
+    """fp32 ``x`` [D] with its last ``ROPE`` dims rotated in interleaved pairs by position ``row_pos``'s angles
+    (``sign`` 1.0: by +angle, -1.0: by -angle, the inverse); the first ``D - ROPE`` dims pass through."""
+    HALF: tl.constexpr = ROPE // 2
+    NOPE: tl.constexpr = D - ROPE
+    even, odd = tl.split(tl.reshape(x, (D // 2, 2)))
+    pair = tl.arange(0, D // 2) - NOPE // 2
+    is_rope = pair >= 0
+    cs = cos_sin + row_pos * cs_s + tl.maximum(pair, 0)
+    c = tl.load(cs, mask=is_rope, other=1.0).to(tl.float32)
+    s = tl.load(cs + HALF, mask=is_rope, other=0.0).to(tl.float32) * sign
+    return tl.interleave(even * c - odd * s, odd * c + even * s)
+
+
+@triton.jit
 def _compressed_kv_insert_kernel(
     latent,
     l_s_t,
@@ -265,17 +280,10 @@ def _compressed_kv_insert_kernel(
     slot = tl.load(slots + t).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     if (slot >= 0) & ((pos + 1) % ratio == 0):  # the last token of a group publishes the group's row
-        HALF: tl.constexpr = ROPE // 2
         NOPE: tl.constexpr = D - ROPE
         d = tl.arange(0, D)
         x = tl.load(latent + t * l_s_t + d).to(tl.float32)
-        even, odd = tl.split(tl.reshape(x, (D // 2, 2)))
-        pair = tl.arange(0, D // 2) - NOPE // 2
-        is_rope = pair >= 0
-        cs = cos_sin + (pos // ratio * ratio) * cs_s + tl.maximum(pair, 0)
-        c = tl.load(cs, mask=is_rope, other=1.0).to(tl.float32)
-        s = tl.load(cs + HALF, mask=is_rope, other=0.0).to(tl.float32)
-        row = tl.interleave(even * c - odd * s, odd * c + even * s)
+        row = _rope_tail(x, cos_sin, pos // ratio * ratio, cs_s, 1.0, D, ROPE)
         if FP8:  # NoPE dims from the latent itself (upstream quantizes the unrotated values), RoPE dims bf16
             row = tl.where(d < NOPE, _e4m3_round_rows(x, D // 64, 64), row)
         dst = cache + (slot // c_rows) * c_s_blk + (slot % c_rows) * c_s_row
@@ -528,19 +536,11 @@ def _indexer_k_store_kernel(
     slot = tl.load(slots + t).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     if (slot >= 0) & ((pos + 1) % ratio == 0):  # the last token of a group publishes the group's key
-        HALF: tl.constexpr = ROPE // 2
-        NOPE: tl.constexpr = D - ROPE
         d = tl.arange(0, D)
         k = tl.load(k_pre + t * k_s_t + d).to(tl.float32)
         w = tl.load(weight + d).to(tl.float32)
         k = (k * tl.rsqrt(tl.sum(k * k, 0) / D + eps) * w).to(tl.bfloat16).to(tl.float32)
-        even, odd = tl.split(tl.reshape(k, (D // 2, 2)))
-        pair = tl.arange(0, D // 2) - NOPE // 2
-        is_rope = pair >= 0
-        cs = cos_sin + (pos // ratio * ratio) * cs_s + tl.maximum(pair, 0)
-        c = tl.load(cs, mask=is_rope, other=1.0).to(tl.float32)
-        s = tl.load(cs + HALF, mask=is_rope, other=0.0).to(tl.float32)
-        row = tl.interleave(even * c - odd * s, odd * c + even * s)
+        row = _rope_tail(k, cos_sin, pos // ratio * ratio, cs_s, 1.0, D, ROPE)
         if FP8:  # the bf16 key on upstream's grid: one UE8M0 scale for the whole key
             row = row.to(tl.bfloat16).to(tl.float32)
             row = _e4m3_round(row, _ue8m0_exponent(tl.max(tl.abs(row), 0)))
@@ -940,18 +940,10 @@ def _inv_rope_grouped_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    HALF: tl.constexpr = ROPE // 2
-    NOPE: tl.constexpr = D - ROPE
     d = tl.arange(0, D)
     x = tl.load(o + t * o_s_t + h * o_s_h + d).to(tl.float32)
-    even, odd = tl.split(tl.reshape(x, (D // 2, 2)))
-    pair = tl.arange(0, D // 2) - NOPE // 2
-    is_rope = pair >= 0
     pos = tl.load(positions + t).to(tl.int64)
-    cs = cos_sin + pos * cs_s + tl.maximum(pair, 0)
-    c = tl.load(cs, mask=is_rope, other=1.0).to(tl.float32)
-    s = tl.load(cs + HALF, mask=is_rope, other=0.0).to(tl.float32)
-    y = tl.interleave(even * c + odd * s, odd * c - even * s)  # rotation by -angle
+    y = _rope_tail(x, cos_sin, pos, cs_s, -1.0, D, ROPE)  # rotation by -angle
     g = h // heads_per_group
     dst = out + g * out_s_g + t * out_s_t + (h % heads_per_group) * D
     tl.store(dst + d, y.to(out.dtype.element_ty))
