@@ -195,8 +195,7 @@ class _Stager:
         self.n = n
         self.groups = 2 if n >= 2 else 1
         self.round_size = n // self.groups  # experts per round (a stage call)
-        self._next = 0  # the group the next stage fills
-        self._group = 0  # the group the last stage filled (done() marks it)
+        self._group = self.groups - 1  # the group the last stage filled (done() marks it; the next takes the other)
         self.device = device
         self.cuda = device.type == "cuda"
         self.config = config
@@ -233,8 +232,7 @@ class _Stager:
         ``use`` and ``round_`` say which staging of the layer this is (its pinned place for the ids)."""
         if experts.size > self.round_size:
             raise ValueError(f"staged read: {experts.size} experts for rounds of {self.round_size} transient slots")
-        g = self._group = self._next
-        self._next = (g + 1) % self.groups
+        g = self._group = (self._group + 1) % self.groups
         base = g * self.round_size
         compute = torch.cuda.current_stream(self.device) if self.cuda else None
         if self.cuda:
@@ -548,9 +546,8 @@ class TieredRuntime:
         if self._step_open:
             self._end_step()
         self._step_tokens = tokens
-        self.stats.steps += 1
-        if tokens <= HIT_CHUNK_TOKENS:
-            self.stats_decode.steps += 1
+        for st in self._counters(tokens):
+            st.steps += 1
         if cache is not None:
             cache.before_step(tokens)
             self._cache_step = True
@@ -655,6 +652,7 @@ class TieredRuntime:
         if p is None or p.layer != layer:
             raise RuntimeError(f"MoE layer {layer}: finish() without its begin()")
         self._pending = None
+        sts = (self.stats,) if p.profile or p.staged is not None else self._counters(p.t)
         if p.t:
             h = self._hidden[layer]
             if out.ndim != 2 or out.shape[0] < p.t or out.shape[1] != h or out.device != self.device:
@@ -665,10 +663,9 @@ class TieredRuntime:
             elif p.staged is not None:
                 out[: p.t].copy_(p.staged)
             else:
-                self._finish(p, out)
+                self._finish(p, out, sts)
         dt = time.perf_counter() - p.t0
-        small = 0 < p.t <= HIT_CHUNK_TOKENS and not p.profile and p.staged is None
-        for st in (self.stats, self.stats_decode) if small else (self.stats,):
+        for st in sts:
             st.layer_calls += 1
             st.layer_seconds += dt
             st.wait_seconds += p.wait_s
@@ -751,11 +748,15 @@ class TieredRuntime:
             p.pcie_enqueue_s = time.perf_counter() - tq
         return p
 
-    def _finish(self, p: _Pending, out: torch.Tensor) -> None:
+    def _counters(self, tokens: int) -> tuple[TierStats, ...]:
+        """The counters a layer call or step of ``tokens`` tokens adds to: the totals, and the decode-size ones
+        when it has at most ``HIT_CHUNK_TOKENS`` (a decode step's)."""
+        return (self.stats, self.stats_decode) if 0 < tokens <= HIT_CHUNK_TOKENS else (self.stats,)
+
+    def _finish(self, p: _Pending, out: torch.Tensor, sts: tuple[TierStats, ...]) -> None:
         cuda = self.device.type == "cuda"
         b, t = p.b, p.t
         assert b is not None
-        sts = (self.stats, self.stats_decode) if t <= HIT_CHUNK_TOKENS else (self.stats,)
         if p.job is not None:
             n = p.cpu_picks.size
             remaining = None if p.timeout is None else max(0.0, p.timeout - (time.perf_counter() - p.submitted))

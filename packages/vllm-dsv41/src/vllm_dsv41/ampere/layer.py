@@ -178,6 +178,11 @@ class TritonIndexerOp(torch.nn.Module):
         )
 
 
+def _kv_fp8(vllm_config: Any) -> bool:
+    """Whether the store kernels round as upstream's FP8 caches (``Dsv41PluginConfig.attention_kv_rounding``)."""
+    return Dsv41PluginConfig.from_vllm_config(vllm_config).attention_kv_rounding == "fp8"
+
+
 class TritonCompressor(DeepseekCompressor):
     """Upstream's compressor whose compressed-cache insert is ours (``kernels.compressed_kv_insert``), so that
     ``kv_rounding="fp8"`` rounds the rows as upstream's 584-byte record does. The attention layer turns its
@@ -214,7 +219,7 @@ class TritonIndexer(DeepseekV4Indexer):
             )
         super().__init__(vllm_config, *args, **kwargs)
         self.indexer_weights_dtype = torch.float32
-        self.kv_fp8 = Dsv41PluginConfig.from_vllm_config(vllm_config).attention_kv_rounding == "fp8"
+        self.kv_fp8 = _kv_fp8(vllm_config)
 
     def _produce_k(self, latent: torch.Tensor | None, positions: torch.Tensor, rotary_emb: Any) -> None:
         md = get_forward_context().attn_metadata
@@ -275,7 +280,7 @@ class DeepseekV41TritonAttention(DeepseekV4Attention):
                 "(leave it 'auto')"
             )
         super().__init__(vllm_config, *args, **kwargs)
-        self.kv_fp8 = Dsv41PluginConfig.from_vllm_config(vllm_config).attention_kv_rounding == "fp8"
+        self.kv_fp8 = _kv_fp8(vllm_config)
         if self.kv_fp8 and self.compressor is not None:
             self.compressor.__class__ = TritonCompressor
         if self.indexer is not None:
