@@ -11,7 +11,16 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from vllm_dsv41.config import KV_ROUNDINGS, Dsv41PluginConfig, TieredConfig
+from vllm_dsv41.config import (
+    ATTENTIONS,
+    DENSE_KERNELS,
+    HIT_KERNELS,
+    KV_ROUNDINGS,
+    PCIE_READS,
+    SPLITS,
+    Dsv41PluginConfig,
+    TieredConfig,
+)
 
 from .config import ServerConfig, default_demo_dir
 from .errors import ExitCode, ServerError
@@ -80,12 +89,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--dense-kernel",
-        choices=("auto", "exllamav3", "triton"),
+        choices=DENSE_KERNELS,
         help="GPU kernel of the dense EXL3 linears (default auto: exllamav3's where it imports)",
     )
     e.add_argument(
         "--attention",
-        choices=("auto", "upstream", "triton"),
+        choices=ATTENTIONS,
         help="DeepSeek-V4.1 attention kernels: upstream (vLLM's FlashMLA/DeepGEMM, sm_90+), triton (the "
         "plugin's, any GPU from sm_80: RTX 3090, A100) or auto (default: triton below sm_90)",
     )
@@ -112,18 +121,18 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--miss-split",
-        choices=("auto", "cpu", "pcie"),
+        choices=SPLITS,
         help="where cache misses run: auto (the cost model from rates measured at startup, default), "
         "all on the CPU tier, or all read over PCIe by the GPU",
     )
     t.add_argument(
         "--hit-kernel",
-        choices=("auto", "exllamav3", "triton", "reference"),
+        choices=HIT_KERNELS,
         help="GPU kernel of the cached experts (default auto: the fastest available)",
     )
     t.add_argument(
         "--pcie-read",
-        choices=("auto", "mapped", "staged"),
+        choices=PCIE_READS,
         help="how the GPU reads the misses it computes from the host home: in place (mapped, zero-copy; needs "
         "tensors aligned for the hit kernel), copied into transient VRAM slots first (staged), or auto (default: "
         "mapped where the kernel can, else staged)",
@@ -166,7 +175,11 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help=f"staging slots of the prefill ring (default {_TIERED.prefill_ring_slots})",
     )
-    t.add_argument("--prefill-experts-per-batch", type=int, help="experts per staging slot (default 8)")
+    t.add_argument(
+        "--prefill-experts-per-batch",
+        type=int,
+        help=f"experts per staging slot (default {_TIERED.prefill_experts_per_batch})",
+    )
     t.add_argument(
         "--prefill-cpu-tail-batches",
         type=int,
