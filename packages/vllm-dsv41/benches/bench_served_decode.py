@@ -53,6 +53,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -371,6 +372,38 @@ def run_case(llm: Any, streams: int, args: argparse.Namespace, vocab: int) -> di
     return {"runs": runs}
 
 
+def profiled(label: str, fn: Callable[[], Any], out_dir: Path | None, rows: int = 25) -> Any:
+    """``fn()`` once under ``torch.profiler`` (CPU, and CUDA where there is a GPU; the engine runs in this process):
+    the ops by self CUDA time and by self CPU time printed (``rows`` each) and written to
+    ``out_dir/profile_<label>.txt``; returns ``fn``'s result. The wall time includes the profiler's overhead; the
+    host time outside any op (numpy, waits, Python) is the wall time minus the ops' CPU total."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        result = fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    ka = prof.key_averages()
+    cpu_self = sum(e.self_cpu_time_total for e in ka) / 1e3
+    parts = [f"profile {label}: wall {1e3 * wall:.1f} ms (profiled), ops' self CPU time {cpu_self:.1f} ms"]
+    if cuda:
+        gpu_self = sum(getattr(e, "self_device_time_total", 0) for e in ka) / 1e3
+        parts[0] += f", ops' self GPU time {gpu_self:.1f} ms"
+        parts.append(ka.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
+    parts.append(ka.table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=60))
+    text = "\n".join(parts)
+    print(text, flush=True)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"profile_{label}.txt").write_text(text + "\n")
+    return result
+
+
 def add_pack_arguments(ap: argparse.ArgumentParser) -> None:
     """The pack's arguments (the served benches share the flash-v41 pack): --layers, --root, --pack, --small."""
     ap.add_argument("--layers", type=int, default=4, help="real-size Flash layers of the pack (>= 3; default 4)")
@@ -414,6 +447,11 @@ def main() -> int:
     )
     ap.add_argument("--mission-pcie-gbps", type=float, default=25.0)
     ap.add_argument("--time-budget-s", type=float, default=0.0, help="start no case past this (0: no limit)")
+    ap.add_argument(
+        "--profile",
+        default="",
+        help="cases:streams to profile once after their timed runs, e.g. 'tiered:auto:1' (comma list)",
+    )
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     streams_list = [int(s) for s in a.streams.split(",")]
@@ -523,6 +561,13 @@ def main() -> int:
         case_rows = []
         for s in streams_list:
             res = run_case(llm, s, a, vocab)
+            if f"{case}:{s}" in a.profile.split(","):
+                from vllm import SamplingParams
+
+                sp = SamplingParams(max_tokens=a.gen_tokens, temperature=0.0, ignore_eos=True)
+                ps = prompts_for(s, 7, a.prompt_tokens, vocab)
+                profiled(f"{case.replace(':', '_')}_S{s}", lambda ps=ps, sp=sp: llm.generate(ps, sp, use_tqdm=False),
+                         a.json.parent if a.json else None)  # fmt: skip
             row = summarize(case, s, res["runs"], rates, non_expert, eb, n_layers, full_layers, a)
             row["cache_slots"] = info.get("slots", 0)
             case_rows.append(row)

@@ -48,6 +48,7 @@ from bench_served_decode import (  # noqa: E402
     _use_runtime,
     add_pack_arguments,
     build_flash_pack,
+    profiled,
 )
 
 _T0 = time.perf_counter()
@@ -205,6 +206,11 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (default PIECEWISE)")
     ap.add_argument("--mission-pcie-gbps", type=float, default=25.0)
     ap.add_argument("--time-budget-s", type=float, default=0.0, help="start no case past this (0: no limit)")
+    ap.add_argument(
+        "--profile",
+        default="",
+        help="prompt lengths whose tiered case is profiled once after its timed runs (comma list)",
+    )
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     lengths = [int(x) for x in a.prompts.split(",")]
@@ -272,6 +278,13 @@ def main() -> int:
             doc["rows"].append(row)
             print(row["line"], flush=True)
             save()
+            if case == "tiered" and str(length) in a.profile.split(","):
+                from vllm import SamplingParams
+
+                sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+                ps = prompt(length, 7, vocab)
+                profiled(f"prefill_P{length}", lambda ps=ps, sp=sp: llm.generate(ps, sp, use_tqdm=False),
+                         a.json.parent if a.json else None)  # fmt: skip
     doc["scaling"] = scale_lines(doc["rows"], n_layers, full, a.chunk, a.mission_pcie_gbps)
     print("\n".join(doc["scaling"]), flush=True)
     save()

@@ -15,7 +15,8 @@
 #           tokens (> window, > top-k entries at ratio 2 and 1), per-layer error; ours with kv_rounding "fp8"
 #           (upstream's FP8 KV / index rounding emulated in bf16: vllm_dsv41.ampere.fp8) is gated: top-1 >= 0.999,
 #           KL mean <= 1e-4; on tiny-v41 also ours with "bf16" (unrounded: H200 run 4's 0.975 top-1), printed,
-#           not gated (one more ~100 s run; split8 runs upstream and fp8 only)
+#           not gated (one more ~100 s run; split8 runs upstream and fp8 only); TINY_RUNS / SPLIT8_RUNS override
+#           the runs per pack (an empty value skips the pack)
 #   speed   tiny-v41: prefill 8k, decode at 8k and 64k context, attention time ours / upstream per phase
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
@@ -107,8 +108,11 @@ served() {  # pack name, runs: "upstream" and "triton-<kv_rounding>" (fp8 gated,
     done
 }
 if step served; then
-    served tiny-v41 upstream triton-fp8 triton-bf16
-    served split8 upstream triton-fp8
+    # TINY_RUNS / SPLIT8_RUNS choose the runs (empty: none), e.g. TINY_RUNS="upstream triton-fp8" SPLIT8_RUNS=""
+    # shellcheck disable=SC2086
+    [ -z "${TINY_RUNS-upstream triton-fp8 triton-bf16}" ] || served tiny-v41 ${TINY_RUNS-upstream triton-fp8 triton-bf16}
+    # shellcheck disable=SC2086
+    [ -z "${SPLIT8_RUNS-upstream triton-fp8}" ] || served split8 ${SPLIT8_RUNS-upstream triton-fp8}
 fi
 if step speed; then
     for mode in upstream triton; do  # ours with its default kv_rounding (fp8)

@@ -20,8 +20,10 @@
 #             (benches/bench_served_decode.py --build-only; reused by later calls of the same lease)
 #   decode    benches/bench_served_decode.py on that pack: served decode tok/s at 1/2/4 streams for the runtimes
 #             none / tiered (misses cpu, auto, pcie) / cpu vs the roofline of the same run; VRAM capped at 24 GiB,
-#             PIECEWISE; DEC_RUNTIMES picks the cases (none first), DEC_TAG names the outputs, DEC_THREADS the CPU tier's threads (8); traces under $OUT
-#   sprefill  benches/bench_served_prefill.py on that pack: served prompt tok/s at PF_PROMPTS lengths (default
+#             PIECEWISE; DEC_RUNTIMES picks the cases (none first), DEC_TAG names the outputs, DEC_THREADS the CPU tier's threads (8); traces under $OUT;
+#             DEC_PROFILE='tiered:auto:1' profiles one generate of that case and stream count (torch.profiler)
+#   sprefill  benches/bench_served_prefill.py on that pack (PF_PROFILE=100: profile the tiered 100-token prompt):
+#             served prompt tok/s at PF_PROMPTS lengths (default
 #             2048,8192,16384) with PF_CHUNK-token chunks (default 8192), experts off vs the tiered runtime's staged
 #             prefill, against the roofline of the same runs (streamed bytes / the measured copy rate + non-expert time)
 #   savejit   tar the JIT caches (TileLang, Triton, vLLM/DeepGEMM) into $OUT/jitcache.tgz; a later machine restores
@@ -131,7 +133,7 @@ if step decode; then
     mkdir -p "$OUT/decode${DEC_TAG:-}"
     timeout "$(gpu_tmo 560)" python3 packages/vllm-dsv41/benches/bench_served_decode.py --layers "${DEC_LAYERS:-4}" --root /tmp/dsv41/served \
         --runtimes "${DEC_RUNTIMES:-none,tiered:auto,tiered:cpu,tiered:pcie,cpu}" --streams 1,2,4 --runs 3 --cpu-threads "${DEC_THREADS:-8}" \
-        --time-budget-s "${DEC_BUDGET:-430}" --json "$OUT/decode${DEC_TAG:-}/bench_served_decode.json" \
+        --time-budget-s "${DEC_BUDGET:-430}" --profile "${DEC_PROFILE:-}" --json "$OUT/decode${DEC_TAG:-}/bench_served_decode.json" \
         2>&1 | tee "$OUT/decode${DEC_TAG:-}/bench_served_decode.log" | grep -v "INFO\|DEBUG\|WARNING" | tail -40
     r=${PIPESTATUS[0]}; log "decode rc=$r"; rc=$((rc || r))
 fi
@@ -139,7 +141,7 @@ if step sprefill; then
     log "sprefill"
     timeout "$(gpu_tmo 560)" python3 packages/vllm-dsv41/benches/bench_served_prefill.py --layers "${DEC_LAYERS:-4}" \
         --root /tmp/dsv41/served --prompts "${PF_PROMPTS:-2048,8192,16384}" --chunk "${PF_CHUNK:-8192}" --runs 3 \
-        --cpu-threads 8 --time-budget-s 400 --json "$OUT/bench_served_prefill.json" \
+        --cpu-threads 8 --time-budget-s 400 --profile "${PF_PROFILE:-}" --json "$OUT/bench_served_prefill.json" \
         2>&1 | tee "$OUT/bench_served_prefill.log" | grep -v "INFO\|DEBUG\|WARNING" | tail -20
     r=${PIPESTATUS[0]}; log "sprefill rc=$r"; rc=$((rc || r))
 fi

@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from . import metrics
 from .config import Dsv41PluginConfig, TieredConfig
@@ -639,11 +640,14 @@ class TieredRuntime:
                 self._cache.observe(self._index[layer], topk_ids)
             lids = tuple(sorted(self._layers))
             nxt = lids[lids.index(layer) + 1] if layer != lids[-1] else None
-            self._pending = _Pending(layer, t, staged=pf.run(layer, x, topk_ids, topk_weights, nxt, cache=self._cache))
+            with record_function("dsv41.tiered.staged_prefill"):
+                staged = pf.run(layer, x, topk_ids, topk_weights, nxt, cache=self._cache)
+            self._pending = _Pending(layer, t, staged=staged)
         else:
             if pf is not None and pf.active:  # the first call after a prefill episode: the cache gets its VRAM back
                 pf.end_episode(self._cache)
-            self._pending = self._begin(layer, x, topk_ids, topk_weights, t) if t else _Pending(layer, 0, t0=t0)
+            with record_function("dsv41.tiered.begin"):
+                self._pending = self._begin(layer, x, topk_ids, topk_weights, t) if t else _Pending(layer, 0, t0=t0)
         self._pending.t0 = t0
 
     def finish(self, layer: int, out: torch.Tensor) -> None:
@@ -663,7 +667,8 @@ class TieredRuntime:
             elif p.staged is not None:
                 out[: p.t].copy_(p.staged)
             else:
-                self._finish(p, out, sts)
+                with record_function("dsv41.tiered.finish"):
+                    self._finish(p, out, sts)
         dt = time.perf_counter() - p.t0
         for st in sts:
             st.layer_calls += 1
@@ -706,7 +711,8 @@ class TieredRuntime:
             y.zero_()
         tw = time.perf_counter()
         if b.ready is not None:
-            b.ready.synchronize()
+            with record_function("dsv41.tiered.input_wait"):
+                b.ready.synchronize()
         wait_s = time.perf_counter() - tw
         h_ids = b.h_ids[:t].numpy()
         h_hit = b.h_hit[:t].numpy()
@@ -744,7 +750,8 @@ class TieredRuntime:
         # overlaps the CPU tier's work instead of delaying its start.
         if pcie_picks.size:
             tq = time.perf_counter()
-            self._gpu_picks(b, 0, kernel, ptrs, x32, w, t, pcie_picks, layer)
+            with record_function("dsv41.tiered.pcie_share"):
+                self._gpu_picks(b, 0, kernel, ptrs, x32, w, t, pcie_picks, layer)
             p.pcie_enqueue_s = time.perf_counter() - tq
         return p
 
@@ -762,7 +769,9 @@ class TieredRuntime:
             remaining = None if p.timeout is None else max(0.0, p.timeout - (time.perf_counter() - p.submitted))
             missing = np.empty(0, np.int64)
             tw = time.perf_counter()
-            if not p.job.wait(remaining):
+            with record_function("dsv41.tiered.cpu_wait"):
+                done = p.job.wait(remaining)
+            if not done:
                 missing = p.job.missing()  # cancels, waits for the workers to stop
             else:
                 p.job.result()
@@ -825,7 +834,8 @@ class TieredRuntime:
         rs = stager.round_size
         for r0 in range(0, experts.size, rs):
             chunk = experts[r0 : r0 + rs]
-            table = stager.stage(li, chunk, ptrs, use, r0 // rs)
+            with record_function("dsv41.tiered.stage_copies"):
+                table = stager.stage(li, chunk, ptrs, use, r0 // rs)
             if chunk.size < experts.size:  # this round's picks only
                 sub = torch.where(torch.isin(ids2, stager.cols), ids2, torch.full_like(ids2, -1))
             else:
