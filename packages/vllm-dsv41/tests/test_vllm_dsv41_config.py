@@ -48,6 +48,7 @@ def test_defaults_and_frozen() -> None:
         ({"tiered": {"cache_gib": -1}}, "cache_gib"),
         ({"tiered": {"policy": "fifo"}}, "policy"),
         ({"tiered": {"split": "gpu"}}, "split"),
+        ({"tiered": {"split_feedback": -0.1}}, "split_feedback"),
         ({"tiered": {"hit_kernel": "cublas"}}, "hit_kernel"),
         ({"tiered": {"pcie_read": "zero-copy"}}, "pcie_read"),
         ({"tiered": {"pcie_stage_slots": 0}}, "pcie_stage_slots"),

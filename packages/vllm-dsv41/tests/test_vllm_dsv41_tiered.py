@@ -4,6 +4,7 @@ with the deadline fallback, the step protocol and the routing trace."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -401,6 +402,83 @@ def test_deadline_fallback_recomputes_on_the_gpu_and_counts(home: ExpertHome, re
         # above are complete)
         assert s.deadline_misses == 2 and s.fallback_picks == 2 * 32 * TOP_K
         assert s.cpu_picks == 4 * LAYERS * 32 * TOP_K
+    finally:
+        rt.close()
+
+
+class _SlowJob:
+    """A real CPU-tier job whose wait takes ``delay`` seconds longer (a CPU tier slower in service than alone)."""
+
+    def __init__(self, job: object, delay: float) -> None:
+        self.job, self.delay = job, delay
+
+    def wait(self, timeout: float | None = None) -> bool:
+        time.sleep(self.delay)
+        return self.job.wait(timeout)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.job, name)
+
+
+class _SlowTier:
+    def __init__(self, tier: object, delay: float) -> None:
+        self.tier, self.delay = tier, delay
+
+    def submit(self, layer: int, x: np.ndarray, picks: object, out: np.ndarray) -> object:
+        return _SlowJob(self.tier.submit(layer, x, picks, out=out), self.delay)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.tier, name)
+
+
+@pytest.mark.parametrize("feedback", [0.0, 0.5])
+def test_split_feedback_moves_misses_off_a_cpu_tier_slower_than_its_startup_rate(
+    home: ExpertHome, reference: ReferenceExperts, feedback: float
+) -> None:
+    # startup rates that make the CPU tier look free: the split sends every miss there; in service each of its
+    # jobs takes 20 ms more. With feedback the measured / predicted average grows and the misses move to PCIe;
+    # without it they stay on the CPU tier. The results are exact either way.
+    rates = Rates(cpu_bps=1e12, pcie_bps=1e9, source="test")
+    rt = _runtime(home, 0, "auto", rates=rates, split_feedback=feedback, deadline_factor=0.0)
+    rt._tier = _SlowTier(rt._tier, delay=0.02)  # type: ignore[assignment]
+    rng = np.random.default_rng(21)
+    cpu_per_step = []
+    try:
+        for _ in range(6):
+            before = rt.stats.cpu_picks
+            for layer, x, ids, w, out in _step(rt, rng, tokens=4):
+                expected = reference.forward(layer, x, ids, w)
+                np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+            cpu_per_step.append(rt.stats.cpu_picks - before)
+        all_picks = LAYERS * 4 * TOP_K
+        assert cpu_per_step[0] >= all_picks // LAYERS  # the first layer call trusts the startup rates
+        if feedback:
+            assert rt.stats.cpu_scale > 100 and cpu_per_step[-1] == 0, (cpu_per_step, rt.stats.cpu_scale)
+            assert rt.split_rates().cpu_bps == pytest.approx(rates.cpu_bps / rt.stats.cpu_scale)
+            assert "split feedback: CPU tier x" in rt.stats.describe()
+        else:
+            assert cpu_per_step == [all_picks] * 6 and rt.stats.cpu_scale == 1.0
+            assert rt.split_rates() == rates
+    finally:
+        rt.close()
+
+
+def test_split_rates_scale_each_path_rate_and_fixed_cost(home: ExpertHome) -> None:
+    rates = Rates(cpu_bps=8e9, pcie_bps=20e9, gpu_bps=400e9, source="test", cpu_tokens=((2, 6e9), (8, 2e9)),
+                  cpu_fixed_s=1e-3, pcie_fixed_s=2e-4)  # fmt: skip
+    rt = _runtime(home, 0, "auto", rates=rates, split_feedback=0.5)
+    try:
+        assert rt.split_rates() is rt.split_rates()  # kept while the averages do not move
+        rt._feedback("cpu", 4e-3, 1e-3)  # measured 4x the prediction: the geometric average 1^0.5 * 4^0.5 = 2
+        rt._feedback("pcie", 0.25e-3, 1e-3)  # 0.25x: 0.5
+        r = rt.split_rates()
+        assert (r.cpu_bps, r.cpu_fixed_s) == pytest.approx((4e9, 2e-3))
+        assert [m for m, _ in r.cpu_tokens] == [2, 8] and [v for _, v in r.cpu_tokens] == pytest.approx([3e9, 1e9])
+        assert (r.pcie_bps, r.pcie_fixed_s, r.gpu_bps) == pytest.approx((40e9, 1e-4, 400e9))
+        assert (rt.stats.cpu_scale, rt.stats.pcie_scale) == pytest.approx((2.0, 0.5))
+        rt._feedback("cpu", 1.0, 0.0)  # nothing predicted: nothing learned
+        rt._feedback("cpu", float("nan"), 1e-3)
+        assert rt.stats.cpu_scale == pytest.approx(2.0)
     finally:
         rt.close()
 

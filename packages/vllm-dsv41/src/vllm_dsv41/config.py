@@ -104,6 +104,11 @@ class TieredConfig:
         of ``pcie_stage_slots // 2`` experts. Default 16: rounds of 8 (213 MB at Flash's sizes).
     cpu_gbps, pcie_gbps : the cost model's rates (expert bytes per second, in GB/s) of the CPU tier and of the
         GPU's PCIe reads of the host home (mapped or staged, as configured); 0 = measured at startup.
+    split_feedback : how much each layer call's measured times correct the split's startup rates: per path (CPU
+        tier, PCIe share) an exponential average of log(measured / predicted seconds) (this weight per call) scales
+        that path's rate and fixed cost, so the split follows what the paths take while serving (the CPU tier
+        beside vLLM's threads, the PCIe share with its launches) rather than what they took alone at startup.
+        0: the startup rates only.
     deadline_factor, deadline_floor_ms : the CPU tier's deadline per layer, ``factor * predicted + floor``; picks
         it has not computed by then are computed by the GPU from the host home (counted, never dropped).
         ``deadline_factor = 0``: no deadline.
@@ -137,6 +142,7 @@ class TieredConfig:
     pcie_stage_slots: int = 16
     cpu_gbps: float = 0.0
     pcie_gbps: float = 0.0
+    split_feedback: float = 0.1
     deadline_factor: float = 4.0
     deadline_floor_ms: float = 2.0
     trace_path: str = ""
@@ -169,6 +175,7 @@ class TieredConfig:
         _integer("pcie_stage_slots", self.pcie_stage_slots, 1)
         _number("cpu_gbps", self.cpu_gbps, 0.0)
         _number("pcie_gbps", self.pcie_gbps, 0.0)
+        _number("split_feedback", self.split_feedback, 0.0, 1.0)
         _number("deadline_factor", self.deadline_factor, 0.0)
         _number("deadline_floor_ms", self.deadline_floor_ms, 0.0)
         if not isinstance(self.trace_path, str):

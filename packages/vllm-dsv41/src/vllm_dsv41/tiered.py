@@ -90,6 +90,8 @@ class TierStats:
     pcie_enqueue_seconds: float = 0.0  # host time queuing the PCIe share (after the CPU job is submitted)
     cpu_wait_seconds: float = 0.0  # host time blocked in finish() on the CPU tier's job (the GPU's share done before)
     cpu_run_seconds: float = 0.0  # the CPU tier's own run time of those jobs (cpu_seconds less queue and wake-up)
+    cpu_scale: float = 1.0  # the split's correction of the CPU tier's startup rate: measured / predicted seconds
+    pcie_scale: float = 1.0  # the same for the PCIe share
 
     @property
     def picks(self) -> int:
@@ -108,7 +110,8 @@ class TierStats:
             f"recomputed on the GPU); per step: layers {1e3 * self.layer_seconds / s:.2f} ms, CPU tier "
             f"{1e3 * self.cpu_seconds / s:.2f} ms (running {1e3 * self.cpu_run_seconds / s:.2f} ms), input wait "
             f"{1e3 * self.wait_seconds / s:.2f} ms, PCIe queuing {1e3 * self.pcie_enqueue_seconds / s:.2f} ms, wait "
-            f"for the CPU tier {1e3 * self.cpu_wait_seconds / s:.2f} ms"
+            f"for the CPU tier {1e3 * self.cpu_wait_seconds / s:.2f} ms; split feedback: CPU tier "
+            f"x{self.cpu_scale:.2f}, PCIe x{self.pcie_scale:.2f} of the startup prediction"
         )
 
 
@@ -134,6 +137,7 @@ class _Pending:
     profile: bool = False  # a dummy forward's call: zeros
     wait_s: float = 0.0  # this call's parts of TierStats' seconds, added to the counters once in ``finish``
     pcie_enqueue_s: float = 0.0
+    cpu_pred: float = 0.0  # the split's predicted seconds of the CPU share at the startup rates (split feedback)
 
 
 class _Buffers:
@@ -346,6 +350,12 @@ class TieredRuntime:
         self._limits: dict[int, float | None] = {}
         self._prefill: Any = None  # vllm_dsv41.prefill.StagedPrefill, built with the cache
         self._stager: _Stager | None = None  # the staged read's transient slots (pcie_read staged; with the cache)
+        # split feedback (TieredConfig.split_feedback): measured / predicted per path, the rates the split uses now,
+        # and the PCIe shares queued on the GPU whose timing events are read once the stream has passed them
+        self._scale = {"cpu": 1.0, "pcie": 1.0}
+        self._split_rates: tuple[tuple[float, float], Rates] | None = None
+        self._pcie_timed: list[tuple[Any, Any, float]] = []
+        self._pcie_events: list[tuple[Any, Any]] = []
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -714,6 +724,7 @@ class TieredRuntime:
             with record_function("dsv41.tiered.input_wait"):
                 b.ready.synchronize()
         wait_s = time.perf_counter() - tw
+        self._read_pcie_timings()  # the stream has passed the earlier layers' PCIe shares (this input follows them)
         h_ids = b.h_ids[:t].numpy()
         h_hit = b.h_hit[:t].numpy()
         if self.tcfg.trace_path:
@@ -723,18 +734,21 @@ class TieredRuntime:
         # 3. split the misses (per distinct expert) between the CPU tier and PCIe reads.
         pcie_picks = np.empty(0, np.int64)
         cpu_picks = miss
+        cpu_pred = pcie_pred = 0.0
         if miss.size and ptrs is not None:
             flat_ids = h_ids.reshape(-1)
             experts, counts = np.unique(flat_ids[miss], return_counts=True)
-            assert self._rates is not None
+            rates = self.split_rates()
             eb = _expert_bytes(self._layers[layer])
-            busy = np.unique(flat_ids[h_hit.reshape(-1)]).size * eb / max(self._rates.gpu_bps, 1.0)
-            plan = split_misses(experts, counts, eb, self._rates, self.tcfg.split, gpu_busy_seconds=busy)
+            busy = np.unique(flat_ids[h_hit.reshape(-1)]).size * eb / max(rates.gpu_bps, 1.0)
+            plan = split_misses(experts, counts, eb, rates, self.tcfg.split, gpu_busy_seconds=busy)
+            cpu_pred = plan.cpu_seconds / self._scale["cpu"]
+            pcie_pred = max(plan.pcie_seconds - busy, 0.0) / self._scale["pcie"]
             if plan.pcie.any():
                 on_pcie = np.isin(flat_ids[miss], experts[plan.pcie])
                 pcie_picks, cpu_picks = miss[on_pcie], miss[~on_pcie]
         p = _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, n_hit=n_hit, n_miss=int(miss.size),
-                     pcie_picks=pcie_picks, cpu_picks=cpu_picks, wait_s=wait_s)  # fmt: skip
+                     pcie_picks=pcie_picks, cpu_picks=cpu_picks, wait_s=wait_s, cpu_pred=cpu_pred)  # fmt: skip
         # 4. the CPU share, submitted now (the workers start at once); waited for in finish().
         if cpu_picks.size:
             n = cpu_picks.size
@@ -750,9 +764,17 @@ class TieredRuntime:
         # overlaps the CPU tier's work instead of delaying its start.
         if pcie_picks.size:
             tq = time.perf_counter()
+            ev = self._pcie_event_pair() if cuda else None
+            if ev is not None:
+                ev[0].record(torch.cuda.current_stream(self.device))
             with record_function("dsv41.tiered.pcie_share"):
                 self._gpu_picks(b, 0, kernel, ptrs, x32, w, t, pcie_picks, layer)
             p.pcie_enqueue_s = time.perf_counter() - tq
+            if ev is not None:  # read at a later layer's input sync (no wait here)
+                ev[1].record(torch.cuda.current_stream(self.device))
+                self._pcie_timed.append((ev[0], ev[1], pcie_pred))
+            else:  # a CPU device computes it synchronously
+                self._feedback("pcie", p.pcie_enqueue_s, pcie_pred)
         return p
 
     def _counters(self, tokens: int) -> tuple[TierStats, ...]:
@@ -776,6 +798,8 @@ class TieredRuntime:
             else:
                 p.job.result()
             t_wait = time.perf_counter() - tw
+            if done:  # the job's end: seen now when the host waited for it, else its own run time (no wake-up)
+                self._feedback("cpu", tw + t_wait - p.submitted if t_wait > 1e-4 else p.job.elapsed_s, p.cpu_pred)
             dt = time.perf_counter() - p.submitted
             for st in sts:
                 st.cpu_wait_seconds += t_wait
@@ -844,15 +868,54 @@ class TieredRuntime:
             stager.done()
             b.y[:t].add_(y2)
 
+    def split_rates(self) -> Rates:
+        """The rates the split uses now: the startup rates with each path's rate divided, and its fixed cost
+        multiplied, by its measured / predicted average (``TieredConfig.split_feedback``)."""
+        assert self._rates is not None
+        key = (self._scale["cpu"], self._scale["pcie"])
+        if self._split_rates is None or self._split_rates[0] != key:
+            r, (c, q) = self._rates, key
+            scaled = dataclasses.replace(
+                r, cpu_bps=r.cpu_bps / c, pcie_bps=r.pcie_bps / q, cpu_fixed_s=r.cpu_fixed_s * c,
+                pcie_fixed_s=r.pcie_fixed_s * q, cpu_tokens=tuple((m, v / c) for m, v in r.cpu_tokens),
+            )  # fmt: skip
+            self._split_rates = (key, scaled)
+        return self._split_rates[1]
+
+    def _feedback(self, path: str, measured: float, predicted: float) -> None:
+        """One layer call's measured seconds of a path against what the startup rates predicted for it."""
+        a = self.tcfg.split_feedback
+        if a == 0 or predicted <= 0 or not math.isfinite(measured) or measured < 0:
+            return
+        # a geometric average: one freak sample moves it by at most its ratio to the power a
+        v = math.exp((1 - a) * math.log(self._scale[path]) + a * math.log(max(measured, 1e-9) / predicted))
+        self._scale[path] = v
+        if path == "cpu":
+            self.stats.cpu_scale = self.stats_decode.cpu_scale = v
+        else:
+            self.stats.pcie_scale = self.stats_decode.pcie_scale = v
+
+    def _pcie_event_pair(self) -> tuple[Any, Any]:
+        if self._pcie_events:
+            return self._pcie_events.pop()
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def _read_pcie_timings(self) -> None:
+        """The GPU seconds of the PCIe shares queued before (their events are done once a later input was synced)."""
+        for start, end, pred in self._pcie_timed:
+            if end.query():
+                self._feedback("pcie", start.elapsed_time(end) / 1e3, pred)
+            self._pcie_events.append((start, end))
+        self._pcie_timed.clear()
+
     def _deadline(self, layer: int, tokens: np.ndarray) -> float | None:
         """The CPU tier's deadline for experts with ``tokens`` tokens each: ``factor * predicted + floor``."""
         t = self.tcfg
         if t.deadline_factor == 0 or self._rates is None or self._rates.cpu_bps <= 0:
             return None
         eb = _expert_bytes(self._layers[layer])
-        predicted = self._rates.cpu_fixed_s + math.fsum(
-            self._rates.cpu_expert_seconds(eb, int(m)) for m in tokens.tolist()
-        )
+        rates = self.split_rates()
+        predicted = rates.cpu_fixed_s + math.fsum(rates.cpu_expert_seconds(eb, int(m)) for m in tokens.tolist())
         return t.deadline_factor * predicted + t.deadline_floor_ms / 1e3
 
     # ------------------------------------------------------------------------------------------ end
