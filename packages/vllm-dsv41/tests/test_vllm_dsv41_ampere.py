@@ -630,3 +630,52 @@ def test_gpu_fp8_rounding_equals_upstreams_fp8_caches() -> None:
     report = "; ".join(f"{what}: {n} of {total} values differ" for what, n, total in rows)
     print(f"ours (kv_rounding=fp8) vs upstream's FP8 caches, dequantized: {report}")
     assert all(n == 0 for _, n, _ in rows), report
+
+
+def _check_script() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_ampere_check", HERE.parent / "scripts" / "gpu_ampere_check.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _flipped(logits: Any, rng: Any, flips: int) -> Any:
+    """``logits`` with the top two of ``flips`` random positions swapped (top-1 flips, a small KL)."""
+    import numpy as np
+
+    out = logits.copy()
+    for i in rng.choice(logits.shape[0], size=flips, replace=False):
+        a, b = np.argsort(out[i])[-2:]
+        out[i, a], out[i, b] = out[i, b], out[i, a]
+    return out
+
+
+def test_ampere_check_gates_top1_at_the_upstream_runs_noise_floor(tmp_path: Path, capsys: Any) -> None:
+    import numpy as np
+
+    rng = np.random.default_rng(secrets.randbits(32))
+    n, v = 2000, 64
+    up = rng.standard_normal((n, v)).astype(np.float32)
+    lens = np.array([n])
+    layers = {"layer0": np.zeros(4, np.uint16)}
+    runs = {"upstream": up, "triton": _flipped(up, rng, 12)}
+    for name, logits in runs.items():
+        (tmp_path / name).mkdir()
+        np.savez_compressed(tmp_path / name / "logits.npz", logits=logits, prompt_lens=lens)
+        np.savez_compressed(tmp_path / name / "layers.npz", **layers)
+    check = _check_script()
+    argv = ["compare", str(tmp_path / "upstream"), str(tmp_path / "triton"), "--min-top1", "0.999",
+            "--max-kl-mean", "1.0"]  # fmt: skip
+    assert check.main(argv) == 1  # 12 flips of 2,000 (0.994) against 0.999, no floor
+    assert "FAIL" in capsys.readouterr().out
+    # the upstream run's own floor: 10 flips from a last-bit change; the gate drops to 0.995 - 2 sqrt(11) / 2000
+    np.savez_compressed(tmp_path / "upstream" / "logits_floor.npz", logits=_flipped(up, rng, 10), prompt_lens=lens)
+    assert check.main(argv) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "noise floor" in out and "gating there" in out and "PASS" in out
+    # a floor at or above the goal leaves the goal standing
+    np.savez_compressed(tmp_path / "upstream" / "logits_floor.npz", logits=up, prompt_lens=lens)
+    assert check.main(argv) == 1
