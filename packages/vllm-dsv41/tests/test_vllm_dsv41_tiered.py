@@ -155,16 +155,17 @@ def test_padding_rows_are_no_picks(home: ExpertHome, reference: ReferenceExperts
 
 def test_hit_calls_in_chunks_equal_one_call(home: ExpertHome, reference: ReferenceExperts,
                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    """A MoE call longer than HIT_CHUNK_TOKENS runs its hits (and its PCIe share) in chunks of that many tokens
-    (bounding each layer's kernel scratch): the same result as the reference."""
+    """A MoE call longer than HIT_CHUNK_TOKENS runs its hits in chunks of that many tokens, and its PCIe share as
+    rows of one pick sorted by expert in chunks of as many picks (HIT_CHUNK_TOKENS x top_k: each layer's kernel
+    scratch stays bounded): the same result as the reference."""
     import vllm_dsv41.tiered as tiered
 
     monkeypatch.setattr(tiered, "HIT_CHUNK_TOKENS", 2)
-    seen: list[int] = []
+    seen: list[tuple[int, int]] = []  # (rows, picks per row) of every kernel call
     rt = _runtime(home, 5, "auto")
     for kernel in rt._hits.values():
         forward = kernel.forward
-        kernel.forward = lambda table, x, *a, _f=forward: (seen.append(x.shape[0]), _f(table, x, *a))[1]
+        kernel.forward = lambda table, x, ids, *a, _f=forward: (seen.append(tuple(ids.shape)), _f(table, x, ids, *a))[1]
     rng = np.random.default_rng(5)
     try:
         for step in range(6):
@@ -172,7 +173,9 @@ def test_hit_calls_in_chunks_equal_one_call(home: ExpertHome, reference: Referen
                 expected = reference.forward(layer, x, ids, w)
                 np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
         assert rt.stats.hit_picks > 0 and rt.stats.pcie_picks > 0
-        assert seen and max(seen) == 2
+        assert seen and max(r * k for r, k in seen) == 2 * TOP_K
+        assert max(r for r, k in seen if k == TOP_K) == 2  # token chunks (hits, decode-size PCIe shares)
+        assert any(k == 1 and r > 2 for r, k in seen)  # a prompt's PCIe share, pick-major
     finally:
         rt.close()
 
@@ -257,12 +260,13 @@ def _wide_runtime(home: ExpertHome, **tiered: object) -> TieredRuntime:
 def test_the_staged_read_through_transient_slots(home: ExpertHome, reference: ReferenceExperts, slots: int,
                                                   split: str) -> None:  # fmt: skip
     """pcie_read auto on a home the hit kernel cannot read in place: the GPU's share of the misses is copied into
-    transient slots (in rounds when they are fewer than its experts) and read from there; the same results."""
+    transient slots (in rounds when they are fewer than its experts) and read from there; the same results, also
+    for a call of more tokens than one kernel call takes (its picks sorted by expert, a run of rows per round)."""
     rt = _wide_runtime(home, split=split, pcie_read="auto", pcie_stage_slots=slots)
     rng = np.random.default_rng(slots)
     try:
-        for step in range(6):
-            for layer, x, ids, w, out in _step(rt, rng, tokens=[1, 3, 5][step % 3], hot=6):
+        for step in range(8):
+            for layer, x, ids, w, out in _step(rt, rng, tokens=[1, 3, 5, 24][step % 4], hot=6):
                 expected = reference.forward(layer, x, ids, w)
                 np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
         s = rt.stats
@@ -323,7 +327,7 @@ def test_staged_and_mapped_reads_agree(home: ExpertHome) -> None:
         rt = _runtime(home, 0, "pcie", pcie_read=mode, pcie_stage_slots=2)
         rng = np.random.default_rng(9)
         try:
-            outs.append([o for _ in range(4) for *_, o in _step(rt, rng, tokens=3, hot=6)])
+            outs.append([o for n in (3, 3, 20, 3) for *_, o in _step(rt, rng, tokens=n, hot=6)])
             assert (rt._stager is not None) == (mode == "staged")
         finally:
             rt.close()
