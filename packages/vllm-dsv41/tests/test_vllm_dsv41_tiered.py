@@ -458,7 +458,7 @@ def test_split_feedback_moves_misses_off_a_cpu_tier_slower_than_its_startup_rate
         assert cpu_per_step[0] >= all_picks // LAYERS  # the first layer call trusts the startup rates
         if feedback:
             assert rt.stats.cpu_scale > 100 and cpu_per_step[-1] == 0, (cpu_per_step, rt.stats.cpu_scale)
-            assert rt.split_rates().cpu_bps == pytest.approx(rates.cpu_bps / rt.stats.cpu_scale)
+            assert rt.split_rates().cpu_bps == pytest.approx(rates.cpu_bps / rt.stats.cpu_scale, rel=0.03)
             assert "split feedback: CPU tier x" in rt.stats.describe()
         else:
             assert cpu_per_step == [all_picks] * 6 and rt.stats.cpu_scale == 1.0

@@ -138,7 +138,8 @@ def split_misses(experts: np.ndarray, tokens: np.ndarray, expert_bytes: int, rat
     if n and tokens.min() < 1:
         raise ValueError(f"tokens: every missed expert has >= 1 token, got {tokens.min()}")
     pcie_cost = expert_bytes / rates.pcie_bps if rates.pcie_bps > 0 else math.inf
-    cpu_cost = [rates.cpu_expert_seconds(expert_bytes, int(m)) for m in tokens.tolist()]
+    per_count = {m: rates.cpu_expert_seconds(expert_bytes, m) for m in set(tokens.tolist())}  # (decode: one count)
+    cpu_cost = [per_count[m] for m in tokens.tolist()]
     cpu_fixed, pcie_fixed = rates.cpu_fixed_s, rates.pcie_fixed_s
     all_cpu = SplitPlan(experts, np.zeros(n, bool), cpu_fixed + math.fsum(cpu_cost) if n else 0.0, gpu_busy_seconds)
     if mode == "cpu" or (mode == "auto" and math.isinf(pcie_cost)):

@@ -927,17 +927,19 @@ class TieredRuntime:
 
     def split_rates(self) -> Rates:
         """The rates the split uses now: the startup rates with each path's rate divided, and its fixed cost
-        multiplied, by its measured / predicted average (``TieredConfig.split_feedback``)."""
+        multiplied, by its measured / predicted average (``TieredConfig.split_feedback``; rebuilt when an average
+        has moved by more than 2 %)."""
         assert self._rates is not None
         key = (self._scale["cpu"], self._scale["pcie"])
-        if self._split_rates is None or self._split_rates[0] != key:
+        kept = self._split_rates
+        if kept is None or any(abs(math.log(v / w)) > 0.02 for v, w in zip(key, kept[0], strict=True)):
             r, (c, q) = self._rates, key
             scaled = dataclasses.replace(
                 r, cpu_bps=r.cpu_bps / c, pcie_bps=r.pcie_bps / q, cpu_fixed_s=r.cpu_fixed_s * c,
                 pcie_fixed_s=r.pcie_fixed_s * q, cpu_tokens=tuple((m, v / c) for m, v in r.cpu_tokens),
             )  # fmt: skip
-            self._split_rates = (key, scaled)
-        return self._split_rates[1]
+            kept = self._split_rates = (key, scaled)
+        return kept[1]
 
     def _feedback(self, path: str, measured: float, predicted: float) -> None:
         """One layer call's measured seconds of a path against what the startup rates predicted for it."""
@@ -972,7 +974,10 @@ class TieredRuntime:
             return None
         eb = _expert_bytes(self._layers[layer])
         rates = self.split_rates()
-        predicted = rates.cpu_fixed_s + math.fsum(rates.cpu_expert_seconds(eb, int(m)) for m in tokens.tolist())
+        counts, times = np.unique(tokens, return_counts=True)  # experts per token count (decode: one count)
+        predicted = rates.cpu_fixed_s + math.fsum(
+            n * rates.cpu_expert_seconds(eb, m) for m, n in zip(counts.tolist(), times.tolist(), strict=True)
+        )
         return t.deadline_factor * predicted + t.deadline_floor_ms / 1e3
 
     # ------------------------------------------------------------------------------------------ end
