@@ -353,6 +353,42 @@ def test_the_combine_does_not_depend_on_the_split(home: ExpertHome) -> None:
             assert np.array_equal(a, b)
 
 
+def test_decode_with_every_miss_over_pcie_runs_without_a_host_sync(home: ExpertHome, reference: ReferenceExperts,
+                                                                    tmp_path: Path) -> None:  # fmt: skip
+    """split "pcie" with mapped reads: decode-size calls go to the device in one hit-kernel call per layer (the
+    pointer table sends each pick to its slot or its host bytes) with no host sync and no host-side split; the
+    same outputs, counters and routing trace as the split path (forced for comparison), and longer calls keep the
+    split path."""
+    runs = {}
+    for device_only in (True, False):
+        rt = _runtime(home, 5, "pcie", trace_path=str(tmp_path / f"trace_{device_only}.npz"))
+        if not device_only:
+            rt._device_only = lambda t: False  # type: ignore[method-assign]
+        rng = np.random.default_rng(13)
+        try:
+            outs = []
+            for step in range(10):
+                for layer, x, ids, w, out in _step(rt, rng, tokens=[1, 4, 16, 3, 24][step % 5], hot=7):
+                    expected = reference.forward(layer, x, ids, w)
+                    np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+                    outs.append(out)
+            if device_only:
+                assert rt._dev_counts is not None  # the device path ran
+                assert rt._stats.wait_seconds > 0  # only the 24-token calls synced (the split path)
+            s = rt.stats
+            runs[device_only] = (outs, s.hit_picks, s.pcie_picks, s.cpu_picks, rt.stats_decode.pcie_picks)
+        finally:
+            rt.close()
+    (a, *ca), (b, *cb) = runs[True], runs[False]
+    for x, y in zip(a, b, strict=True):
+        assert np.array_equal(x, y)
+    assert ca == cb and ca[0] > 0 and ca[1] > 0 and ca[2] == 0
+    ta, tb = np.load(tmp_path / "trace_True.npz"), np.load(tmp_path / "trace_False.npz")
+    assert sorted(ta.files) == sorted(tb.files)
+    for f in ta.files:
+        assert np.array_equal(ta[f], tb[f]), f
+
+
 class _StalledJob:
     """A CPU-tier job whose workers never got to run (as when the host is oversubscribed): it is not done by any
     deadline and reports every pick missing. The real tier's cancellation is tested in cpu-tier."""

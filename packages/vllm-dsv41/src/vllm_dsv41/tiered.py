@@ -137,6 +137,7 @@ class _Pending:
     profile: bool = False  # a dummy forward's call: zeros
     wait_s: float = 0.0  # this call's parts of TierStats' seconds, added to the counters once in ``finish``
     pcie_enqueue_s: float = 0.0
+    device_only: bool = False  # computed by ``_begin_device`` (no host sync)
     cpu_pred: float = 0.0  # the split's predicted seconds of the CPU share at the startup rates (split feedback)
 
 
@@ -343,10 +344,14 @@ class TieredRuntime:
         self._cache_step = False  # the cache's before_step was called for the open step
         self._step_tokens = 0
         self._buffers: dict[tuple[int, int], _Buffers] = {}
-        self.stats = TierStats()
-        #: The same counters for decode-size calls only (at most ``HIT_CHUNK_TOKENS`` tokens: a decode step's layer
-        #: calls), so the per-step figures are not mixed with prompts computed on the decode path.
-        self.stats_decode = TierStats()
+        self._stats = TierStats()
+        # The same counters for decode-size calls only (at most ``HIT_CHUNK_TOKENS`` tokens: a decode step's layer
+        # calls), so the per-step figures are not mixed with prompts computed on the decode path.
+        self._stats_decode = TierStats()
+        # the device-only decode path's pick counts (hits, all picks), on the device until the stats are read
+        self._dev_counts: torch.Tensor | None = None
+        self._trace_h: dict[int, torch.Tensor] = {}  # per MoE layer: its routing, pinned (device-only path)
+        self._trace_ready: Any = None
         self._m_cpu = metrics.tier("cpu")
         self._recorder: Any = None  # expert_cache.TraceRecorder, created at the first recorded step
         self._step_ids: dict[int, np.ndarray] = {}
@@ -399,6 +404,31 @@ class TieredRuntime:
     @property
     def rates(self) -> Rates | None:
         return self._rates
+
+    @property
+    def stats(self) -> TierStats:
+        """Counters since start (the device-only path's pick counts folded in: a sync when it ran)."""
+        self._fold_device_counts()
+        return self._stats
+
+    @property
+    def stats_decode(self) -> TierStats:
+        """The counters of decode-size calls only (at most ``HIT_CHUNK_TOKENS`` tokens)."""
+        self._fold_device_counts()
+        return self._stats_decode
+
+    def _fold_device_counts(self) -> None:
+        c = self._dev_counts
+        if c is None:
+            return
+        hits, picks = (int(v) for v in c.tolist())
+        c.zero_()
+        for st in (self._stats, self._stats_decode):
+            st.hit_picks += hits
+            st.pcie_picks += picks - hits
+        metrics.cache_lookups(hits, picks - hits)
+        metrics.picks("gpu_cache", hits)
+        metrics.picks("pcie", picks - hits)
 
     def _create_cache(self) -> None:
         from expert_cache import ExpertCache, ExpertCacheConfig, policy_config
@@ -568,7 +598,7 @@ class TieredRuntime:
             cache.before_step(tokens)
             self._cache_step = True
         self._step_open = True
-        if self.tcfg.stats_every and self.stats.steps % self.tcfg.stats_every == 0:
+        if self.tcfg.stats_every and self._stats.steps % self.tcfg.stats_every == 0:
             logger.info("dsv41 tiered: %s", self.stats.describe())
 
     def _end_step(self, replan: bool = True) -> None:
@@ -587,6 +617,9 @@ class TieredRuntime:
         layers = sorted(self._layers)
         if any(lid not in self._step_ids for lid in layers):
             return  # a step that did not reach every MoE layer (cannot happen in a model forward)
+        if self._trace_ready is not None:  # the device-only path's copies of the routing
+            self._trace_ready.synchronize()
+            self._trace_ready = None
         ids = np.stack([self._step_ids[lid] for lid in layers], axis=1)  # [T, L, K]
         real = (ids >= 0).all(axis=(1, 2))  # not the rows vLLM pads a CUDA graph's batch with (ids -1)
         padded = int(ids.shape[0] - real.sum())
@@ -600,11 +633,11 @@ class TieredRuntime:
         twice = repeated_experts(ids).any(axis=1)
         if twice.any():
             n = int(twice.sum())
-            if self.stats.trace_rows_dropped == 0:
+            if self._stats.trace_rows_dropped == 0:
                 logger.warning("dsv41 tiered: %d token row(s) of step %d route an expert twice in a layer (first: %s); "
-                               "left out of the routing trace (counted in trace_rows_dropped)", n, self.stats.steps,
+                               "left out of the routing trace (counted in trace_rows_dropped)", n, self._stats.steps,
                                ids[np.flatnonzero(twice)[0]].tolist())  # fmt: skip
-            self.stats.trace_rows_dropped += n
+            self._stats.trace_rows_dropped += n
             ids = ids[~twice]
         if self._recorder is None:
             from expert_cache import TraceRecorder
@@ -645,7 +678,7 @@ class TieredRuntime:
             raise RuntimeError(f"MoE layer {layer}: begin() while layer {self._pending.layer} is not finished")
         t0 = time.perf_counter()
         if in_profile_run():  # a dummy batch: no step, no cache, no buffers grown, no host work on unset inputs
-            self.stats.profile_calls += 1
+            self._stats.profile_calls += 1
             self._pending = _Pending(layer, t, t0=t0, profile=True)
             return
         self._begin_layer(layer, t)
@@ -662,7 +695,12 @@ class TieredRuntime:
             if pf is not None and pf.active:  # the first call after a prefill episode: the cache gets its VRAM back
                 pf.end_episode(self._cache)
             with record_function("dsv41.tiered.begin"):
-                self._pending = self._begin(layer, x, topk_ids, topk_weights, t) if t else _Pending(layer, 0, t0=t0)
+                if not t:
+                    self._pending = _Pending(layer, 0, t0=t0)
+                elif self._device_only(t):
+                    self._pending = self._begin_device(layer, x, topk_ids, topk_weights, t)
+                else:
+                    self._pending = self._begin(layer, x, topk_ids, topk_weights, t)
         self._pending.t0 = t0
 
     def finish(self, layer: int, out: torch.Tensor) -> None:
@@ -671,7 +709,7 @@ class TieredRuntime:
         if p is None or p.layer != layer:
             raise RuntimeError(f"MoE layer {layer}: finish() without its begin()")
         self._pending = None
-        sts = (self.stats,) if p.profile or p.staged is not None else self._counters(p.t)
+        sts = (self._stats,) if p.profile or p.staged is not None else self._counters(p.t)
         if p.t:
             h = self._hidden[layer]
             if out.ndim != 2 or out.shape[0] < p.t or out.shape[1] != h or out.device != self.device:
@@ -681,6 +719,10 @@ class TieredRuntime:
                 out[: p.t].zero_()
             elif p.staged is not None:
                 out[: p.t].copy_(p.staged)
+            elif p.device_only:
+                assert p.b is not None
+                torch.sum(p.b.y[: p.t], dim=1, out=p.b.x32[: p.t])
+                out[: p.t].copy_(p.b.x32[: p.t])
             else:
                 with record_function("dsv41.tiered.finish"):
                     self._finish(p, out, sts)
@@ -782,10 +824,51 @@ class TieredRuntime:
                 self._feedback("pcie", p.pcie_enqueue_s, pcie_pred)
         return p
 
+    def _device_only(self, t: int) -> bool:
+        """Whether a call runs with no host sync (``_begin_device``): every miss read over PCIe by the hit kernel
+        in place (split "pcie", mapped reads), at decode sizes, once the cache exists."""
+        return self.tcfg.split == "pcie" and self._cache is not None and self._stager is None and t <= HIT_CHUNK_TOKENS
+
+    def _begin_device(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      t: int) -> _Pending:  # fmt: skip
+        """A decode-size call with every miss over PCIe, queued on the device with no host sync: the layer's pointer
+        table sends each pick to its VRAM slot (a hit) or to its bytes in the mapped host home (a miss), so one hit
+        kernel call computes them all. The same result as the split path's two calls (each pick is computed
+        alone; sums in a fixed order). Its hit and pick counts stay on the device until the stats are read; the
+        routing trace is copied to pinned memory and read when the step is recorded."""
+        cache = self._cache
+        k = topk_ids.shape[1]
+        b = self._buffers_for(x.shape[1], k, t)
+        ids, w, hit, x32, y = b.ids[:t], b.w[:t], b.hit[:t], b.x32[:t], b.y[:t]
+        ids.copy_(topk_ids)
+        w.copy_(topk_weights)
+        x32.copy_(x)
+        li = self._index[layer]
+        cache.observe(li, ids)
+        ptrs = cache.layer_pointers(li)
+        torch.ge(cache.slot_of[li][ids.long().clamp(min=0)], 0, out=hit)
+        valid = ids >= 0
+        hit &= valid
+        if self._dev_counts is None:
+            self._dev_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
+        self._dev_counts.add_(torch.stack((hit.sum(), valid.sum())))
+        if self.tcfg.trace_path:
+            h = self._trace_h.get(layer)
+            if h is None or h.shape[0] < t or h.shape[1] != k:
+                h = self._trace_h[layer] = torch.empty((b.rows, k), dtype=torch.int32,
+                                                       pin_memory=self.device.type == "cuda")  # fmt: skip
+            h[:t].copy_(ids, non_blocking=True)
+            self._step_ids[layer] = h[:t].numpy()
+            if self.device.type == "cuda":
+                self._trace_ready = torch.cuda.Event()
+                self._trace_ready.record(torch.cuda.current_stream(self.device))
+        _hits_forward(self._hits[layer], ptrs, x32, ids, w, y)
+        return _Pending(layer, t, k=k, b=b, device_only=True)
+
     def _counters(self, tokens: int) -> tuple[TierStats, ...]:
         """The counters a layer call or step of ``tokens`` tokens adds to: the totals, and the decode-size ones
         when it has at most ``HIT_CHUNK_TOKENS`` (a decode step's)."""
-        return (self.stats, self.stats_decode) if 0 < tokens <= HIT_CHUNK_TOKENS else (self.stats,)
+        return (self._stats, self._stats_decode) if 0 < tokens <= HIT_CHUNK_TOKENS else (self._stats,)
 
     def _finish(self, p: _Pending, out: torch.Tensor, sts: tuple[TierStats, ...]) -> None:
         cuda = self.device.type == "cuda"
@@ -950,9 +1033,9 @@ class TieredRuntime:
         v = math.exp((1 - a) * math.log(self._scale[path]) + a * math.log(max(measured, 1e-9) / predicted))
         self._scale[path] = v
         if path == "cpu":
-            self.stats.cpu_scale = self.stats_decode.cpu_scale = v
+            self._stats.cpu_scale = self._stats_decode.cpu_scale = v
         else:
-            self.stats.pcie_scale = self.stats_decode.pcie_scale = v
+            self._stats.pcie_scale = self._stats_decode.pcie_scale = v
 
     def _pcie_event_pair(self) -> tuple[Any, Any]:
         if self._pcie_events:
@@ -996,14 +1079,15 @@ class TieredRuntime:
                 logger.info("dsv41 prefill: %s", self._prefill.stats.describe())
         if self._step_open:
             self._end_step(replan=False)
+        self._fold_device_counts()
         if self._recorder is not None:
             path = Path(self.tcfg.trace_path)
             self._recorder.trace().save(path)
-            logger.info("dsv41 tiered: routing trace of %d steps written to %s", self.stats.steps, path)
-        if self.stats.steps:
-            logger.info("dsv41 tiered: %s", self.stats.describe())
-        if self.stats_decode.steps:
-            logger.info("dsv41 tiered: decode-size calls only: %s", self.stats_decode.describe())
+            logger.info("dsv41 tiered: routing trace of %d steps written to %s", self._stats.steps, path)
+        if self._stats.steps:
+            logger.info("dsv41 tiered: %s", self._stats.describe())
+        if self._stats_decode.steps:
+            logger.info("dsv41 tiered: decode-size calls only: %s", self._stats_decode.describe())
         self._tier.close()
         self._cache = None
         self._buffers.clear()
