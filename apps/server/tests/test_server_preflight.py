@@ -89,9 +89,9 @@ def test_flags_map_onto_the_configs(tmp_path: Path) -> None:
                          "--cache-policy", "decayed", "--miss-split", "pcie", "--hit-kernel", "triton",
                          "--cpu-gbps", "40", "--pcie-gbps", "20", "--record-routing", str(tmp_path / "r.npz"),
                          "--tier-stats-every", "0", "--pcie-read", "staged", "--pcie-stage-slots", "12",
-                         "--split-feedback", "0.25"])  # fmt: skip
+                         "--split-feedback", "0.25", "--split-probe", "4"])  # fmt: skip
     assert dict(cfg.plugin_overrides) == {"runtime": "tiered", "tiered": {
-        "cache_gib": 6.5, "cache_margin_gib": 0.5, "policy": "decayed", "split": "pcie", "split_feedback": 0.25,
+        "cache_gib": 6.5, "cache_margin_gib": 0.5, "policy": "decayed", "split": "pcie", "split_feedback": 0.25, "split_probe": 4,
         "hit_kernel": "triton",
         "pcie_read": "staged", "pcie_stage_slots": 12, "cpu_gbps": 40.0, "pcie_gbps": 20.0,
         "trace_path": str(tmp_path / "r.npz"), "stats_every": 0}}  # fmt: skip
@@ -114,6 +114,7 @@ def test_flags_map_onto_the_configs(tmp_path: Path) -> None:
         (["--cpu-prefetch-blocks", "7"], "prefetch_blocks"),
         (["--pcie-stage-slots", "0"], "pcie_stage_slots"),
         (["--split-feedback", "1.5"], "split_feedback"),
+        (["--split-probe", "-1"], "split_probe"),
         (["--cache-gib", "-2"], "cache_gib"),
         (["--tier-stats-every", "-1"], "stats_every"),
         (["--prefill-ring-slots", "0"], "prefill_ring_slots"),

@@ -389,6 +389,59 @@ def test_decode_with_every_miss_over_pcie_runs_without_a_host_sync(home: ExpertH
         assert np.array_equal(ta[f], tb[f]), f
 
 
+def test_auto_measures_the_split_and_the_device_path_and_keeps_the_faster(
+    home: ExpertHome, reference: ReferenceExperts
+) -> None:
+    """split "auto" with mapped reads: per decode batch size, ``split_probe`` steps on each path (alternating), then
+    the faster by median step time; here the split path's CPU tier is slowed, so the device path is kept; every
+    output exact on both paths."""
+    rt = _runtime(home, 3, "auto", split_probe=2, deadline_factor=0.0)
+    rt._tier = _SlowTier(rt._tier, delay=0.01)  # type: ignore[assignment]
+    rng = np.random.default_rng(17)
+    paths = []
+    try:
+        for _ in range(9):
+            for layer, x, ids, w, out in _step(rt, rng, tokens=2):
+                expected = reference.forward(layer, x, ids, w)
+                np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+            paths.append(rt._step_path)
+        chooser = rt._chooser
+        assert chooser is not None and chooser.decisions and chooser.decisions[0][:2] == (2, "device")
+        assert paths[:4] == ["split", "device", "split", "device"] and set(paths[4:]) == {"device"}, paths
+        assert rt.stats.device_steps == paths.count("device") and rt.stats.cpu_picks > 0
+    finally:
+        rt.close()
+
+
+def test_path_chooser_alternates_keeps_the_faster_and_measures_again() -> None:
+    from vllm_dsv41.split import PathChooser
+
+    c = PathChooser(probe=3, revisit=4)
+    seconds = {"split": 0.010, "device": 0.004}
+    seen = []
+    for _ in range(6):
+        p = c.choose(1)
+        seen.append(p)
+        assert c.record(1, p, seconds[p]) == ("device" if len(seen) == 6 else None)
+    assert seen == ["split", "device"] * 3
+    assert [c.choose(1) for _ in range(4)] == ["device"] * 4
+    for p in ("split", "device"):  # kept steps are not measured
+        assert c.record(1, p, 1.0) is None
+    assert c.choose(1) == "split"  # revisit reached: both measured again
+    seconds = {"split": 0.002, "device": 0.004}
+    c.record(1, "split", seconds["split"])
+    for _ in range(2):
+        for p in ("device", "split"):
+            c.record(1, p, seconds[p])
+    c.record(1, "device", seconds["device"])
+    assert c.decisions[-1] == (1, "split", 0.002, 0.004) and c.choose(1) == "split"
+    assert c.choose(2) == "split"  # each batch size is measured on its own
+    with pytest.raises(ValueError, match="probe"):
+        PathChooser(probe=0)
+    with pytest.raises(ValueError, match="path"):
+        c.record(1, "cpu", 0.1)
+
+
 class _StalledJob:
     """A CPU-tier job whose workers never got to run (as when the host is oversubscribed): it is not done by any
     deadline and reports every pick missing. The real tier's cancellation is tested in cpu-tier."""
@@ -479,7 +532,7 @@ def test_split_feedback_moves_misses_off_a_cpu_tier_slower_than_its_startup_rate
     # jobs takes 20 ms more. With feedback the measured / predicted average grows and the misses move to PCIe;
     # without it they stay on the CPU tier. The results are exact either way.
     rates = Rates(cpu_bps=1e12, pcie_bps=1e9, source="test")
-    rt = _runtime(home, 0, "auto", rates=rates, split_feedback=feedback, deadline_factor=0.0)
+    rt = _runtime(home, 0, "auto", rates=rates, split_feedback=feedback, deadline_factor=0.0, split_probe=0)
     rt._tier = _SlowTier(rt._tier, delay=0.02)  # type: ignore[assignment]
     rng = np.random.default_rng(21)
     cpu_per_step = []

@@ -126,6 +126,13 @@ def _parser() -> argparse.ArgumentParser:
         "all on the CPU tier, or all read over PCIe by the GPU",
     )
     t.add_argument(
+        "--split-probe",
+        type=int,
+        help="with --miss-split auto: steps per decode batch size measured on each of the split path and the "
+        "device path (every miss over PCIe, no host sync) before the faster is kept (0: always the split; "
+        f"default {_TIERED.split_probe})",
+    )
+    t.add_argument(
         "--split-feedback",
         type=float,
         help="how much each layer call's measured CPU-tier and PCIe times correct the split's startup rates (a "
@@ -249,7 +256,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
         plugin["attention_kv_rounding"] = a.attention_kv_rounding
     # flag -> field of the plugin's nested tiered-runtime config (TieredConfig)
     tiered_fields = {"cache_gib": "cache_gib", "cache_margin_gib": "cache_margin_gib", "cache_policy": "policy",
-                     "miss_split": "split", "split_feedback": "split_feedback", "hit_kernel": "hit_kernel", "pcie_read": "pcie_read",
+                     "miss_split": "split", "split_probe": "split_probe", "split_feedback": "split_feedback", "hit_kernel": "hit_kernel", "pcie_read": "pcie_read",
                      "pcie_stage_slots": "pcie_stage_slots", "cpu_gbps": "cpu_gbps",
                      "pcie_gbps": "pcie_gbps", "record_routing": "trace_path",
                      "tier_stats_every": "stats_every", "prefill": "prefill",

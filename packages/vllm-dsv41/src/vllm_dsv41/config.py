@@ -104,6 +104,11 @@ class TieredConfig:
         of ``pcie_stage_slots // 2`` experts. Default 16: rounds of 8 (213 MB at Flash's sizes).
     cpu_gbps, pcie_gbps : the cost model's rates (expert bytes per second, in GB/s) of the CPU tier and of the
         GPU's PCIe reads of the host home (mapped or staged, as configured); 0 = measured at startup.
+    split_probe : with split "auto" and mapped reads, each decode batch size (tokens per step) runs this many steps
+        on each of two paths, the split (inputs to the host, misses split by the cost model) and the device path
+        (every miss read over PCIe by the hit kernel, no host sync per layer; what split "pcie" always runs), and
+        keeps the one with the lower median step time (``vllm_dsv41.split.PathChooser``; measured again every
+        ``REVISIT_STEPS`` steps). 0: always the split.
     split_feedback : how much each layer call's measured times correct the split's startup rates: per path (CPU
         tier, PCIe share) an exponential average of log(measured / predicted seconds) (this weight per call) scales
         that path's rate and fixed cost, so the split follows what the paths take while serving (the CPU tier
@@ -142,6 +147,7 @@ class TieredConfig:
     pcie_stage_slots: int = 16
     cpu_gbps: float = 0.0
     pcie_gbps: float = 0.0
+    split_probe: int = 8
     split_feedback: float = 0.1
     deadline_factor: float = 4.0
     deadline_floor_ms: float = 2.0
@@ -175,6 +181,7 @@ class TieredConfig:
         _integer("pcie_stage_slots", self.pcie_stage_slots, 1)
         _number("cpu_gbps", self.cpu_gbps, 0.0)
         _number("pcie_gbps", self.pcie_gbps, 0.0)
+        _integer("split_probe", self.split_probe, 0)
         _number("split_feedback", self.split_feedback, 0.0, 1.0)
         _number("deadline_factor", self.deadline_factor, 0.0)
         _number("deadline_floor_ms", self.deadline_floor_ms, 0.0)

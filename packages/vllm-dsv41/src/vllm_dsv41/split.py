@@ -21,7 +21,7 @@ import numpy as np
 
 from dma_prefill import chunked_expert_seconds
 
-__all__ = ["Rates", "SplitPlan", "split_misses"]
+__all__ = ["PathChooser", "Rates", "SplitPlan", "split_misses"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -162,3 +162,54 @@ def split_misses(experts: np.ndarray, tokens: np.ndarray, expert_bytes: int, rat
     balanced = SplitPlan(experts, pcie, cpu_t, pcie_t)
     # the fixed costs can make one path alone faster than any balance (ties: the balanced split, then the CPU)
     return min((balanced, all_cpu, all_pcie), key=lambda plan: plan.predicted_seconds)
+
+
+#: Decode steps of one batch size after which ``PathChooser`` measures both paths again (the cache's contents, the
+#: machine's load and the routing drift).
+REVISIT_STEPS = 4096
+
+
+class PathChooser:
+    """Which decode path a step of ``t`` tokens takes under split "auto": "split" (the inputs to the host, misses
+    split by the cost model between the CPU tier and PCIe) or "device" (every miss read over PCIe by the hit
+    kernel, no host sync). Neither cost is known ahead (the split path's host time per layer, the CPU tier beside
+    vLLM's threads), so both are measured: per batch size, ``probe`` steps of each (alternating), then the one with
+    the lower median step time is kept for ``revisit`` steps, then both are measured again. Pure: the caller times
+    the steps (``record``)."""
+
+    PATHS = ("split", "device")
+
+    def __init__(self, probe: int, revisit: int = REVISIT_STEPS) -> None:
+        if probe < 1 or revisit < 1:
+            raise ValueError(f"PathChooser: probe and revisit must be >= 1, got {probe}, {revisit}")
+        self.probe, self.revisit = probe, revisit
+        self._samples: dict[int, dict[str, list[float]]] = {}
+        self._kept: dict[int, tuple[str, int]] = {}  # t -> (path, steps since it was chosen)
+        self.decisions: list[tuple[int, str, float, float]] = []  # (t, kept, median split, median device)
+
+    def choose(self, t: int) -> str:
+        kept = self._kept.get(t)
+        if kept is not None and kept[1] < self.revisit:
+            self._kept[t] = (kept[0], kept[1] + 1)
+            return kept[0]
+        samples = self._samples.setdefault(t, {p: [] for p in self.PATHS})
+        return min(self.PATHS, key=lambda p: len(samples[p]))  # the one measured less (split first)
+
+    def record(self, t: int, path: str, seconds: float) -> str | None:
+        """A finished step of ``t`` tokens on ``path`` took ``seconds``; returns the path kept when this completes
+        a measurement (else None)."""
+        if path not in self.PATHS:
+            raise ValueError(f"PathChooser.record: path must be one of {self.PATHS}, got {path!r}")
+        kept = self._kept.get(t)
+        if kept is not None and kept[1] < self.revisit:
+            return None  # not measuring
+        samples = self._samples.setdefault(t, {p: [] for p in self.PATHS})
+        samples[path].append(seconds)
+        if min(len(v) for v in samples.values()) < self.probe:
+            return None
+        med = {p: float(np.median(v)) for p, v in samples.items()}
+        best = min(self.PATHS, key=lambda p: med[p])
+        self._kept[t] = (best, 0)
+        self._samples[t] = {p: [] for p in self.PATHS}
+        self.decisions.append((t, best, med["split"], med["device"]))
+        return best

@@ -55,7 +55,7 @@ from . import metrics
 from .config import Dsv41PluginConfig, TieredConfig
 from .experts import _check_args, _refuse_capture, in_profile_run
 from .home import ExpertHome, LayerExperts
-from .split import Rates, split_misses
+from .split import PathChooser, Rates, split_misses
 
 __all__ = ["TierStats", "TieredRuntime", "hit_seconds"]
 
@@ -90,6 +90,7 @@ class TierStats:
     pcie_enqueue_seconds: float = 0.0  # host time queuing the PCIe share (after the CPU job is submitted)
     cpu_wait_seconds: float = 0.0  # host time blocked in finish() on the CPU tier's job (the GPU's share done before)
     cpu_run_seconds: float = 0.0  # the CPU tier's own run time of those jobs (cpu_seconds less queue and wake-up)
+    device_steps: int = 0  # decode steps on the device path (every miss over PCIe, no host sync per layer)
     cpu_scale: float = 1.0  # the split's correction of the CPU tier's startup rate: measured / predicted seconds
     pcie_scale: float = 1.0  # the same for the PCIe share
 
@@ -110,7 +111,8 @@ class TierStats:
             f"recomputed on the GPU); per step: layers {1e3 * self.layer_seconds / s:.2f} ms, CPU tier "
             f"{1e3 * self.cpu_seconds / s:.2f} ms (running {1e3 * self.cpu_run_seconds / s:.2f} ms), input wait "
             f"{1e3 * self.wait_seconds / s:.2f} ms, PCIe queuing {1e3 * self.pcie_enqueue_seconds / s:.2f} ms, wait "
-            f"for the CPU tier {1e3 * self.cpu_wait_seconds / s:.2f} ms; split feedback: CPU tier "
+            f"for the CPU tier {1e3 * self.cpu_wait_seconds / s:.2f} ms; {self.device_steps} steps on the device "
+            f"path; split feedback: CPU tier "
             f"x{self.cpu_scale:.2f}, PCIe x{self.pcie_scale:.2f} of the startup prediction"
         )
 
@@ -351,6 +353,13 @@ class TieredRuntime:
         # the device-only decode path's pick counts (hits, all picks), on the device until the stats are read
         self._dev_counts: torch.Tensor | None = None
         self._trace_h: dict[int, torch.Tensor] = {}  # per MoE layer: its routing, pinned (device-only path)
+        # split "auto": per decode batch size, the split path or the device path, whichever measures faster
+        self._chooser = (
+            PathChooser(self.tcfg.split_probe) if self.tcfg.split == "auto" and self.tcfg.split_probe else None
+        )
+        self._step_path = "split"
+        self._step_probed = False  # the open step's path is under the chooser (its time is reported to it)
+        self._step_t0 = 0.0
         self._trace_ready: Any = None
         self._m_cpu = metrics.tier("cpu")
         self._recorder: Any = None  # expert_cache.TraceRecorder, created at the first recorded step
@@ -589,11 +598,25 @@ class TieredRuntime:
                 self._cache_step = True
         if not first:
             return
+        now = time.perf_counter()
         if self._step_open:
             self._end_step()
+            if self._step_probed and self._chooser is not None:
+                kept = self._chooser.record(self._step_tokens, self._step_path, now - self._step_t0)
+                if kept is not None:
+                    _, _, split_s, device_s = self._chooser.decisions[-1]
+                    logger.info("dsv41 tiered: %d-token decode steps: split path %.2f ms, device path %.2f ms "
+                                "(medians of %d steps each): the %s path kept for the next %d steps",
+                                self._step_tokens, 1e3 * split_s, 1e3 * device_s, self._chooser.probe, kept,
+                                self._chooser.revisit)  # fmt: skip
         self._step_tokens = tokens
+        self._step_t0 = now
+        self._step_path, self._step_probed = "split", False
+        if self._chooser is not None and self._device_path_possible(tokens):
+            self._step_path, self._step_probed = self._chooser.choose(tokens), True
         for st in self._counters(tokens):
             st.steps += 1
+            st.device_steps += self._device_only(tokens)
         if cache is not None:
             cache.before_step(tokens)
             self._cache_step = True
@@ -824,10 +847,17 @@ class TieredRuntime:
                 self._feedback("pcie", p.pcie_enqueue_s, pcie_pred)
         return p
 
+    def _device_path_possible(self, t: int) -> bool:
+        """A call of ``t`` tokens can run on the device path: decode-size, the cache exists, mapped reads."""
+        return self._cache is not None and self._stager is None and 0 < t <= HIT_CHUNK_TOKENS
+
     def _device_only(self, t: int) -> bool:
         """Whether a call runs with no host sync (``_begin_device``): every miss read over PCIe by the hit kernel
-        in place (split "pcie", mapped reads), at decode sizes, once the cache exists."""
-        return self.tcfg.split == "pcie" and self._cache is not None and self._stager is None and t <= HIT_CHUNK_TOKENS
+        in place, at decode sizes, once the cache exists: always with split "pcie", and on the steps split "auto"
+        gives the device path (``PathChooser``)."""
+        if not self._device_path_possible(t):
+            return False
+        return self.tcfg.split == "pcie" or (self.tcfg.split == "auto" and self._step_path == "device")
 
     def _begin_device(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       t: int) -> _Pending:  # fmt: skip
