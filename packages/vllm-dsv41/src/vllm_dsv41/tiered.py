@@ -38,6 +38,7 @@ the reference one reading host addresses, and the cache lives in host memory.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -711,13 +712,13 @@ class TieredRuntime:
                 self._cache.observe(self._index[layer], topk_ids)
             lids = tuple(sorted(self._layers))
             nxt = lids[lids.index(layer) + 1] if layer != lids[-1] else None
-            with record_function("dsv41.tiered.staged_prefill"):
+            with _mark("dsv41.tiered.staged_prefill"):
                 staged = pf.run(layer, x, topk_ids, topk_weights, nxt, cache=self._cache)
             self._pending = _Pending(layer, t, staged=staged)
         else:
             if pf is not None and pf.active:  # the first call after a prefill episode: the cache gets its VRAM back
                 pf.end_episode(self._cache)
-            with record_function("dsv41.tiered.begin"):
+            with _mark("dsv41.tiered.begin"):
                 if not t:
                     self._pending = _Pending(layer, 0, t0=t0)
                 elif self._device_only(t):
@@ -747,7 +748,7 @@ class TieredRuntime:
                 torch.sum(p.b.y[: p.t], dim=1, out=p.b.x32[: p.t])
                 out[: p.t].copy_(p.b.x32[: p.t])
             else:
-                with record_function("dsv41.tiered.finish"):
+                with _mark("dsv41.tiered.finish"):
                     self._finish(p, out, sts)
         dt = time.perf_counter() - p.t0
         for st in sts:
@@ -791,7 +792,7 @@ class TieredRuntime:
             y.zero_()
         tw = time.perf_counter()
         if b.ready is not None:
-            with record_function("dsv41.tiered.input_wait"):
+            with _mark("dsv41.tiered.input_wait"):
                 b.ready.synchronize()
         wait_s = time.perf_counter() - tw
         self._read_pcie_timings()  # the stream has passed the earlier layers' PCIe shares (this input follows them)
@@ -806,16 +807,25 @@ class TieredRuntime:
         cpu_picks = miss
         cpu_pred = pcie_pred = 0.0
         if miss.size and ptrs is not None:
+            # per-expert counts by bincount over the layer's experts (a decode call's few dozen picks: several
+            # times cheaper than np.unique / np.isin's sorts)
             flat_ids = h_ids.reshape(-1)
-            experts, counts = np.unique(flat_ids[miss], return_counts=True)
+            lx = self._layers[layer]
+            miss_ids = flat_ids[miss]
+            per_expert = np.bincount(miss_ids, minlength=lx.num_experts)
+            experts = np.flatnonzero(per_expert)
+            counts = per_expert[experts]
             rates = self.split_rates()
-            eb = _expert_bytes(self._layers[layer])
-            busy = np.unique(flat_ids[h_hit.reshape(-1)]).size * eb / max(rates.gpu_bps, 1.0)
+            eb = _expert_bytes(lx)
+            busy_experts = np.count_nonzero(np.bincount(flat_ids[h_hit.reshape(-1)], minlength=lx.num_experts))
+            busy = busy_experts * eb / max(rates.gpu_bps, 1.0)
             plan = split_misses(experts, counts, eb, rates, self.tcfg.split, gpu_busy_seconds=busy)
             cpu_pred = plan.cpu_seconds / self._scale["cpu"]
             pcie_pred = max(plan.pcie_seconds - busy, 0.0) / self._scale["pcie"]
             if plan.pcie.any():
-                on_pcie = np.isin(flat_ids[miss], experts[plan.pcie])
+                to_pcie = np.zeros(lx.num_experts, bool)
+                to_pcie[experts[plan.pcie]] = True
+                on_pcie = to_pcie[miss_ids]
                 pcie_picks, cpu_picks = miss[on_pcie], miss[~on_pcie]
         p = _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, n_hit=n_hit, n_miss=int(miss.size),
                      pcie_picks=pcie_picks, cpu_picks=cpu_picks, wait_s=wait_s, cpu_pred=cpu_pred)  # fmt: skip
@@ -827,7 +837,8 @@ class TieredRuntime:
             experts_c = h_ids.reshape(-1)[cpu_picks].astype(np.int32)
             weights = b.h_w[:t].numpy().reshape(-1)[cpu_picks].astype(np.float32)
             picks_obj = self._picks_cls(np.arange(n, dtype=np.int32), experts_c, weights)
-            p.timeout = self._deadline(layer, np.unique(experts_c, return_counts=True)[1])
+            per_expert_c = np.bincount(experts_c, minlength=self._layers[layer].num_experts)
+            p.timeout = self._deadline(layer, per_expert_c[per_expert_c > 0])
             p.submitted = time.perf_counter()
             p.job = self._tier.submit(layer, xr, picks_obj, out=b.h_cpu[:n].numpy())
         # 5. the PCIe share queued after the CPU job is submitted: its copies' host-side queuing (per projection)
@@ -837,7 +848,7 @@ class TieredRuntime:
             ev = self._pcie_event_pair() if cuda else None
             if ev is not None:
                 ev[0].record(torch.cuda.current_stream(self.device))
-            with record_function("dsv41.tiered.pcie_share"):
+            with _mark("dsv41.tiered.pcie_share"):
                 self._gpu_picks(b, 0, kernel, ptrs, x32, w, t, pcie_picks, layer)
             p.pcie_enqueue_s = time.perf_counter() - tq
             if ev is not None:  # read at a later layer's input sync (no wait here)
@@ -909,7 +920,7 @@ class TieredRuntime:
             remaining = None if p.timeout is None else max(0.0, p.timeout - (time.perf_counter() - p.submitted))
             missing = np.empty(0, np.int64)
             tw = time.perf_counter()
-            with record_function("dsv41.tiered.cpu_wait"):
+            with _mark("dsv41.tiered.cpu_wait"):
                 done = p.job.wait(remaining)
             if not done:
                 missing = p.job.missing()  # cancels, waits for the workers to stop
@@ -979,7 +990,7 @@ class TieredRuntime:
         rs = stager.round_size
         for r0 in range(0, experts.size, rs):
             chunk = experts[r0 : r0 + rs]
-            with record_function("dsv41.tiered.stage_copies"):
+            with _mark("dsv41.tiered.stage_copies"):
                 table = stager.stage(li, chunk, ptrs, use, r0 // rs)
             if chunk.size < experts.size:  # this round's picks only
                 sub = torch.where(torch.isin(ids2, stager.cols), ids2, torch.full_like(ids2, -1))
@@ -1031,7 +1042,7 @@ class TieredRuntime:
                 chunk = experts[r0 : r0 + rs]
                 a0 = int(np.searchsorted(sorted_experts, chunk[0], side="left"))
                 a1 = int(np.searchsorted(sorted_experts, chunk[-1], side="right"))
-                with record_function("dsv41.tiered.stage_copies"):
+                with _mark("dsv41.tiered.stage_copies"):
                     table = stager.stage(li, chunk, ptrs, use, r0 // rs)
                 _hits_forward(kernel, table, xs[a0:a1], ids[a0:a1].view(-1, 1), ws[a0:a1].view(-1, 1), ys[a0:a1],
                               rows)  # fmt: skip
@@ -1121,6 +1132,12 @@ class TieredRuntime:
         self._tier.close()
         self._cache = None
         self._buffers.clear()
+
+
+def _mark(name: str) -> Any:
+    """A ``torch.profiler`` range of the runtime's parts when a profiler runs (``record_function`` costs ~7 us a
+    range even with none; a layer call marks 3-4)."""
+    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def _hits_forward(kernel: Any, table: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
