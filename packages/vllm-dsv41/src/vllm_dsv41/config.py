@@ -107,8 +107,8 @@ class TieredConfig:
     split_probe : with split "auto" and mapped reads, each decode batch size (tokens per step) runs this many steps
         on each of two paths, the split (inputs to the host, misses split by the cost model) and the device path
         (every miss read over PCIe by the hit kernel, no host sync per layer; what split "pcie" always runs), and
-        keeps the one with the lower median step time (``vllm_dsv41.split.PathChooser``; measured again every
-        ``REVISIT_STEPS`` steps). 0: always the split.
+        keeps the one whose steps' MoE layers span less time, median (``vllm_dsv41.split.PathChooser``; measured
+        again every ``REVISIT_STEPS`` steps). 0: always the split.
     split_feedback : how much each layer call's measured times correct the split's startup rates: per path (CPU
         tier, PCIe share) an exponential average of log(measured / predicted seconds) (this weight per call) scales
         that path's rate and fixed cost, so the split follows what the paths take while serving (the CPU tier

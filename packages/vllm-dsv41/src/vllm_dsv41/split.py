@@ -175,7 +175,7 @@ class PathChooser:
     kernel, no host sync). Neither cost is known ahead (the split path's host time per layer, the CPU tier beside
     vLLM's threads), so both are measured: per batch size, ``probe`` steps of each (alternating), then the one with
     the lower median step time is kept for ``revisit`` steps, then both are measured again. Pure: the caller times
-    the steps (``record``)."""
+    the steps (``record``; the tiered runtime times a step's MoE layers, first begin to last finish)."""
 
     PATHS = ("split", "device")
 

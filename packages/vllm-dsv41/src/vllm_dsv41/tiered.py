@@ -70,6 +70,8 @@ GiB = 1 << 30
 #: exllamav3's (10 H + 12 I) bytes a pick: 16 x 6 picks at Flash's sizes = 7.6 MB a layer, 0.3 GB for 40 layers).
 #: Decode (<= 16 tokens a step) is one call.
 HIT_CHUNK_TOKENS = 16
+#: Steps between two folds of the device path's pick counts into ``TierStats`` and Prometheus (a sync each).
+_FOLD_EVERY = 64
 
 
 @dataclasses.dataclass(slots=True)
@@ -360,7 +362,10 @@ class TieredRuntime:
         )
         self._step_path = "split"
         self._step_probed = False  # the open step's path is under the chooser (its time is reported to it)
-        self._step_t0 = 0.0
+        # a probed step's span, from its first MoE layer's begin to its last one's finish: CUDA events (read once
+        # the stream passed them) or host seconds on a CPU device; (tokens, path, start, end) until reported
+        self._step_start: Any = None
+        self._step_spans: list[tuple[int, str, Any, Any]] = []
         self._trace_ready: Any = None
         self._m_cpu = metrics.tier("cpu")
         self._recorder: Any = None  # expert_cache.TraceRecorder, created at the first recorded step
@@ -599,22 +604,16 @@ class TieredRuntime:
                 self._cache_step = True
         if not first:
             return
-        now = time.perf_counter()
         if self._step_open:
             self._end_step()
-            if self._step_probed and self._chooser is not None:
-                kept = self._chooser.record(self._step_tokens, self._step_path, now - self._step_t0)
-                if kept is not None:
-                    _, _, split_s, device_s = self._chooser.decisions[-1]
-                    logger.info("dsv41 tiered: %d-token decode steps: split path %.2f ms, device path %.2f ms "
-                                "(medians of %d steps each): the %s path kept for the next %d steps",
-                                self._step_tokens, 1e3 * split_s, 1e3 * device_s, self._chooser.probe, kept,
-                                self._chooser.revisit)  # fmt: skip
+        self._report_step_spans()
+        if self._dev_counts is not None and self._stats.steps % _FOLD_EVERY == 0:
+            self._fold_device_counts()  # (Prometheus' counters too; at a step's start the GPU has little queued)
         self._step_tokens = tokens
-        self._step_t0 = now
         self._step_path, self._step_probed = "split", False
         if self._chooser is not None and self._device_path_possible(tokens):
             self._step_path, self._step_probed = self._chooser.choose(tokens), True
+            self._step_start = self._span_mark()
         for st in self._counters(tokens):
             st.steps += 1
             st.device_steps += self._device_only(tokens)
@@ -750,6 +749,9 @@ class TieredRuntime:
             else:
                 with _mark("dsv41.tiered.finish"):
                     self._finish(p, out, sts)
+        if self._step_probed and layer == max(self._layers) and self._step_start is not None:
+            self._step_spans.append((self._step_tokens, self._step_path, self._step_start, self._span_mark()))
+            self._step_start = None
         dt = time.perf_counter() - p.t0
         for st in sts:
             st.layer_calls += 1
@@ -822,6 +824,13 @@ class TieredRuntime:
             plan = split_misses(experts, counts, eb, rates, self.tcfg.split, gpu_busy_seconds=busy)
             cpu_pred = plan.cpu_seconds / self._scale["cpu"]
             pcie_pred = max(plan.pcie_seconds - busy, 0.0) / self._scale["pcie"]
+            if t > HIT_CHUNK_TOKENS:  # the feedback learns from decode-size calls (the PCIe model has no tokens term)
+                cpu_pred = pcie_pred = 0.0
+            elif self.tcfg.split == "auto":  # a path given nothing learns nothing: its average returns toward 1, so
+                if not plan.pcie.any():  # a slow spell does not shut it out for good
+                    self._decay("pcie")
+                if plan.pcie.all():
+                    self._decay("cpu")
             if plan.pcie.any():
                 to_pcie = np.zeros(lx.num_experts, bool)
                 to_pcie[experts[plan.pcie]] = True
@@ -857,6 +866,37 @@ class TieredRuntime:
             else:  # a CPU device computes it synchronously
                 self._feedback("pcie", p.pcie_enqueue_s, pcie_pred)
         return p
+
+    def _span_mark(self) -> Any:
+        """A point of a probed step's span: a CUDA timing event on the compute stream (the GPU's timeline: no idle
+        time between requests, the split path's host bubbles included), or host seconds on a CPU device."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def _report_step_spans(self) -> None:
+        """Give the chooser the spans of probed steps the stream has finished (the device path runs ahead)."""
+        if self._chooser is None:
+            return
+        left = []
+        for t, path, start, end in self._step_spans:
+            if isinstance(end, float):
+                seconds = end - start
+            elif end.query():
+                seconds = start.elapsed_time(end) / 1e3
+            else:
+                left.append((t, path, start, end))
+                continue
+            kept = self._chooser.record(t, path, seconds)
+            if kept is not None:
+                _, _, split_s, device_s = self._chooser.decisions[-1]
+                logger.info("dsv41 tiered: %d-token decode steps: split path %.2f ms, device path %.2f ms (medians "
+                            "of %d steps each, first to last MoE layer): the %s path kept for the next %d steps", t,
+                            1e3 * split_s, 1e3 * device_s, self._chooser.probe, kept,
+                            self._chooser.revisit)  # fmt: skip
+        self._step_spans = left
 
     def _device_path_possible(self, t: int) -> bool:
         """A call of ``t`` tokens can run on the device path: decode-size, the cache exists, mapped reads."""
@@ -929,6 +969,9 @@ class TieredRuntime:
             t_wait = time.perf_counter() - tw
             if done:  # the job's end: seen now when the host waited for it, else its own run time (no wake-up)
                 self._feedback("cpu", tw + t_wait - p.submitted if t_wait > 1e-4 else p.job.elapsed_s, p.cpu_pred)
+            else:  # missed its deadline: what it took for the picks it did, scaled to all (a lower bound if none)
+                done_picks = max(n - missing.size, 1)
+                self._feedback("cpu", (tw + t_wait - p.submitted) * n / done_picks, p.cpu_pred)
             dt = time.perf_counter() - p.submitted
             for st in sts:
                 st.cpu_wait_seconds += t_wait
@@ -1071,7 +1114,18 @@ class TieredRuntime:
         if a == 0 or predicted <= 0 or not math.isfinite(measured) or measured < 0:
             return
         # a geometric average: one freak sample moves it by at most its ratio to the power a
-        v = math.exp((1 - a) * math.log(self._scale[path]) + a * math.log(max(measured, 1e-9) / predicted))
+        self._set_scale(
+            path, math.exp((1 - a) * math.log(self._scale[path]) + a * math.log(max(measured, 1e-9) / predicted))
+        )
+
+    def _decay(self, path: str) -> None:
+        """A layer call that gave ``path`` nothing: its average moves toward 1 by an eighth of the feedback's weight
+        (slower than it learns: the path gets a probe share now and then, not every other call)."""
+        a = self.tcfg.split_feedback / 8
+        if a:
+            self._set_scale(path, math.exp((1 - a) * math.log(self._scale[path])))
+
+    def _set_scale(self, path: str, v: float) -> None:
         self._scale[path] = v
         if path == "cpu":
             self._stats.cpu_scale = self._stats_decode.cpu_scale = v
