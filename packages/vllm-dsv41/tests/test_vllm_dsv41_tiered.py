@@ -61,6 +61,18 @@ def _step(rt: TieredRuntime, rng: np.random.Generator, tokens: int, hot: int = E
     return done
 
 
+def _exact_steps(rt: TieredRuntime, rng: np.random.Generator, reference: ReferenceExperts, steps: int,
+                 tokens: int, hot: int = EXPERTS) -> list[np.ndarray]:  # fmt: skip
+    """``steps`` model steps of ``tokens`` tokens, every layer's output checked against the float64 reference."""
+    outs = []
+    for _ in range(steps):
+        for layer, x, ids, w, out in _step(rt, rng, tokens=tokens, hot=hot):
+            expected = reference.forward(layer, x, ids, w)
+            np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+            outs.append(out)
+    return outs
+
+
 def test_rates_are_measured_per_tokens_per_expert(home: ExpertHome) -> None:
     """Without configured rates the CPU tier is timed at 1, 2, 4 and 8 tokens per expert when the cache is made
     (no PCIe rate on a CPU device), and the cost model and the log use every point."""
@@ -366,12 +378,9 @@ def test_decode_with_every_miss_over_pcie_runs_without_a_host_sync(home: ExpertH
             rt._device_only = lambda t: False  # type: ignore[method-assign]
         rng = np.random.default_rng(13)
         try:
-            outs = []
-            for step in range(10):
-                for layer, x, ids, w, out in _step(rt, rng, tokens=[1, 4, 16, 3, 24][step % 5], hot=7):
-                    expected = reference.forward(layer, x, ids, w)
-                    np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
-                    outs.append(out)
+            outs = [
+                o for step in range(10) for o in _exact_steps(rt, rng, reference, 1, [1, 4, 16, 3, 24][step % 5], 7)
+            ]
             if device_only:
                 assert rt._dev_counts is not None and rt.stats.device_steps == 8  # the 8 decode-size steps
                 assert rt._stats_decode.wait_seconds == 0 < rt._stats.wait_seconds  # only the 24-token calls synced
@@ -401,9 +410,7 @@ def test_auto_measures_the_split_and_the_device_path_and_keeps_the_faster(
     paths = []
     try:
         for _ in range(9):
-            for layer, x, ids, w, out in _step(rt, rng, tokens=2):
-                expected = reference.forward(layer, x, ids, w)
-                np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+            _exact_steps(rt, rng, reference, 1, tokens=2)
             paths.append(rt._step_path)
         chooser = rt._chooser
         assert chooser is not None and chooser.decisions and chooser.decisions[0][:2] == (2, "device")
@@ -443,10 +450,7 @@ def test_split_feedback_learns_from_cpu_jobs_that_miss_their_deadline(
     rt._tier = _StallingTier(rt._tier, stall=1)  # type: ignore[assignment]
     rng = np.random.default_rng(23)
     try:
-        for _ in range(3):
-            for layer, x, ids, w, out in _step(rt, rng, tokens=4):
-                expected = reference.forward(layer, x, ids, w)
-                np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+        _exact_steps(rt, rng, reference, 3, tokens=4)
         assert rt.stats.deadline_misses >= 1 and rt.stats.cpu_scale > 100, rt.stats
     finally:
         rt.close()
@@ -578,9 +582,7 @@ def test_split_feedback_moves_misses_off_a_cpu_tier_slower_than_its_startup_rate
     try:
         for _ in range(6):
             before = rt.stats.cpu_picks
-            for layer, x, ids, w, out in _step(rt, rng, tokens=4):
-                expected = reference.forward(layer, x, ids, w)
-                np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+            _exact_steps(rt, rng, reference, 1, tokens=4)
             cpu_per_step.append(rt.stats.cpu_picks - before)
         all_picks = LAYERS * 4 * TOP_K
         assert cpu_per_step[0] >= all_picks // LAYERS  # the first layer call trusts the startup rates
