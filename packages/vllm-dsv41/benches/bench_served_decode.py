@@ -53,7 +53,6 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -372,19 +371,23 @@ def run_case(llm: Any, streams: int, args: argparse.Namespace, vocab: int) -> di
     return {"runs": runs}
 
 
-def profiled(label: str, fn: Callable[[], Any], out_dir: Path | None, rows: int = 25) -> Any:
-    """``fn()`` once under ``torch.profiler`` (CPU, and CUDA where there is a GPU; the engine runs in this process):
-    the ops by self CUDA time and by self CPU time printed (``rows`` each) and written to
-    ``out_dir/profile_<label>.txt``; returns ``fn``'s result. The wall time includes the profiler's overhead; the
-    host time outside any op (numpy, waits, Python) is the wall time minus the ops' CPU total."""
+def profile_generate(llm: Any, label: str, prompts: list[dict[str, list[int]]], max_tokens: int,
+                     out_dir: Path | None, rows: int = 25) -> None:  # fmt: skip
+    """One greedy ``llm.generate`` of ``prompts`` under ``torch.profiler`` (CPU, and CUDA where there is a GPU; the
+    engine runs in this process): the ops by self CUDA time and by self CPU time printed (``rows`` each) and
+    written to ``out_dir/profile_<label>.txt``. The wall time includes the profiler's overhead; the host time
+    outside any op (numpy, waits, Python) is the wall time minus the ops' CPU total."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
     cuda = torch.cuda.is_available()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
-        result = fn()
+        llm.generate(prompts, sp, use_tqdm=False)
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
@@ -401,7 +404,6 @@ def profiled(label: str, fn: Callable[[], Any], out_dir: Path | None, rows: int 
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"profile_{label}.txt").write_text(text + "\n")
-    return result
 
 
 def add_pack_arguments(ap: argparse.ArgumentParser) -> None:
@@ -562,12 +564,8 @@ def main() -> int:
         for s in streams_list:
             res = run_case(llm, s, a, vocab)
             if f"{case}:{s}" in a.profile.split(","):
-                from vllm import SamplingParams
-
-                sp = SamplingParams(max_tokens=a.gen_tokens, temperature=0.0, ignore_eos=True)
-                ps = prompts_for(s, 7, a.prompt_tokens, vocab)
-                profiled(f"{case.replace(':', '_')}_S{s}", lambda ps=ps, sp=sp: llm.generate(ps, sp, use_tqdm=False),
-                         a.json.parent if a.json else None)  # fmt: skip
+                profile_generate(llm, f"{case.replace(':', '_')}_S{s}", prompts_for(s, 7, a.prompt_tokens, vocab),
+                                 a.gen_tokens, a.json.parent if a.json else None)  # fmt: skip
             row = summarize(case, s, res["runs"], rates, non_expert, eb, n_layers, full_layers, a)
             row["cache_slots"] = info.get("slots", 0)
             case_rows.append(row)

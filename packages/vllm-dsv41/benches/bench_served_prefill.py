@@ -48,7 +48,7 @@ from bench_served_decode import (  # noqa: E402
     _use_runtime,
     add_pack_arguments,
     build_flash_pack,
-    profiled,
+    profile_generate,
 )
 
 _T0 = time.perf_counter()
@@ -279,12 +279,8 @@ def main() -> int:
             print(row["line"], flush=True)
             save()
             if case == "tiered" and str(length) in a.profile.split(","):
-                from vllm import SamplingParams
-
-                sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-                ps = prompt(length, 7, vocab)
-                profiled(f"prefill_P{length}", lambda ps=ps, sp=sp: llm.generate(ps, sp, use_tqdm=False),
-                         a.json.parent if a.json else None)  # fmt: skip
+                profile_generate(llm, f"prefill_P{length}", prompt(length, 7, vocab), 1,
+                                 a.json.parent if a.json else None)  # fmt: skip
     doc["scaling"] = scale_lines(doc["rows"], n_layers, full, a.chunk, a.mission_pcie_gbps)
     print("\n".join(doc["scaling"]), flush=True)
     save()

@@ -744,8 +744,7 @@ class TieredRuntime:
                 out[: p.t].copy_(p.staged)
             elif p.device_only:
                 assert p.b is not None
-                torch.sum(p.b.y[: p.t], dim=1, out=p.b.x32[: p.t])
-                out[: p.t].copy_(p.b.x32[: p.t])
+                _combine(p.b, p.t, out)
             else:
                 with _mark("dsv41.tiered.finish"):
                     self._finish(p, out, sts)
@@ -770,11 +769,7 @@ class TieredRuntime:
         cache = self._cache
         kernel = self._hits[layer]
         if cache is not None:
-            li = self._index[layer]
-            cache.observe(li, ids)
-            ptrs = cache.layer_pointers(li)
-            torch.ge(cache.slot_of[li][ids.long().clamp(min=0)], 0, out=hit)
-            hit &= ids >= 0  # a negative id (vLLM's padding rows) is no pick: neither a hit nor a miss
+            ptrs, _ = self._observe_hits(layer, ids, hit)
         else:  # no cache yet (before vLLM's KV cache exists): everything is a miss, computed by the CPU tier
             ptrs = None
             hit.zero_()
@@ -917,19 +912,13 @@ class TieredRuntime:
         kernel call computes them all. The same result as the split path's two calls (each pick is computed
         alone; sums in a fixed order). Its hit and pick counts stay on the device until the stats are read; the
         routing trace is copied to pinned memory and read when the step is recorded."""
-        cache = self._cache
         k = topk_ids.shape[1]
         b = self._buffers_for(x.shape[1], k, t)
         ids, w, hit, x32, y = b.ids[:t], b.w[:t], b.hit[:t], b.x32[:t], b.y[:t]
         ids.copy_(topk_ids)
         w.copy_(topk_weights)
         x32.copy_(x)
-        li = self._index[layer]
-        cache.observe(li, ids)
-        ptrs = cache.layer_pointers(li)
-        torch.ge(cache.slot_of[li][ids.long().clamp(min=0)], 0, out=hit)
-        valid = ids >= 0
-        hit &= valid
+        ptrs, valid = self._observe_hits(layer, ids, hit)
         if self._dev_counts is None:
             self._dev_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._dev_counts.add_(torch.stack((hit.sum(), valid.sum())))
@@ -940,11 +929,22 @@ class TieredRuntime:
                                                        pin_memory=self.device.type == "cuda")  # fmt: skip
             h[:t].copy_(ids, non_blocking=True)
             self._step_ids[layer] = h[:t].numpy()
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and layer == max(self._layers):  # the step's copies are done by then
                 self._trace_ready = torch.cuda.Event()
                 self._trace_ready.record(torch.cuda.current_stream(self.device))
         _hits_forward(self._hits[layer], ptrs, x32, ids, w, y)
         return _Pending(layer, t, k=k, b=b, device_only=True)
+
+    def _observe_hits(self, layer: int, ids: torch.Tensor, hit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache observes the layer's routing; ``hit`` gets which picks are resident (a negative id, vLLM's
+        padding rows, is no pick: neither a hit nor a miss). Returns the layer's pointer table and the valid picks."""
+        cache = self._cache
+        li = self._index[layer]
+        cache.observe(li, ids)
+        torch.ge(cache.slot_of[li][ids.long().clamp(min=0)], 0, out=hit)
+        valid = ids >= 0
+        hit &= valid
+        return cache.layer_pointers(li), valid
 
     def _counters(self, tokens: int) -> tuple[TierStats, ...]:
         """The counters a layer call or step of ``tokens`` tokens adds to: the totals, and the decode-size ones
@@ -993,9 +993,7 @@ class TieredRuntime:
                                "picks recomputed on the GPU from the host home", p.layer, 1e3 * (p.timeout or 0),
                                missing.size, n)  # fmt: skip
                 self._gpu_picks(b, 1, p.kernel, p.ptrs, b.x32[:t], b.w[:t], t, p.cpu_picks[missing], p.layer)
-        # 6. fixed-order sum over the picks of each token.
-        torch.sum(b.y[:t], dim=1, out=b.x32[:t])
-        out[:t].copy_(b.x32[:t])
+        _combine(b, t, out)
         for st in sts:
             st.hit_picks += p.n_hit
             st.cpu_picks += int(p.cpu_picks.size)
@@ -1186,6 +1184,12 @@ class TieredRuntime:
         self._tier.close()
         self._cache = None
         self._buffers.clear()
+
+
+def _combine(b: _Buffers, t: int, out: torch.Tensor) -> None:
+    """``out[:t]``: the fixed-order sum over the picks of each token (``y``: one pick per row, zeros elsewhere)."""
+    torch.sum(b.y[:t], dim=1, out=b.x32[:t])
+    out[:t].copy_(b.x32[:t])
 
 
 def _mark(name: str) -> Any:
