@@ -485,6 +485,22 @@ def test_path_chooser_alternates_keeps_the_faster_and_measures_again() -> None:
         c.record(1, "cpu", 0.1)
 
 
+def test_device_path_counts_made_in_inference_mode_fold_outside_it(home: ExpertHome) -> None:
+    """vLLM runs the model under ``torch.inference_mode``: the device path's counters are inference tensors, and
+    reading the stats afterwards (outside it) must still fold them (a served run of the fidelity tool hit this)."""
+    rt = _runtime(home, 5, "pcie")
+    rng = np.random.default_rng(29)
+    try:
+        with torch.inference_mode():
+            for _ in range(3):
+                _step(rt, rng, tokens=2)
+        s = rt.stats
+        assert s.device_steps == 3 and s.hit_picks + s.pcie_picks == 3 * LAYERS * 2 * TOP_K
+        assert rt.stats.hit_picks + rt.stats.pcie_picks == 3 * LAYERS * 2 * TOP_K  # folded once, not twice
+    finally:
+        rt.close()
+
+
 class _StalledJob:
     """A CPU-tier job whose workers never got to run (as when the host is oversubscribed): it is not done by any
     deadline and reports every pick missing. The real tier's cancellation is tested in cpu-tier."""

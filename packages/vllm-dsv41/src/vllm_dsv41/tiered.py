@@ -437,7 +437,8 @@ class TieredRuntime:
         if c is None:
             return
         hits, picks = (int(v) for v in c.tolist())
-        c.zero_()
+        with torch.inference_mode():  # made in the model's forward: an inference tensor, updated in place only there
+            c.zero_()
         for st in (self._stats, self._stats_decode):
             st.hit_picks += hits
             st.pcie_picks += picks - hits
@@ -616,7 +617,6 @@ class TieredRuntime:
             self._step_start = self._span_mark()
         for st in self._counters(tokens):
             st.steps += 1
-            st.device_steps += self._device_only(tokens)
         if cache is not None:
             cache.before_step(tokens)
             self._cache_step = True
@@ -711,6 +711,7 @@ class TieredRuntime:
                 self._cache.observe(self._index[layer], topk_ids)
             lids = tuple(sorted(self._layers))
             nxt = lids[lids.index(layer) + 1] if layer != lids[-1] else None
+            self._step_probed = False  # a streamed step is neither path's: not a sample
             with _mark("dsv41.tiered.staged_prefill"):
                 staged = pf.run(layer, x, topk_ids, topk_weights, nxt, cache=self._cache)
             self._pending = _Pending(layer, t, staged=staged)
@@ -919,6 +920,9 @@ class TieredRuntime:
         w.copy_(topk_weights)
         x32.copy_(x)
         ptrs, valid = self._observe_hits(layer, ids, hit)
+        if layer == min(self._layers):  # a step that ran on the device path (not one the staged prefill took)
+            for st in self._counters(t):
+                st.device_steps += 1
         if self._dev_counts is None:
             self._dev_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._dev_counts.add_(torch.stack((hit.sum(), valid.sum())))
