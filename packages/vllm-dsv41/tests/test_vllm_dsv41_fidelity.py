@@ -87,6 +87,31 @@ def test_tiered_runtime_served_by_vllm_equals_the_oracle(demo_pack: Path, tmp_pa
     assert t.num_steps > 0 and t.num_layers == 2
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("split", ["pcie", "auto"])
+def test_tiered_device_path_served_by_vllm_equals_the_oracle(demo_pack: Path, tmp_path: Path, split: str) -> None:
+    """The device path inside vLLM's CPU build (decode steps with every miss read by the hit kernel, no host sync:
+    always with split "pcie", on the steps "auto" probes it), no staged prefill: exact against the oracle, its
+    counts (inference tensors made in vLLM's forward) folded into the stats read afterwards, the trace recorded."""
+    out, trace = tmp_path / "fidelity.json", tmp_path / "trace.npz"
+    tiered = {"cache_gib": 0.0005, "replan_every": 2, "split": split, "split_probe": 2, "prefill": False,
+              "trace_path": str(trace)}  # fmt: skip
+    cmd = [sys.executable, "-m", "vllm_dsv41.fidelity", str(demo_pack), "--runtime", "tiered", "--against",
+           "all-in-vram", "--positions", "256", "--length", "64", "--greedy-prompts", "2", "--greedy-tokens", "8",
+           "--cpu-threads", "2", "--json", str(out), "--min-top1", "0.999", "--max-kl-mean", "1e-4",
+           "--tiered", json.dumps(tiered)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["top1_agreement"] == 1.0 and res["greedy_match"]
+    st = res["runtime_stats"]
+    assert st["device_steps"] > 0 and st["hit_picks"] > 0, st
+    assert st["pcie_picks"] > 0 if split == "pcie" else st["cpu_picks"] > 0, st
+    from expert_cache import load_trace
+
+    assert load_trace(trace).num_steps > 0
+
+
 def test_reference_file_round_trip_and_bad_files(tmp_path: Path) -> None:
     from vllm_dsv41.fidelity import Reference
 
