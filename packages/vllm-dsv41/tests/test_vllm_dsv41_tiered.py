@@ -402,10 +402,12 @@ def test_auto_measures_the_split_and_the_device_path_and_keeps_the_faster(
     home: ExpertHome, reference: ReferenceExperts
 ) -> None:
     """split "auto" with mapped reads: per decode batch size, ``split_probe`` steps on each path (alternating), then
-    the faster by median step time; here the split path's CPU tier is slowed, so the device path is kept; every
-    output exact on both paths."""
+    the faster by median step time; here the split path's CPU tier is slowed (on a virtual clock: 10 ms a job), so
+    the device path is kept; every output exact on both paths."""
     rt = _runtime(home, 3, "auto", split_probe=2, deadline_factor=0.0)
-    rt._tier = _SlowTier(rt._tier, delay=0.01)  # type: ignore[assignment]
+    clock = _VirtualClock()
+    rt._tier = _SlowTier(rt._tier, delay=0.01, clock=clock)  # type: ignore[assignment]
+    rt._span_mark = clock.mark  # type: ignore[method-assign]
     rng = np.random.default_rng(17)
     paths = []
     try:
@@ -423,17 +425,20 @@ def test_auto_measures_the_split_and_the_device_path_and_keeps_the_faster(
 def test_auto_times_a_step_from_its_first_moe_layer_to_its_last_not_the_idle_gap_after(
         home: ExpertHome) -> None:  # fmt: skip
     """The chooser's samples are the steps' spans (first MoE layer's begin to the last one's finish), so the idle
-    time between requests (here 0.3 s after every step) is not charged to the path that ran before it."""
+    time between requests (here 0.3 s after every step, on a virtual clock that ticks 1 ms a mark) is not charged
+    to the path that ran before it."""
     rt = _runtime(home, 3, "auto", split_probe=2, deadline_factor=0.0)
+    clock = _VirtualClock()
+    rt._span_mark = clock.mark  # type: ignore[method-assign]
     rng = np.random.default_rng(19)
     try:
         for _ in range(6):
             _step(rt, rng, tokens=2)
-            time.sleep(0.3)
+            clock.now += 0.3
         chooser = rt._chooser
         assert chooser is not None and chooser.decisions
         t, _, split_s, device_s = chooser.decisions[0]
-        assert t == 2 and split_s < 0.1 and device_s < 0.1, chooser.decisions
+        assert t == 2 and 0 < split_s < 0.1 and 0 < device_s < 0.1, chooser.decisions
     finally:
         rt.close()
 
@@ -558,14 +563,31 @@ def test_deadline_fallback_recomputes_on_the_gpu_and_counts(home: ExpertHome, re
         rt.close()
 
 
-class _SlowJob:
-    """A real CPU-tier job whose wait takes ``delay`` seconds longer (a CPU tier slower in service than alone)."""
+class _VirtualClock:
+    """The chooser's clock in a test: ``mark`` replaces the runtime's ``_span_mark`` (host seconds on a CPU device)
+    and advances ``tick`` per call, so the spans the chooser compares come from what the test charges, not from the
+    machine's load (a CI box made the device path's real span slower than the split path's slowed one)."""
 
-    def __init__(self, job: object, delay: float) -> None:
-        self.job, self.delay = job, delay
+    def __init__(self, tick: float = 1e-3) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def mark(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+class _SlowJob:
+    """A real CPU-tier job whose wait takes ``delay`` seconds longer (a CPU tier slower in service than alone); with
+    a ``clock`` the delay is charged to it instead of slept."""
+
+    def __init__(self, job: object, delay: float, clock: _VirtualClock | None = None) -> None:
+        self.job, self.delay, self.clock = job, delay, clock
 
     def wait(self, timeout: float | None = None) -> bool:
-        time.sleep(self.delay)
+        if self.clock is None:
+            time.sleep(self.delay)
+        else:
+            self.clock.now += self.delay
         return self.job.wait(timeout)  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> object:
@@ -573,11 +595,12 @@ class _SlowJob:
 
 
 class _SlowTier:
-    def __init__(self, tier: object, delay: float) -> None:
-        self.tier, self.delay = tier, delay
+    def __init__(self, tier: object, delay: float, clock: _VirtualClock | None = None) -> None:
+        self.tier, self.delay, self.clock = tier, delay, clock
 
     def submit(self, layer: int, x: np.ndarray, picks: object, out: np.ndarray) -> object:
-        return _SlowJob(self.tier.submit(layer, x, picks, out=out), self.delay)  # type: ignore[attr-defined]
+        job = self.tier.submit(layer, x, picks, out=out)  # type: ignore[attr-defined]
+        return _SlowJob(job, self.delay, self.clock)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.tier, name)
