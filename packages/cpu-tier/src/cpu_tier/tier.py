@@ -424,10 +424,8 @@ class ExpertTier:
                 if v.dtype.kind != "f":
                     raise ValueError(f"picks.weights: must be floating point, got {v.dtype}")
                 v = np.ascontiguousarray(v, dtype=np.float32)
-            else:
-                if v.dtype.kind not in "iu":
-                    raise ValueError(f"picks.{field}: must be an integer array, got {v.dtype}")
-                v = np.ascontiguousarray(v, dtype=np.int64)
+            elif v.dtype.kind not in "iu":
+                raise ValueError(f"picks.{field}: must be an integer array, got {v.dtype}")
             arrs.append(v)
         tokens, experts, weights = arrs
         if not (tokens.shape == experts.shape == weights.shape):
@@ -435,15 +433,18 @@ class ExpertTier:
                 f"picks: tokens, experts and weights must have one length, got "
                 f"{tokens.shape[0]}, {experts.shape[0]}, {weights.shape[0]}"
             )
+        checked = []
         for field, v, hi in (("tokens", tokens, t), ("experts", experts, lay.num_experts)):
-            bad = np.flatnonzero((v < 0) | (v >= hi))
-            if bad.size:
-                i = int(bad[0])
+            # the range on the array as given (min / max: a decode call's few picks cost ~1 us; the first bad pick
+            # is looked for only when there is one), then int32 (a copy only when given another type)
+            if v.size and (int(v.min()) < 0 or int(v.max()) >= hi):
+                i = int(np.flatnonzero((v < 0) | (v >= hi))[0])
                 what = f"x has {t} rows" if field == "tokens" else f"layer {layer} has {hi} experts"
                 raise ValueError(f"picks.{field}[{i}] = {int(v[i])} is out of range ({what})")
-        if not np.all(np.isfinite(weights)):
+            checked.append(np.ascontiguousarray(v, dtype=np.int32))
+        if weights.size and not np.isfinite(weights).all():
             raise ValueError("picks.weights: must be finite")
-        return tokens.astype(np.int32), experts.astype(np.int32), weights
+        return checked[0], checked[1], weights
 
     # -- lifetime
     def _check_open(self) -> None:

@@ -171,6 +171,7 @@ class _Buffers:
         self.cpu_rows = dev((picks, hidden), f32)
         self.cpu_index = dev((picks,), torch.int64)
         self.second_ids = dev((2, rows, topk), i32)
+        self.no_pick = torch.full((), -1, dtype=i32, device=device)  # ``where``'s other operand (a 0-d tensor)
         self.h_x = host((rows, hidden), f32)
         self.h_ids = host((rows, topk), i32)
         self.h_w = host((rows, topk), f32)
@@ -185,6 +186,53 @@ class _Buffers:
         self.order = dev((2, 2, picks), torch.int64)
         self.w_sorted = dev((2, picks), f32)
         self.ready = torch.cuda.Event() if cuda else None
+        self._rows: dict[int, _Rows] = {}
+        self._picks: dict[int, _PickRows] = {}
+
+    def at(self, t: int) -> _Rows:
+        """The views of the first ``t`` token rows (made once per ``t``: a decode call's ~20 slices and numpy views
+        cost ~1-2 us each, on the split path's critical path before the CPU tier starts)."""
+        v = self._rows.get(t)
+        if v is None:
+            v = self._rows[t] = _Rows(self, t)
+        return v
+
+    def picks_at(self, n: int) -> _PickRows:
+        """The views of the first ``n`` pick rows of the CPU share's buffers (made once per ``n``)."""
+        v = self._picks.get(n)
+        if v is None:
+            v = self._picks[n] = _PickRows(self, n)
+        return v
+
+
+class _Rows:
+    """``_Buffers``' views of ``t`` token rows: device, pinned host, and the host ones as numpy arrays."""
+
+    __slots__ = ("ids", "w", "x32", "gpu_ids", "hit", "y", "y_flat", "y2", "h_x", "h_ids", "h_w", "h_hit",
+                 "np_x", "np_ids", "np_ids_flat", "np_w_flat", "np_hit_flat")  # fmt: skip
+
+    def __init__(self, b: _Buffers, t: int) -> None:
+        self.ids, self.w, self.x32, self.gpu_ids, self.hit = b.ids[:t], b.w[:t], b.x32[:t], b.gpu_ids[:t], b.hit[:t]
+        self.y, self.y2 = b.y[:t], b.y2[:t]
+        self.y_flat = self.y.view(-1, b.hidden)
+        self.h_x, self.h_ids, self.h_w, self.h_hit = b.h_x[:t], b.h_ids[:t], b.h_w[:t], b.h_hit[:t]
+        self.np_x, self.np_ids = self.h_x.numpy(), self.h_ids.numpy()
+        self.np_ids_flat = self.np_ids.reshape(-1)
+        self.np_w_flat = self.h_w.numpy().reshape(-1)
+        self.np_hit_flat = self.h_hit.numpy().reshape(-1)
+
+
+class _PickRows:
+    """``_Buffers``' views of ``n`` rows of the CPU share (one row per pick)."""
+
+    __slots__ = ("h_xrows", "h_cpu", "h_index", "cpu_index", "cpu_rows", "np_xrows", "np_cpu", "np_index", "arange")
+
+    def __init__(self, b: _Buffers, n: int) -> None:
+        self.h_xrows, self.h_cpu, self.h_index = b.h_xrows[:n], b.h_cpu[:n], b.h_index[:n]
+        self.cpu_index, self.cpu_rows = b.cpu_index[:n], b.cpu_rows[:n]
+        self.np_xrows, self.np_cpu, self.np_index = self.h_xrows.numpy(), self.h_cpu.numpy(), self.h_index.numpy()
+        self.arange = np.arange(n, dtype=np.int32)
+        self.arange.flags.writeable = False
 
 
 class _Stager:
@@ -336,6 +384,7 @@ class TieredRuntime:
         self.isa: str = self._tier.isa
         self._layers: dict[int, LayerExperts] = {}
         self._hidden: dict[int, int] = {}
+        self._expert_bytes: dict[int, int] = {}  # per layer, bytes of one expert (the split's unit)
         self._hits: dict[int, Any] = {}
         self._hits_factory = hits_factory
         self._cache_bytes = cache_bytes
@@ -391,6 +440,7 @@ class TieredRuntime:
                              swiglu_limit=swiglu_limit)  # fmt: skip
         self._layers[experts.layer] = experts
         self._hidden[experts.layer] = experts.hidden
+        self._expert_bytes[experts.layer] = _expert_bytes(experts)
         self._limits[experts.layer] = swiglu_limit
         factory = self._hits_factory
         if factory is None:
@@ -764,7 +814,8 @@ class TieredRuntime:
         cuda = self.device.type == "cuda"
         k = topk_ids.shape[1]
         b = self._buffers_for(x.shape[1], k, t)
-        ids, w, gpu_ids, hit, y = b.ids[:t], b.w[:t], b.gpu_ids[:t], b.hit[:t], b.y[:t]
+        r = b.at(t)
+        ids, w, hit = r.ids, r.w, r.hit
         ids.copy_(topk_ids)
         w.copy_(topk_weights)
         cache = self._cache
@@ -774,50 +825,50 @@ class TieredRuntime:
         else:  # no cache yet (before vLLM's KV cache exists): everything is a miss, computed by the CPU tier
             ptrs = None
             hit.zero_()
-        torch.where(hit, ids, torch.full_like(ids, -1), out=gpu_ids)
+        torch.where(hit, ids, b.no_pick, out=r.gpu_ids)
         # 1-2. inputs to the host (one event), then the hits on the GPU while the host waits for the copy.
-        x32 = b.x32[:t]
+        x32 = r.x32
         x32.copy_(x)
-        b.h_x[:t].copy_(x32, non_blocking=cuda)
-        b.h_ids[:t].copy_(ids, non_blocking=cuda)
-        b.h_w[:t].copy_(w, non_blocking=cuda)
-        b.h_hit[:t].copy_(hit, non_blocking=cuda)
+        r.h_x.copy_(x32, non_blocking=cuda)
+        r.h_ids.copy_(ids, non_blocking=cuda)
+        r.h_w.copy_(w, non_blocking=cuda)
+        r.h_hit.copy_(hit, non_blocking=cuda)
         if b.ready is not None:
             b.ready.record(torch.cuda.current_stream(self.device))
         if ptrs is not None:
-            _hits_forward(kernel, ptrs, x32, gpu_ids, w, y)
+            _hits_forward(kernel, ptrs, x32, r.gpu_ids, w, r.y)
         else:
-            y.zero_()
+            r.y.zero_()
         tw = time.perf_counter()
         if b.ready is not None:
             with _mark("dsv41.tiered.input_wait"):
                 b.ready.synchronize()
         wait_s = time.perf_counter() - tw
-        self._read_pcie_timings()  # the stream has passed the earlier layers' PCIe shares (this input follows them)
-        h_ids = b.h_ids[:t].numpy()
-        h_hit = b.h_hit[:t].numpy()
+        flat_ids, h_hit = r.np_ids_flat, r.np_hit_flat
         if self.tcfg.trace_path:
-            self._step_ids[layer] = h_ids.copy()
-        n_hit = int(h_hit.sum())
-        miss = np.flatnonzero(~h_hit.reshape(-1) & (h_ids.reshape(-1) >= 0))  # flat pick indices t * k + j
+            self._step_ids[layer] = r.np_ids.copy()
+        n_hit = int(np.count_nonzero(h_hit))
+        miss = np.flatnonzero(~h_hit & (flat_ids >= 0))  # flat pick indices t * k + j
         # 3. split the misses (per distinct expert) between the CPU tier and PCIe reads.
-        pcie_picks = np.empty(0, np.int64)
+        pcie_picks = _NO_PICKS
         cpu_picks = miss
         cpu_pred = pcie_pred = 0.0
-        if miss.size and ptrs is not None:
+        cpu_raw: float | None = None  # the CPU share's predicted seconds at the split's rates (for its deadline)
+        lx = self._layers[layer]
+        if miss.size and ptrs is not None and self.tcfg.split != "cpu":
             # per-expert counts by bincount over the layer's experts (a decode call's few dozen picks: several
             # times cheaper than np.unique / np.isin's sorts)
-            flat_ids = h_ids.reshape(-1)
-            lx = self._layers[layer]
             miss_ids = flat_ids[miss]
             per_expert = np.bincount(miss_ids, minlength=lx.num_experts)
             experts = np.flatnonzero(per_expert)
             counts = per_expert[experts]
             rates = self.split_rates()
-            eb = _expert_bytes(lx)
-            busy_experts = np.count_nonzero(np.bincount(flat_ids[h_hit.reshape(-1)], minlength=lx.num_experts))
+            eb = self._expert_bytes[layer]
+            busy_experts = np.count_nonzero(np.bincount(flat_ids[h_hit], minlength=lx.num_experts))
             busy = busy_experts * eb / max(rates.gpu_bps, 1.0)
-            plan = split_misses(experts, counts, eb, rates, self.tcfg.split, gpu_busy_seconds=busy)
+            plan = split_misses(experts, counts, eb, rates, self.tcfg.split, gpu_busy_seconds=busy,
+                                cpu_cost=functools.partial(_cpu_expert_seconds, rates, eb))  # fmt: skip
+            cpu_raw = plan.cpu_seconds
             cpu_pred = plan.cpu_seconds / self._scale["cpu"]
             pcie_pred = max(plan.pcie_seconds - busy, 0.0) / self._scale["pcie"]
             if t > HIT_CHUNK_TOKENS:  # the feedback learns from decode-size calls (the PCIe model has no tokens term)
@@ -832,20 +883,23 @@ class TieredRuntime:
                 to_pcie[experts[plan.pcie]] = True
                 on_pcie = to_pcie[miss_ids]
                 pcie_picks, cpu_picks = miss[on_pcie], miss[~on_pcie]
+        elif miss.size and ptrs is not None:  # split "cpu": the prediction, for its deadline and the feedback
+            cpu_raw = self._cpu_share_seconds(layer, flat_ids[miss])
+            cpu_pred = cpu_raw / self._scale["cpu"] if t <= HIT_CHUNK_TOKENS else 0.0
         p = _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, n_hit=n_hit, n_miss=int(miss.size),
                      pcie_picks=pcie_picks, cpu_picks=cpu_picks, wait_s=wait_s, cpu_pred=cpu_pred)  # fmt: skip
-        # 4. the CPU share, submitted now (the workers start at once); waited for in finish().
+        # 4. the CPU share, submitted now (the workers start at once); waited for in finish(). Its deadline is
+        # computed after the submit (it is needed only at the wait).
         if cpu_picks.size:
             n = cpu_picks.size
-            xr = b.h_xrows[:n].numpy()
-            np.take(b.h_x[:t].numpy(), cpu_picks // k, axis=0, out=xr)
-            experts_c = h_ids.reshape(-1)[cpu_picks].astype(np.int32)
-            weights = b.h_w[:t].numpy().reshape(-1)[cpu_picks].astype(np.float32)
-            picks_obj = self._picks_cls(np.arange(n, dtype=np.int32), experts_c, weights)
-            per_expert_c = np.bincount(experts_c, minlength=self._layers[layer].num_experts)
-            p.timeout = self._deadline(layer, per_expert_c[per_expert_c > 0])
+            pr = b.picks_at(n)
+            np.take(r.np_x, cpu_picks // k, axis=0, out=pr.np_xrows)
+            experts_c = flat_ids[cpu_picks]
+            picks_obj = self._picks_cls(pr.arange, experts_c, r.np_w_flat[cpu_picks])
             p.submitted = time.perf_counter()
-            p.job = self._tier.submit(layer, xr, picks_obj, out=b.h_cpu[:n].numpy())
+            p.job = self._tier.submit(layer, pr.np_xrows, picks_obj, out=pr.np_cpu)
+            p.timeout = self._deadline(self._cpu_share_seconds(layer, experts_c) if cpu_raw is None else cpu_raw)
+        self._read_pcie_timings()  # the stream has passed the earlier layers' PCIe shares (this input follows them)
         # 5. the PCIe share queued after the CPU job is submitted: its copies' host-side queuing (per projection)
         # overlaps the CPU tier's work instead of delaying its start.
         if pcie_picks.size:
@@ -915,7 +969,8 @@ class TieredRuntime:
         routing trace is copied to pinned memory and read when the step is recorded."""
         k = topk_ids.shape[1]
         b = self._buffers_for(x.shape[1], k, t)
-        ids, w, hit, x32, y = b.ids[:t], b.w[:t], b.hit[:t], b.x32[:t], b.y[:t]
+        r = b.at(t)
+        ids, w, hit, x32, y = r.ids, r.w, r.hit, r.x32, r.y
         ids.copy_(topk_ids)
         w.copy_(topk_weights)
         x32.copy_(x)
@@ -982,12 +1037,13 @@ class TieredRuntime:
                 st.cpu_run_seconds += p.job.elapsed_s
                 st.cpu_seconds += dt
             self._m_cpu.forward(dt, picks=n - missing.size)
+            pr = b.picks_at(n)
             if missing.size:  # their rows were never written (stale bytes): zeros, then the GPU's values added
-                b.h_cpu[:n].numpy()[missing] = 0.0
-            b.h_index[:n].numpy()[:] = p.cpu_picks
-            b.cpu_index[:n].copy_(b.h_index[:n], non_blocking=cuda)
-            b.cpu_rows[:n].copy_(b.h_cpu[:n], non_blocking=cuda)
-            b.y[:t].view(-1, b.hidden).index_copy_(0, b.cpu_index[:n], b.cpu_rows[:n])
+                pr.np_cpu[missing] = 0.0
+            pr.np_index[:] = p.cpu_picks
+            pr.cpu_index.copy_(pr.h_index, non_blocking=cuda)
+            pr.cpu_rows.copy_(pr.h_cpu, non_blocking=cuda)
+            b.at(t).y_flat.index_copy_(0, pr.cpu_index, pr.cpu_rows)
             if missing.size:
                 for st in sts:
                     st.deadline_misses += 1
@@ -996,7 +1052,8 @@ class TieredRuntime:
                 logger.warning("dsv41 tiered: MoE layer %d: the CPU tier missed its deadline (%.2f ms); %d of %d "
                                "picks recomputed on the GPU from the host home", p.layer, 1e3 * (p.timeout or 0),
                                missing.size, n)  # fmt: skip
-                self._gpu_picks(b, 1, p.kernel, p.ptrs, b.x32[:t], b.w[:t], t, p.cpu_picks[missing], p.layer)
+                r = b.at(t)
+                self._gpu_picks(b, 1, p.kernel, p.ptrs, r.x32, r.w, t, p.cpu_picks[missing], p.layer)
         _combine(b, t, out)
         for st in sts:
             st.hit_picks += p.n_hit
@@ -1015,7 +1072,8 @@ class TieredRuntime:
         the stream orders after these copies."""
         if ptrs is None:  # cannot happen: PCIe picks and fallbacks need the table, which exists with the cache
             raise RuntimeError("tiered runtime: GPU picks before the expert cache exists")
-        flat = b.h_ids[:t].numpy().reshape(-1)
+        r = b.at(t)
+        flat = r.np_ids_flat
         if t > HIT_CHUNK_TOKENS:
             self._gpu_picks_sorted(b, use, kernel, ptrs, x, w, t, picks, layer, flat)
             return
@@ -1024,11 +1082,11 @@ class TieredRuntime:
         h.reshape(-1)[picks] = flat[picks]
         ids2 = b.second_ids[use, :t]
         ids2.copy_(b.h_second[use, :t], non_blocking=self.device.type == "cuda")
-        y2 = b.y2[:t]
+        y2 = r.y2
         stager = self._stager
         if stager is None:
             _hits_forward(kernel, ptrs, x, ids2, w, y2)
-            b.y[:t].add_(y2)
+            r.y.add_(y2)
             return
         experts = np.unique(flat[picks])
         li = self._index[layer]
@@ -1043,7 +1101,7 @@ class TieredRuntime:
                 sub = ids2
             _hits_forward(kernel, table, x, sub, w, y2)
             stager.done()
-            b.y[:t].add_(y2)
+            r.y.add_(y2)
 
     def _gpu_picks_sorted(self, b: _Buffers, use: int, kernel: Any, ptrs: Any, x: torch.Tensor, w: torch.Tensor,
                           t: int, picks: np.ndarray, layer: int, flat: np.ndarray) -> None:  # fmt: skip
@@ -1147,17 +1205,24 @@ class TieredRuntime:
             self._pcie_events.append((start, end))
         self._pcie_timed.clear()
 
-    def _deadline(self, layer: int, tokens: np.ndarray) -> float | None:
-        """The CPU tier's deadline for experts with ``tokens`` tokens each: ``factor * predicted + floor``."""
+    def _cpu_share_seconds(self, layer: int, expert_ids: np.ndarray) -> float:
+        """The CPU tier's predicted seconds (at the split's rates) for picks of ``expert_ids`` (one id per pick):
+        its fixed cost plus each distinct expert's time for its token count."""
+        rates = self.split_rates()
+        per_expert = np.bincount(expert_ids, minlength=self._layers[layer].num_experts)
+        experts_per_count = np.bincount(per_expert)  # [m]: experts with m tokens (decode: all at one count)
+        eb = self._expert_bytes[layer]
+        return rates.cpu_fixed_s + math.fsum(
+            int(experts_per_count[m]) * _cpu_expert_seconds(rates, eb, int(m))
+            for m in np.flatnonzero(experts_per_count[1:]) + 1
+        )
+
+    def _deadline(self, predicted: float) -> float | None:
+        """The CPU tier's deadline for a share predicted to take ``predicted`` seconds: ``factor * predicted +
+        floor`` (None: no deadline)."""
         t = self.tcfg
         if t.deadline_factor == 0 or self._rates is None or self._rates.cpu_bps <= 0:
             return None
-        eb = _expert_bytes(self._layers[layer])
-        rates = self.split_rates()
-        counts, times = np.unique(tokens, return_counts=True)  # experts per token count (decode: one count)
-        predicted = rates.cpu_fixed_s + math.fsum(
-            n * rates.cpu_expert_seconds(eb, m) for m, n in zip(counts.tolist(), times.tolist(), strict=True)
-        )
         return t.deadline_factor * predicted + t.deadline_floor_ms / 1e3
 
     # ------------------------------------------------------------------------------------------ end
@@ -1192,8 +1257,9 @@ class TieredRuntime:
 
 def _combine(b: _Buffers, t: int, out: torch.Tensor) -> None:
     """``out[:t]``: the fixed-order sum over the picks of each token (``y``: one pick per row, zeros elsewhere)."""
-    torch.sum(b.y[:t], dim=1, out=b.x32[:t])
-    out[:t].copy_(b.x32[:t])
+    r = b.at(t)
+    torch.sum(r.y, dim=1, out=r.x32)
+    out[:t].copy_(r.x32)
 
 
 def _mark(name: str) -> Any:
@@ -1244,6 +1310,17 @@ def _affine(one: float, many: float, n: int) -> tuple[float, float]:
         per = (many - one) / (n - 1)
         return per, max(one - per, 0.0)
     return many / n, 0.0
+
+
+@functools.lru_cache(maxsize=256)
+def _cpu_expert_seconds(rates: Rates, expert_bytes: int, tokens: int) -> float:
+    """``rates.cpu_expert_seconds``, remembered (the split asks it for the same few token counts every layer call;
+    ``split_rates`` keeps one ``Rates`` until the feedback moves it)."""
+    return rates.cpu_expert_seconds(expert_bytes, tokens)
+
+
+_NO_PICKS = np.empty(0, np.int64)
+_NO_PICKS.flags.writeable = False
 
 
 def _expert_bytes(lx: LayerExperts) -> int:
