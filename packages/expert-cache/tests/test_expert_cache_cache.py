@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -338,6 +339,32 @@ def test_observe_all_equals_per_layer_observe(make_home) -> None:
         b.observe_all(torch.zeros((2, 1, 2), dtype=torch.int64))
     with pytest.raises(TypeError, match="expert_ids: must be an integer tensor"):
         b.observe(0, torch.zeros((1, 2)))
+
+
+def test_observe_counts_is_what_observe_adds_to(make_home) -> None:
+    """A caller counting in its own kernel (``observe_counts``: the layer's counts, +1 per real pick) leaves the cache
+    as ``observe`` does; a prefill step without ``observe_prefill`` gives None (nothing to count)."""
+    cfg = small_cfg(replan_every=2, prefill_tokens=5)
+    a = ExpertCache(cfg, make_home(cfg))
+    b = ExpertCache(cfg, make_home(cfg))
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    for tokens in [1, 3, 2, 7, 2, 1, 4, 1, 2]:
+        a.before_step(tokens)
+        b.before_step(tokens)
+        for layer in range(3):
+            ids = torch.from_numpy(np.stack([rng.choice(8, 2, replace=False) for _ in range(tokens)]))
+            ids[rng.random(ids.shape) < 0.2] = -1
+            a.observe(layer, ids)
+            target = b.observe_counts(layer, tokens)
+            if tokens >= 5:
+                assert target is None  # a prefill step, not observed
+                continue
+            assert target is not None and target.shape == (8,)
+            real = ids[ids >= 0]
+            target += torch.bincount(real, minlength=8).to(target.dtype)
+        a.after_step()
+        b.after_step()
+    assert a.stats() == b.stats() and a.resident() == b.resident() and a.stats().hits > 0
 
 
 def test_observe_is_one_device_op(make_home) -> None:

@@ -5,6 +5,7 @@
 # Steps (in this order, each optional):
 #   pack      synthesize tiny-v41 and build its pack in /tmp/dsv41 (pack-tools)
 #   tests     pytest -m gpu of vllm-dsv41, but the Engram gpu tests (gpu_engram.sh runs them); PYTEST_ARGS: more
+#             arguments (split at spaces), PYTEST_K: a -k expression (may hold spaces)
 #   fidelity  python -m vllm_dsv41.fidelity: cpu vs all-in-vram, PIECEWISE CUDA graphs, VRAM capped at 24 GiB
 #   fast      the same with the CPU tier's fast precision
 #   eager     the same without CUDA graphs (greedy tokens compared with the PIECEWISE run)
@@ -13,6 +14,8 @@
 #             capped at 24 GiB; the first run's routing trace under $OUT
 #   tbench    benches/bench_tiered.py: decode through the tiered runtime at Flash layer sizes (TB_LAYERS real-size
 #             layers synthesized in /tmp, default 2) vs the roofline measured in the same run
+#   host      benches/bench_host_overhead.py --device cuda: the tiered runtime's own host time and launches per MoE
+#             layer call per decode path (no-op hit kernel, instant CPU tier; 40 small Flash-shaped layers)
 #   bench     benches/bench_dense_exl3.py (exllamav3 vs ours, every V4.1 dense shape)
 #   serve     the server on the pack, driven by the openai client (scripts/gpu_serve_check.py)
 #   flash     load time and RSS of a Flash-shaped pack with real-size layers (scripts/gpu_flash_load.py)
@@ -66,7 +69,7 @@ if step tests; then
     # the Engram gpu tests (two served fidelity runs) belong to gpu_engram.sh's own call; PYTEST_ARGS adds e.g. -k
     # shellcheck disable=SC2086  # PYTEST_ARGS is a list of arguments
     timeout "$(gpu_tmo 540)" python3 -m pytest packages/vllm-dsv41/tests -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
-        --ignore=packages/vllm-dsv41/tests/test_vllm_dsv41_engram_gpu.py ${PYTEST_ARGS:-} \
+        --ignore=packages/vllm-dsv41/tests/test_vllm_dsv41_engram_gpu.py ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} \
         2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
     r=${PIPESTATUS[0]}; log "tests rc=$r"; rc=$((rc || r))
 fi
@@ -105,6 +108,12 @@ if step tbench; then
         --streams 1,2,4 --splits cpu,auto,pcie --cpu-threads 8 --warmup 48 --steps 48 --json "$OUT/bench_tiered.json" ${TB_ARGS:-} \
         2>&1 | tee "$OUT/bench_tiered.log" | grep -v "INFO\|DEBUG" | tail -20
     r=${PIPESTATUS[0]}; log "tbench rc=$r"; rc=$((rc || r))
+fi
+if step host; then
+    log "host"
+    timeout "$(gpu_tmo 300)" python3 packages/vllm-dsv41/benches/bench_host_overhead.py --device cuda \
+        --json "$OUT/bench_host_overhead.json" 2>&1 | tee "$OUT/bench_host_overhead.log" | grep -v "INFO\|DEBUG" | tail -12
+    r=${PIPESTATUS[0]}; log "host rc=$r"; rc=$((rc || r))
 fi
 if step bench; then
     log "bench"

@@ -563,6 +563,47 @@ def test_deadline_fallback_recomputes_on_the_gpu_and_counts(home: ExpertHome, re
         rt.close()
 
 
+class _LateJob:
+    """A real CPU-tier job that is never done by a deadline (as on a loaded machine) but is when waited for whole."""
+
+    def __init__(self, job: object) -> None:
+        self.job = job
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return False if timeout is not None else self.job.wait(None)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.job, name)
+
+
+def test_before_the_cache_exists_the_cpu_share_is_waited_for_whole(
+    home: ExpertHome, reference: ReferenceExperts
+) -> None:
+    """Before the cache exists (vLLM's KV cache not yet bound) the GPU has no pointer table to recompute missed picks
+    from: the CPU tier's share gets no deadline (CI, loaded: a deadline passed there and the fallback raised)."""
+    rt = _runtime(home, 5, "auto", deadline_factor=1.0, deadline_floor_ms=0.001)
+    rt._allowed = False
+    tier = rt._tier
+
+    class Late:
+        def submit(self, layer: int, x: np.ndarray, picks: object, out: np.ndarray) -> object:
+            return _LateJob(tier.submit(layer, x, picks, out=out))
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(tier, name)
+
+    rt._tier = Late()  # type: ignore[assignment]
+    rng = np.random.default_rng(27)
+    try:
+        for _ in range(2):
+            for layer, x, ids, w, out in _step(rt, rng, tokens=3):
+                expected = reference.forward(layer, x, ids, w)
+                np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+        assert rt.cache is None and rt.stats.deadline_misses == 0 and rt.stats.cpu_picks > 0
+    finally:
+        rt.close()
+
+
 class _VirtualClock:
     """The chooser's clock in a test: ``mark`` replaces the runtime's ``_span_mark`` (host seconds on a CPU device)
     and advances ``tick`` per call, so the spans the chooser compares come from what the test charges, not from the

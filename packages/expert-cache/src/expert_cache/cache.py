@@ -297,21 +297,29 @@ class ExpertCache:
         the captured size). Prefill steps add to the prefill counts when ``observe_prefill`` is on and do nothing
         otherwise. Call it on the compute stream.
         """
+        ids = self._index(expert_ids)
+        target = self.observe_counts(layer, expert_ids.shape[0] if expert_ids.dim() > 1 else 1)
+        if target is None or ids.numel() == 0:
+            return
+        target.index_add_(0, ids.clamp(min=0), (ids >= 0).to(torch.float32))
+
+    def observe_counts(self, layer: int, rows: int) -> torch.Tensor | None:
+        """What ``observe`` adds to, for a caller that counts in its own fused kernel: the float32 ``[num_experts]``
+        counts of ``layer`` in the current step (add 1.0 at each pick's expert id; a negative id adds nothing), or
+        None when this step does not observe (a prefill step without ``observe_prefill``). ``rows``: the tokens of
+        the routing that will be counted (the step's rows, as ``observe`` records them)."""
         kind = self._kind
         if kind is None:
             raise RuntimeError("observe: call before_step(num_tokens) first")
         if not 0 <= layer < self.config.num_layers:
             raise IndexError(f"layer: must be in [0, {self.config.num_layers}), got {layer}")
         if kind == "prefill" and not self.config.observe_prefill:
-            return
-        ids = self._index(expert_ids)
-        n = ids.numel()
-        if n == 0:
-            return
-        self._step_rows = max(self._step_rows, expert_ids.shape[0] if expert_ids.dim() > 1 else 1)
+            return None
+        if rows:
+            self._step_rows = max(self._step_rows, rows)
         E = self.config.num_experts
         target = self._step_counts if kind == "decode" else self._prefill_counts
-        target[layer * E : (layer + 1) * E].index_add_(0, ids.clamp(min=0), (ids >= 0).to(torch.float32))
+        return target[layer * E : (layer + 1) * E]
 
     def observe_all(self, expert_ids: torch.Tensor) -> None:
         """Record the routing of every MoE layer at once: ``expert_ids`` ``[num_layers, tokens, top_k]``.

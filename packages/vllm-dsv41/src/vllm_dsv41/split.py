@@ -117,7 +117,8 @@ class SplitPlan:
 
 
 def split_misses(experts: np.ndarray, tokens: np.ndarray, expert_bytes: int, rates: Rates, mode: str = "auto",
-                 gpu_busy_seconds: float = 0.0, cpu_cost: Callable[[int], float] | None = None) -> SplitPlan:  # fmt: skip
+                 gpu_busy_seconds: float = 0.0,
+                 cpu_time_of: Callable[[int], float] | None = None) -> SplitPlan:  # fmt: skip
     """Split a layer's distinct missed experts between the CPU tier and PCIe reads.
 
     Parameters
@@ -129,7 +130,7 @@ def split_misses(experts: np.ndarray, tokens: np.ndarray, expert_bytes: int, rat
     rates : the measured (or configured) rates.
     mode : "auto" (balance the finish times), "cpu" (all on the CPU tier), "pcie" (all read over PCIe).
     gpu_busy_seconds : when the GPU can start on PCIe work (after this layer's hits).
-    cpu_cost : ``rates.cpu_expert_seconds(expert_bytes, m)`` as a function of ``m``, when the caller remembers it
+    cpu_time_of : ``rates.cpu_expert_seconds(expert_bytes, m)`` as a function of ``m``, when the caller remembers it
         (the tiered runtime asks for the same few counts every layer call); by default computed here.
     """
     experts = np.asarray(experts)
@@ -142,7 +143,7 @@ def split_misses(experts: np.ndarray, tokens: np.ndarray, expert_bytes: int, rat
     if n and tokens.min() < 1:
         raise ValueError(f"tokens: every missed expert has >= 1 token, got {tokens.min()}")
     pcie_cost = expert_bytes / rates.pcie_bps if rates.pcie_bps > 0 else math.inf
-    cost = cpu_cost if cpu_cost is not None else functools.partial(rates.cpu_expert_seconds, expert_bytes)
+    cost = cpu_time_of if cpu_time_of is not None else functools.partial(rates.cpu_expert_seconds, expert_bytes)
     per_count = {m: cost(m) for m in set(tokens.tolist())}  # (decode: one count)
     cpu_cost = [per_count[m] for m in tokens.tolist()]
     cpu_fixed, pcie_fixed = rates.cpu_fixed_s, rates.pcie_fixed_s

@@ -56,6 +56,7 @@ from . import metrics
 from .config import Dsv41PluginConfig, TieredConfig
 from .experts import _check_args, _refuse_capture, in_profile_run
 from .home import ExpertHome, LayerExperts
+from .route_prep import prepare_routing
 from .split import PathChooser, Rates, split_misses
 
 __all__ = ["TierStats", "TieredRuntime", "hit_seconds"]
@@ -171,7 +172,6 @@ class _Buffers:
         self.cpu_rows = dev((picks, hidden), f32)
         self.cpu_index = dev((picks,), torch.int64)
         self.second_ids = dev((2, rows, topk), i32)
-        self.no_pick = torch.full((), -1, dtype=i32, device=device)  # ``where``'s other operand (a 0-d tensor)
         self.h_x = host((rows, hidden), f32)
         self.h_ids = host((rows, topk), i32)
         self.h_w = host((rows, topk), f32)
@@ -816,16 +816,16 @@ class TieredRuntime:
         b = self._buffers_for(x.shape[1], k, t)
         r = b.at(t)
         ids, w, hit = r.ids, r.w, r.hit
-        ids.copy_(topk_ids)
-        w.copy_(topk_weights)
         cache = self._cache
         kernel = self._hits[layer]
         if cache is not None:
-            ptrs, _ = self._observe_hits(layer, ids, hit)
+            ptrs = self._prepare(layer, topk_ids, topk_weights, r, gpu_ids=True)
         else:  # no cache yet (before vLLM's KV cache exists): everything is a miss, computed by the CPU tier
             ptrs = None
+            ids.copy_(topk_ids)
+            w.copy_(topk_weights)
             hit.zero_()
-        torch.where(hit, ids, b.no_pick, out=r.gpu_ids)
+            r.gpu_ids.fill_(-1)
         # 1-2. inputs to the host (one event), then the hits on the GPU while the host waits for the copy.
         x32 = r.x32
         x32.copy_(x)
@@ -867,7 +867,7 @@ class TieredRuntime:
             busy_experts = np.count_nonzero(np.bincount(flat_ids[h_hit], minlength=lx.num_experts))
             busy = busy_experts * eb / max(rates.gpu_bps, 1.0)
             plan = split_misses(experts, counts, eb, rates, self.tcfg.split, gpu_busy_seconds=busy,
-                                cpu_cost=functools.partial(_cpu_expert_seconds, rates, eb))  # fmt: skip
+                                cpu_time_of=functools.partial(_cpu_expert_seconds, rates, eb))  # fmt: skip
             cpu_raw = plan.cpu_seconds
             cpu_pred = plan.cpu_seconds / self._scale["cpu"]
             pcie_pred = max(plan.pcie_seconds - busy, 0.0) / self._scale["pcie"]
@@ -898,7 +898,9 @@ class TieredRuntime:
             picks_obj = self._picks_cls(pr.arange, experts_c, r.np_w_flat[cpu_picks])
             p.submitted = time.perf_counter()
             p.job = self._tier.submit(layer, pr.np_xrows, picks_obj, out=pr.np_cpu)
-            p.timeout = self._deadline(self._cpu_share_seconds(layer, experts_c) if cpu_raw is None else cpu_raw)
+            if ptrs is not None:  # (before the cache exists the GPU has no table to recompute missed picks from:
+                # the CPU tier's share is waited for whole; a deadline there raised under load, CI's tiered test)
+                p.timeout = self._deadline(self._cpu_share_seconds(layer, experts_c) if cpu_raw is None else cpu_raw)
         self._read_pcie_timings()  # the stream has passed the earlier layers' PCIe shares (this input follows them)
         # 5. the PCIe share queued after the CPU job is submitted: its copies' host-side queuing (per projection)
         # overlaps the CPU tier's work instead of delaying its start.
@@ -970,17 +972,14 @@ class TieredRuntime:
         k = topk_ids.shape[1]
         b = self._buffers_for(x.shape[1], k, t)
         r = b.at(t)
-        ids, w, hit, x32, y = r.ids, r.w, r.hit, r.x32, r.y
-        ids.copy_(topk_ids)
-        w.copy_(topk_weights)
+        ids, w, x32, y = r.ids, r.w, r.x32, r.y
         x32.copy_(x)
-        ptrs, valid = self._observe_hits(layer, ids, hit)
+        if self._dev_counts is None:
+            self._dev_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
+        ptrs = self._prepare(layer, topk_ids, topk_weights, r, dev_counts=True)
         if layer == min(self._layers):  # a step that ran on the device path (not one the staged prefill took)
             for st in self._counters(t):
                 st.device_steps += 1
-        if self._dev_counts is None:
-            self._dev_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
-        self._dev_counts.add_(torch.stack((hit.sum(), valid.sum())))
         if self.tcfg.trace_path:
             h = self._trace_h.get(layer)
             if h is None or h.shape[0] < t or h.shape[1] != k:
@@ -994,16 +993,18 @@ class TieredRuntime:
         _hits_forward(self._hits[layer], ptrs, x32, ids, w, y)
         return _Pending(layer, t, k=k, b=b, device_only=True)
 
-    def _observe_hits(self, layer: int, ids: torch.Tensor, hit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache observes the layer's routing; ``hit`` gets which picks are resident (a negative id, vLLM's
-        padding rows, is no pick: neither a hit nor a miss). Returns the layer's pointer table and the valid picks."""
+    def _prepare(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor, r: _Rows,
+                 gpu_ids: bool = False, dev_counts: bool = False) -> torch.Tensor:  # fmt: skip
+        """The call's routing into ``r``'s buffers (``ids``, ``w``; ``hit``: which picks are resident, a negative
+        id, vLLM's padding rows, being no pick; ``gpu_ids`` if asked: the hits' ids, -1 elsewhere), the cache's
+        observation of it and, if asked, the device path's hit / pick counts: one launch on a GPU
+        (``route_prep``). Returns the layer's pointer table."""
         cache = self._cache
         li = self._index[layer]
-        cache.observe(li, ids)
-        torch.ge(cache.slot_of[li][ids.long().clamp(min=0)], 0, out=hit)
-        valid = ids >= 0
-        hit &= valid
-        return cache.layer_pointers(li), valid
+        prepare_routing(topk_ids, topk_weights, cache.slot_of[li], cache.observe_counts(li, r.ids.shape[0]),
+                        self._dev_counts if dev_counts else None, r.ids, r.w, r.hit,
+                        r.gpu_ids if gpu_ids else None)  # fmt: skip
+        return cache.layer_pointers(li)
 
     def _counters(self, tokens: int) -> tuple[TierStats, ...]:
         """The counters a layer call or step of ``tokens`` tokens adds to: the totals, and the decode-size ones

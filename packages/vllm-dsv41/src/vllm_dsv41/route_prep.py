@@ -1,0 +1,112 @@
+"""A decode call's routing prepared for the tiered runtime in one GPU launch instead of ~13.
+
+Per MoE layer call the tiered runtime needs, from the router's ``topk_ids`` / ``topk_weights`` and the cache's
+``slot_of`` row of the layer: the ids as int32 and the weights as fp32 in its persistent buffers, which picks
+are hits (resident, and a real pick: vLLM pads a CUDA graph's batch with id -1), the hits' ids with every other
+pick -1 (what the split path's hit kernel computes), the cache's step counts (+1 at each real pick's expert:
+``ExpertCache.observe``) and, on the device path, its running hit / pick counts. As torch ops that is ~13
+launches (copies, clamp, compares, an index, ``index_add_``, sums, a stack); ``prepare_routing`` runs them as one
+Triton kernel on a GPU and as the torch ops (``prepare_routing_reference``, the definition) elsewhere. The two
+are equal bit for bit (integer work; the counts are whole numbers in fp32, so the atomics' order cannot show).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["prepare_routing", "prepare_routing_reference"]
+
+#: Picks one program of the kernel handles (a decode call has at most 16 x top-k; a larger call has a grid).
+BLOCK = 128
+
+
+def prepare_routing_reference(topk_ids: torch.Tensor, topk_weights: torch.Tensor, slot_row: torch.Tensor,
+                              counts: torch.Tensor | None, dev_counts: torch.Tensor | None, ids: torch.Tensor,
+                              w: torch.Tensor, hit: torch.Tensor, gpu_ids: torch.Tensor | None) -> None:  # fmt: skip
+    """The definition, as torch ops. Writes ``ids`` (int32 ``[t, k]``) and ``w`` (fp32) from the router's outputs,
+    ``hit`` (bool: a real pick whose expert has a slot, ``slot_row[id] >= 0``), ``gpu_ids`` (the id where ``hit``,
+    else -1; skipped when None); adds 1.0 to ``counts[id]`` per real pick (skipped when None) and ``(hits, real
+    picks)`` to ``dev_counts`` (int64 ``[2]``; skipped when None)."""
+    ids.copy_(topk_ids)
+    w.copy_(topk_weights)
+    valid = ids >= 0
+    clamped = ids.clamp(min=0)
+    if counts is not None:
+        counts.index_add_(0, clamped.reshape(-1), valid.reshape(-1).to(torch.float32))
+    torch.ge(slot_row[clamped.long()], 0, out=hit)
+    hit &= valid
+    if gpu_ids is not None:
+        torch.where(hit, ids, torch.full((), -1, dtype=ids.dtype, device=ids.device), out=gpu_ids)
+    if dev_counts is not None:
+        dev_counts.add_(torch.stack((hit.sum(), valid.sum())))
+
+
+def prepare_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, slot_row: torch.Tensor,
+                    counts: torch.Tensor | None, dev_counts: torch.Tensor | None, ids: torch.Tensor, w: torch.Tensor,
+                    hit: torch.Tensor, gpu_ids: torch.Tensor | None,
+                    use_triton: bool | None = None) -> None:  # fmt: skip
+    """``prepare_routing_reference``'s effect: one Triton launch on a CUDA device (``use_triton`` None), the torch
+    ops elsewhere; ``use_triton=True`` forces the kernel (Triton's interpreter on the CPU, tests)."""
+    if use_triton is None:
+        use_triton = topk_ids.device.type == "cuda"
+    if not use_triton:
+        prepare_routing_reference(topk_ids, topk_weights, slot_row, counts, dev_counts, ids, w, hit, gpu_ids)
+        return
+    n = ids.numel()
+    general = topk_ids.shape != ids.shape or topk_weights.shape != ids.shape
+    if general or not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
+        # (vLLM's router outputs are contiguous [t, k]; anything else takes the general path)
+        prepare_routing_reference(topk_ids, topk_weights, slot_row, counts, dev_counts, ids, w, hit, gpu_ids)
+        return
+    if n == 0:
+        return
+    for name, tns in (("ids", ids), ("w", w), ("hit", hit), ("gpu_ids", gpu_ids), ("slot_row", slot_row)):
+        if tns is not None and not tns.is_contiguous():
+            raise ValueError(f"prepare_routing: {name} must be contiguous")
+    kernel = _kernel()
+    dummy = ids  # a pointer for the disabled outputs (never written: the constexpr flags drop their code)
+    kernel[(-(-n // BLOCK),)](
+        topk_ids, topk_weights, slot_row, counts if counts is not None else dummy,
+        dev_counts if dev_counts is not None else dummy, ids, w, hit.view(torch.uint8),
+        gpu_ids if gpu_ids is not None else dummy, n,
+        COUNT=counts is not None, DEV_COUNTS=dev_counts is not None, GPU_IDS_OUT=gpu_ids is not None, BLOCK=BLOCK,
+    )  # fmt: skip
+
+
+def _kernel() -> Any:
+    if _route_prep is None:
+        raise RuntimeError("prepare_routing: the fused kernel needs Triton, which is not installed")
+    return _route_prep
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # (torch without CUDA may come without Triton: the torch ops serve there)
+    _route_prep = None
+else:
+
+    @triton.jit
+    def _route_prep(TOPK_IDS, TOPK_W, SLOT_ROW, COUNTS, DEV, IDS, W, HIT, GPU_IDS, N,
+                    COUNT: tl.constexpr, DEV_COUNTS: tl.constexpr, GPU_IDS_OUT: tl.constexpr,
+                    BLOCK: tl.constexpr):  # fmt: skip
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < N
+        e = tl.load(TOPK_IDS + offs, mask=m, other=-1).to(tl.int32)
+        wt = tl.load(TOPK_W + offs, mask=m, other=0.0).to(tl.float32)
+        valid = m & (e >= 0)
+        ec = tl.where(valid, e, 0)
+        slot = tl.load(SLOT_ROW + ec, mask=valid, other=-1)
+        h = valid & (slot >= 0)
+        tl.store(IDS + offs, e, mask=m)
+        tl.store(W + offs, wt, mask=m)
+        tl.store(HIT + offs, h.to(tl.uint8), mask=m)
+        if GPU_IDS_OUT:
+            tl.store(GPU_IDS + offs, tl.where(h, e, -1), mask=m)
+        if COUNT:
+            tl.atomic_add(COUNTS + ec, tl.full((BLOCK,), 1.0, tl.float32), mask=valid)
+        if DEV_COUNTS:
+            tl.atomic_add(DEV, tl.sum(h.to(tl.int64), axis=0))
+            tl.atomic_add(DEV + 1, tl.sum(valid.to(tl.int64), axis=0))

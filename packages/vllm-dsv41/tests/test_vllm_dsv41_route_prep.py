@@ -1,0 +1,148 @@
+"""``route_prep``: the tiered runtime's routing prep (ids, weights, hit mask, the hits' ids, the cache's step counts,
+the device path's counts) as torch ops against a numpy definition, the Triton kernel against the torch ops in
+Triton's interpreter (bit for bit), and the kernel compiled for sm_80 / sm_86 / sm_90 without a GPU."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_dsv41.route_prep import prepare_routing, prepare_routing_reference
+
+
+def case(rng: np.random.Generator, t: int, k: int, e: int, ids_dtype: torch.dtype, w_dtype: torch.dtype) -> tuple:
+    ids = rng.integers(0, e, (t, k))
+    ids[rng.random((t, k)) < 0.1] = -1  # padding picks (vLLM: whole rows of -1; single ones here too)
+    if t > 2:
+        ids[t // 2] = -1
+    slot = np.where(rng.random(e) < 0.4, rng.integers(0, 99, e), -1).astype(np.int32)
+    w = rng.random((t, k)).astype(np.float32)
+    return (torch.from_numpy(ids).to(ids_dtype), torch.from_numpy(w).to(w_dtype), torch.from_numpy(slot))
+
+
+def run(topk_ids: torch.Tensor, topk_w: torch.Tensor, slot: torch.Tensor, fn, **kw) -> dict[str, torch.Tensor]:
+    t, k = topk_ids.shape
+    o = {"ids": torch.full((t, k), 7, dtype=torch.int32), "w": torch.full((t, k), 7.0),
+         "hit": torch.ones((t, k), dtype=torch.bool), "gpu_ids": torch.full((t, k), 7, dtype=torch.int32),
+         "counts": torch.full((slot.numel(),), 2.0), "dev": torch.tensor([5, 6], dtype=torch.int64)}  # fmt: skip
+    fn(topk_ids, topk_w, slot, o["counts"], o["dev"], o["ids"], o["w"], o["hit"], o["gpu_ids"], **kw)
+    return o
+
+
+def test_reference_matches_its_definition_on_fresh_routings() -> None:
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    for t, k, e in ((1, 6, 384), (4, 6, 384), (16, 8, 64), (33, 2, 5)):
+        topk_ids, topk_w, slot = case(rng, t, k, e, torch.int64, torch.bfloat16)
+        o = run(topk_ids, topk_w, slot, prepare_routing_reference)
+        ids = topk_ids.numpy()
+        valid = ids >= 0
+        hit = valid & (slot.numpy()[np.maximum(ids, 0)] >= 0)
+        assert np.array_equal(o["ids"].numpy(), ids) and o["ids"].dtype == torch.int32
+        assert torch.equal(o["w"], topk_w.float())
+        assert np.array_equal(o["hit"].numpy(), hit)
+        assert np.array_equal(o["gpu_ids"].numpy(), np.where(hit, ids, -1))
+        counts = np.full(e, 2.0) + np.bincount(ids[valid], minlength=e)
+        assert np.array_equal(o["counts"].numpy(), counts)
+        assert o["dev"].tolist() == [5 + int(hit.sum()), 6 + int(valid.sum())]
+
+
+def test_optional_outputs_are_left_alone() -> None:
+    rng = np.random.default_rng(3)
+    topk_ids, topk_w, slot = case(rng, 4, 6, 50, torch.int32, torch.float32)
+    ids, w = torch.empty((4, 6), dtype=torch.int32), torch.empty((4, 6))
+    hit = torch.empty((4, 6), dtype=torch.bool)
+    prepare_routing(topk_ids, topk_w, slot, None, None, ids, w, hit, None)
+    want = run(topk_ids, topk_w, slot, prepare_routing_reference)
+    assert torch.equal(ids, want["ids"]) and torch.equal(hit, want["hit"]) and torch.equal(w, want["w"])
+
+
+INTERPRETED = textwrap.dedent(
+    """
+    import os, sys
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    import numpy as np, torch
+    sys.path.insert(0, os.environ["TESTS_DIR"])
+    from test_vllm_dsv41_route_prep import case, run
+    from vllm_dsv41.route_prep import BLOCK, prepare_routing, prepare_routing_reference
+
+    rng = np.random.default_rng(int(os.environ["SEED"]))
+    cases = [(1, 6, 384, torch.int32, torch.float32), (4, 6, 384, torch.int64, torch.bfloat16),
+             (16, 6, 384, torch.int32, torch.float32), (BLOCK // 4 + 3, 8, 40, torch.int32, torch.float16)]
+    for t, k, e, idt, wdt in cases:  # the last: a grid of several programs
+        topk_ids, topk_w, slot = case(rng, t, k, e, idt, wdt)
+        want = run(topk_ids, topk_w, slot, prepare_routing_reference)
+        got = run(topk_ids, topk_w, slot, prepare_routing, use_triton=True)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (t, k, name, got[name], want[name])
+        # without the optional outputs (the kernel's constexpr branches)
+        ids, w = torch.empty((t, k), dtype=torch.int32), torch.empty((t, k))
+        hit = torch.empty((t, k), dtype=torch.bool)
+        prepare_routing(topk_ids, topk_w, slot, None, None, ids, w, hit, None, use_triton=True)
+        assert torch.equal(ids, want["ids"]) and torch.equal(hit, want["hit"]) and torch.equal(w, want["w"])
+        print("ok", t, k)
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_kernel_equals_the_torch_ops_in_the_interpreter(interpreted: Callable[[str, int, float], None]) -> None:
+    interpreted(INTERPRETED, 4, 600)
+
+
+@pytest.mark.parametrize("arch", [80, 86, 90])
+def test_the_kernel_compiles_for_ampere_and_hopper(arch: int) -> None:
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vllm_dsv41.route_prep import BLOCK, _route_prep
+
+    for ids_t, w_t, flags in (("*i32", "*fp32", (True, False, True)), ("*i64", "*bf16", (True, True, False))):
+        sig = dict(TOPK_IDS=ids_t, TOPK_W=w_t, SLOT_ROW="*i32", COUNTS="*fp32", DEV="*i64", IDS="*i32", W="*fp32",
+                   HIT="*u8", GPU_IDS="*i32", N="i32", COUNT="constexpr", DEV_COUNTS="constexpr",
+                   GPU_IDS_OUT="constexpr", BLOCK="constexpr")  # fmt: skip
+        consts = dict(COUNT=flags[0], DEV_COUNTS=flags[1], GPU_IDS_OUT=flags[2], BLOCK=BLOCK)
+        k = triton.compile(ASTSource(_route_prep, sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
+                           options=dict(num_warps=4))  # fmt: skip
+        assert k.asm["cubin"], "ptxas built no cubin"
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_kernel_equals_the_torch_ops_and_replays_in_a_cuda_graph() -> None:
+    """Device machine (``scripts/gpu_run.sh`` STEPS=tests runs the gpu tests): the kernel on CUDA tensors against
+    the torch ops, then captured in a CUDA graph and replayed on new routing written into the same inputs."""
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tests need a CUDA device")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    for t, k, e, idt, wdt in ((1, 6, 384, torch.int32, torch.float32), (16, 6, 384, torch.int64, torch.bfloat16),
+                              (200, 8, 64, torch.int32, torch.float16)):  # fmt: skip
+        topk_ids, topk_w, slot = (a.to(dev) for a in case(rng, t, k, e, idt, wdt))
+        want = {n: v.cpu() for n, v in run(topk_ids, topk_w, slot, prepare_routing_reference).items()}
+        got = run(topk_ids, topk_w, slot, prepare_routing)  # CUDA: the kernel
+        for name in want:
+            assert torch.equal(got[name].cpu(), want[name]), (t, k, name)
+    # captured: fixed buffers, new routing copied into the inputs before each replay
+    t, k, e = 4, 6, 384
+    topk_ids, topk_w, slot = (a.to(dev) for a in case(rng, t, k, e, torch.int32, torch.float32))
+    o = {n: v.to(dev) for n, v in run(topk_ids, topk_w, slot, prepare_routing).items()}  # warm-up (compiles)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        prepare_routing(topk_ids, topk_w, slot, o["counts"], o["dev"], o["ids"], o["w"], o["hit"], o["gpu_ids"])
+    for _ in range(3):
+        new_ids, new_w, new_slot = case(rng, t, k, e, torch.int32, torch.float32)
+        topk_ids.copy_(new_ids)
+        topk_w.copy_(new_w)
+        slot.copy_(new_slot)
+        before = {n: v.clone() for n, v in o.items()}
+        g.replay()
+        ref = {n: v.cpu() for n, v in before.items()}
+        prepare_routing_reference(new_ids, new_w, new_slot, ref["counts"], ref["dev"], ref["ids"], ref["w"],
+                                  ref["hit"], ref["gpu_ids"])  # fmt: skip
+        for name in ref:
+            assert torch.equal(o[name].cpu(), ref[name]), name
