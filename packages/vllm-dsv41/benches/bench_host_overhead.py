@@ -99,21 +99,23 @@ def count_ops(fn: Any, verbose: bool = False) -> int:
                 names[func.__name__] = names.get(func.__name__, 0) + 1
             return func(*args, **(kwargs or {}))
 
-    real = tiered.prepare_routing
+    real = getattr(tiered, "prepare_routing", None)  # (absent before 2026-12-02: an A/B against an older tree)
 
     def prep(*args: Any, **kwargs: Any) -> None:
         before = dict(names)
-        real(*args, **kwargs)
+        real(*args, **kwargs)  # type: ignore[misc]
         names.clear()
         names.update(before)
         names["route_prep (one launch)"] = names.get("route_prep (one launch)", 0) + 1
 
-    tiered.prepare_routing = prep
+    if real is not None:
+        tiered.prepare_routing = prep
     try:
         with Count():
             fn()
     finally:
-        tiered.prepare_routing = real
+        if real is not None:
+            tiered.prepare_routing = real
     if verbose:
         print("  ops:", ", ".join(f"{k} {v}" for k, v in sorted(names.items(), key=lambda kv: -kv[1])))
     return sum(names.values())

@@ -657,6 +657,13 @@ def test_split_feedback_moves_misses_off_a_cpu_tier_slower_than_its_startup_rate
     rates = Rates(cpu_bps=1e12, pcie_bps=1e9, source="test")
     rt = _runtime(home, 0, "auto", rates=rates, split_feedback=feedback, deadline_factor=0.0, split_probe=0)
     rt._tier = _SlowTier(rt._tier, delay=0.02)  # type: ignore[assignment]
+    # on a CPU "device" the PCIe share's time is the reference kernel's Python, whose speed against the 20 ms above
+    # depends on the machine's load (a loaded box grew its average 200x and sent the misses back): only the CPU
+    # tier's samples reach the feedback here (how a PCIe sample scales the split: the split_rates test below)
+    feedback_of = rt._feedback
+    rt._feedback = lambda path, measured, predicted: (  # type: ignore[method-assign]
+        feedback_of(path, measured, predicted) if path == "cpu" else None
+    )
     rng = np.random.default_rng(21)
     cpu_per_step = []
     try:
