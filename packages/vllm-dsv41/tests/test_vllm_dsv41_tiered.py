@@ -595,10 +595,7 @@ def test_before_the_cache_exists_the_cpu_share_is_waited_for_whole(
     rt._tier = Late()  # type: ignore[assignment]
     rng = np.random.default_rng(27)
     try:
-        for _ in range(2):
-            for layer, x, ids, w, out in _step(rt, rng, tokens=3):
-                expected = reference.forward(layer, x, ids, w)
-                np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+        _exact_steps(rt, rng, reference, 2, tokens=3)
         assert rt.cache is None and rt.stats.deadline_misses == 0 and rt.stats.cpu_picks > 0
     finally:
         rt.close()
