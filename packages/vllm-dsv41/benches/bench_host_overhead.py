@@ -142,6 +142,7 @@ def run_case(home: Any, path: str, streams: int, args: argparse.Namespace, devic
                        hits_factory=lambda lx, d: _NoopKernel())  # fmt: skip
     for lx in home.layers():
         rt.add_layer(lx, swiglu_limit=None)
+    rt.allow_cache()  # (a served model's runtime waits for vLLM's KV cache; here there is none)
     clock, submits = [0.0], []
     rt._tier = _InstantTier(rt._tier, clock, submits)
     n_count = 32  # steps whose torch ops are counted (two replan periods of the default replan_every 16)
@@ -152,7 +153,8 @@ def run_case(home: Any, path: str, streams: int, args: argparse.Namespace, devic
     x = torch.randn(streams, h, device=device)
     out = torch.empty(streams, h, device=device)
     w = torch.full((streams, steps[0].shape[2]), 1.0 / steps[0].shape[2], device=device)
-    ids = [torch.from_numpy(s.astype(np.int32)).to(device) for s in steps]  # [S, L, K]
+    # [L, S, K] per step: each layer's [S, K] routing contiguous, as a router's output is
+    ids = [torch.from_numpy(np.ascontiguousarray(s.transpose(1, 0, 2), dtype=np.int32)).to(device) for s in steps]
     begin = rt.begin
 
     def timed_begin(*a: Any) -> None:
@@ -164,7 +166,7 @@ def run_case(home: Any, path: str, streams: int, args: argparse.Namespace, devic
     def step(i: int) -> None:
         s = ids[i % len(ids)]
         for j, lid in enumerate(lids):
-            rt.forward_into(lid, x, s[:, j], w, out)
+            rt.forward_into(lid, x, s[j], w, out)
 
     try:
         with torch.inference_mode():

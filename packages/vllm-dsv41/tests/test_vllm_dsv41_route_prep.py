@@ -84,6 +84,13 @@ INTERPRETED = textwrap.dedent(
         hit = torch.empty((t, k), dtype=torch.bool)
         prepare_routing(topk_ids, topk_w, slot, None, None, ids, w, hit, None, use_triton=True)
         assert torch.equal(ids, want["ids"]) and torch.equal(hit, want["hit"]) and torch.equal(w, want["w"])
+        # strided inputs (a column slice of a wider routing): made contiguous, then the kernel
+        wide_ids = torch.stack([topk_ids, topk_ids], dim=-1)[..., 0]
+        wide_w = torch.stack([topk_w, topk_w], dim=-1)[..., 1]
+        assert not wide_ids.is_contiguous()
+        got = run(wide_ids, wide_w, slot, prepare_routing, use_triton=True)
+        for name in want:
+            assert torch.equal(got[name], want[name]), (t, k, name, "strided")
         print("ok", t, k)
     """
 )

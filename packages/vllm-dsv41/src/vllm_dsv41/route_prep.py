@@ -55,11 +55,10 @@ def prepare_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, slot_row
         prepare_routing_reference(topk_ids, topk_weights, slot_row, counts, dev_counts, ids, w, hit, gpu_ids)
         return
     n = ids.numel()
-    general = topk_ids.shape != ids.shape or topk_weights.shape != ids.shape
-    if general or not (topk_ids.is_contiguous() and topk_weights.is_contiguous()):
-        # (vLLM's router outputs are contiguous [t, k]; anything else takes the general path)
+    if topk_ids.shape != ids.shape or topk_weights.shape != ids.shape:  # (broadcasting: the general path)
         prepare_routing_reference(topk_ids, topk_weights, slot_row, counts, dev_counts, ids, w, hit, gpu_ids)
         return
+    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()  # (a router's outputs already are)
     if n == 0:
         return
     for name, tns in (("ids", ids), ("w", w), ("hit", hit), ("gpu_ids", gpu_ids), ("slot_row", slot_row)):
