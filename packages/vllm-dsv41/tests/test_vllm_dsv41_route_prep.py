@@ -153,3 +153,52 @@ def test_on_the_gpu_the_kernel_equals_the_torch_ops_and_replays_in_a_cuda_graph(
                                   ref["hit"], ref["gpu_ids"])  # fmt: skip
         for name in ref:
             assert torch.equal(o[name].cpu(), ref[name]), name
+
+
+IN_THE_RUNTIME = textwrap.dedent(
+    """
+    import os, sys, tempfile
+    from pathlib import Path
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    import numpy as np
+    sys.path.insert(0, os.environ["TESTS_DIR"])
+    import test_vllm_dsv41_tiered as T
+    import vllm_dsv41.tiered as tiered
+    from pack_tools.presets.tiny_demo import synth_tiny_demo
+    from vllm_dsv41.home import ExpertHome
+    from vllm_dsv41.reference import ReferenceExperts
+    from vllm_dsv41.route_prep import prepare_routing
+
+    calls = [0]
+
+    def kernel_prep(*args, **kwargs):
+        calls[0] += 1
+        prepare_routing(*args, use_triton=True, **kwargs)
+
+    tiered.prepare_routing = kernel_prep  # what a CUDA device runs, here in the interpreter
+    rng = np.random.default_rng(int(os.environ["SEED"]))
+    with tempfile.TemporaryDirectory() as d, ExpertHome(synth_tiny_demo(Path(d) / "tiny-demo")) as home:
+        ref = ReferenceExperts()
+        for lx in home.layers():
+            ref.add_layer(lx.layer, lx.gate, lx.up, lx.down, swiglu_limit=None)
+        for split in ("cpu", "auto", "pcie"):  # the split path twice, the device path (split pcie)
+            before = calls[0]
+            rt = T._runtime(home, 5, split, split_probe=0)  # (auto: the split path only)
+            try:
+                T._exact_steps(rt, rng, ref, 4, tokens=3)
+                s = rt.stats
+                assert s.hit_picks > 0 and s.picks == 4 * T.LAYERS * 3 * T.TOP_K, s
+                assert (s.device_steps > 0) == (split == "pcie"), s
+            finally:
+                rt.close()
+            assert calls[0] > before
+            print("ok", split, s.hit_picks, s.cpu_picks, s.pcie_picks)
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_tiered_runtime_with_the_kernel_is_exact(interpreted: Callable[[str, int, float], None]) -> None:
+    """The runtime as a GPU runs it (the kernel, not the torch ops) on a CPU device in Triton's interpreter: every
+    layer's output against the float64 reference, on the split path (splits cpu, auto) and the device path."""
+    interpreted(IN_THE_RUNTIME, 3, 600)
