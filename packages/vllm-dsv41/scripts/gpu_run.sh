@@ -111,7 +111,7 @@ if step tbench; then
 fi
 if step host; then
     log "host"
-    timeout "$(gpu_tmo 300)" python3 packages/vllm-dsv41/benches/bench_host_overhead.py --device cuda \
+    timeout "$(gpu_tmo 300)" python3 packages/vllm-dsv41/benches/bench_host_overhead.py --device cuda --rounds 3 --steps 50 \
         --json "$OUT/bench_host_overhead.json" 2>&1 | tee "$OUT/bench_host_overhead.log" | grep -v "INFO\|DEBUG" | tail -12
     r=${PIPESTATUS[0]}; log "host rc=$r"; rc=$((rc || r))
 fi
