@@ -563,6 +563,23 @@ def test_deadline_fallback_recomputes_on_the_gpu_and_counts(home: ExpertHome, re
         rt.close()
 
 
+def test_row_views_are_kept_for_decode_sizes_only(home: ExpertHome, reference: ReferenceExperts) -> None:
+    """The per-size views of the runtime's buffers are kept for decode-size calls; a prompt's are made afresh (one
+    set kept per prompt length, and an arange per pick count, would grow without bound in a server)."""
+    from vllm_dsv41.tiered import HIT_CHUNK_TOKENS
+
+    rt = _runtime(home, 5, "cpu")
+    rng = np.random.default_rng(29)
+    try:
+        for tokens in (HIT_CHUNK_TOKENS + 7, 1, HIT_CHUNK_TOKENS + 1, 3, 2):  # (the first sizes the buffers)
+            _exact_steps(rt, rng, reference, 1, tokens=tokens)
+        (b,) = rt._buffers.values()
+        assert set(b._rows) == {1, 2, 3}, sorted(b._rows)
+        assert max(b._picks) <= HIT_CHUNK_TOKENS * TOP_K and b._picks, sorted(b._picks)
+    finally:
+        rt.close()
+
+
 class _LateJob:
     """A real CPU-tier job that is never done by a deadline (as on a loaded machine) but is when waited for whole."""
 

@@ -186,22 +186,30 @@ class _Buffers:
         self.order = dev((2, 2, picks), torch.int64)
         self.w_sorted = dev((2, picks), f32)
         self.ready = torch.cuda.Event() if cuda else None
+        self.arange = np.arange(picks, dtype=np.int32)  # the CPU share's row of each pick (``_PickRows.arange``)
+        self.arange.flags.writeable = False
         self._rows: dict[int, _Rows] = {}
         self._picks: dict[int, _PickRows] = {}
 
     def at(self, t: int) -> _Rows:
-        """The views of the first ``t`` token rows (made once per ``t``: a decode call's ~20 slices and numpy views
-        cost ~1-2 us each, on the split path's critical path before the CPU tier starts)."""
+        """The views of the first ``t`` token rows, kept for decode sizes (``t <= HIT_CHUNK_TOKENS``: a decode
+        call's ~20 slices and numpy views cost ~1-2 us each, on the split path's critical path before the CPU tier
+        starts); made afresh for a larger call (a prompt: one set per length would pile up)."""
         v = self._rows.get(t)
         if v is None:
-            v = self._rows[t] = _Rows(self, t)
+            v = _Rows(self, t)
+            if t <= HIT_CHUNK_TOKENS:
+                self._rows[t] = v
         return v
 
     def picks_at(self, n: int) -> _PickRows:
-        """The views of the first ``n`` pick rows of the CPU share's buffers (made once per ``n``)."""
+        """The views of the first ``n`` pick rows of the CPU share's buffers, kept for a decode call's counts
+        (``n <= HIT_CHUNK_TOKENS * topk``), made afresh beyond."""
         v = self._picks.get(n)
         if v is None:
-            v = self._picks[n] = _PickRows(self, n)
+            v = _PickRows(self, n)
+            if n <= HIT_CHUNK_TOKENS * self.topk:
+                self._picks[n] = v
         return v
 
 
@@ -215,31 +223,30 @@ def _route_views(buf: torch.Tensor, rows: int, topk: int) -> tuple[torch.Tensor,
 class _Rows:
     """``_Buffers``' views of ``t`` token rows: device, pinned host, and the host ones as numpy arrays."""
 
-    __slots__ = ("ids", "w", "x32", "gpu_ids", "hit", "y", "y_flat", "y2", "h_x", "h_ids", "h_w", "h_hit",
-                 "np_x", "np_ids", "np_ids_flat", "np_w_flat", "np_hit_flat")  # fmt: skip
+    __slots__ = ("ids", "w", "x32", "gpu_ids", "hit", "y", "y_flat", "y2", "h_x", "np_x", "np_ids", "np_ids_flat",
+                 "np_w_flat", "np_hit_flat")  # fmt: skip
 
     def __init__(self, b: _Buffers, t: int) -> None:
         self.ids, self.w, self.x32, self.gpu_ids, self.hit = b.ids[:t], b.w[:t], b.x32[:t], b.gpu_ids[:t], b.hit[:t]
         self.y, self.y2 = b.y[:t], b.y2[:t]
         self.y_flat = self.y.view(-1, b.hidden)
-        self.h_x, self.h_ids, self.h_w, self.h_hit = b.h_x[:t], b.h_ids[:t], b.h_w[:t], b.h_hit[:t]
-        self.np_x, self.np_ids = self.h_x.numpy(), self.h_ids.numpy()
+        self.h_x = b.h_x[:t]
+        self.np_x, self.np_ids = self.h_x.numpy(), b.h_ids[:t].numpy()
         self.np_ids_flat = self.np_ids.reshape(-1)
-        self.np_w_flat = self.h_w.numpy().reshape(-1)
-        self.np_hit_flat = self.h_hit.numpy().reshape(-1)
+        self.np_w_flat = b.h_w[:t].numpy().reshape(-1)
+        self.np_hit_flat = b.h_hit[:t].numpy().reshape(-1)
 
 
 class _PickRows:
     """``_Buffers``' views of ``n`` rows of the CPU share (one row per pick)."""
 
-    __slots__ = ("h_xrows", "h_cpu", "h_index", "cpu_index", "cpu_rows", "np_xrows", "np_cpu", "np_index", "arange")
+    __slots__ = ("h_cpu", "h_index", "cpu_index", "cpu_rows", "np_xrows", "np_cpu", "np_index", "arange")
 
     def __init__(self, b: _Buffers, n: int) -> None:
-        self.h_xrows, self.h_cpu, self.h_index = b.h_xrows[:n], b.h_cpu[:n], b.h_index[:n]
+        self.h_cpu, self.h_index = b.h_cpu[:n], b.h_index[:n]
         self.cpu_index, self.cpu_rows = b.cpu_index[:n], b.cpu_rows[:n]
-        self.np_xrows, self.np_cpu, self.np_index = self.h_xrows.numpy(), self.h_cpu.numpy(), self.h_index.numpy()
-        self.arange = np.arange(n, dtype=np.int32)
-        self.arange.flags.writeable = False
+        self.np_xrows, self.np_cpu, self.np_index = b.h_xrows[:n].numpy(), self.h_cpu.numpy(), self.h_index.numpy()
+        self.arange = b.arange[:n]
 
 
 class _Stager:
