@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -152,3 +153,15 @@ def test_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match=">= 1 token"):
         split_misses(np.arange(2), np.array([1, 0]), MB, r)
     assert "GB/s" in r.describe()
+
+
+def test_cpu_share_seconds_is_what_the_split_predicts_for_the_cpu_share() -> None:
+    from vllm_dsv41.split import cpu_share_seconds
+
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    rates = Rates(cpu_bps=7e9, pcie_bps=20e9, cpu_tokens=((2, 6e9), (4, 5e9), (8, 3e9)), cpu_fixed_s=2e-4)
+    for n in (0, 1, 5, 40):
+        tokens = rng.integers(1, 12, n)
+        plan = split_misses(np.arange(n), tokens, 13_000_000, rates, "cpu")
+        assert cpu_share_seconds(tokens, 13_000_000, rates) == plan.cpu_seconds
+        assert (cpu_share_seconds(tokens, 13_000_000, rates) > 0) == (n > 0)

@@ -23,7 +23,7 @@ import numpy as np
 
 from dma_prefill import chunked_expert_seconds
 
-__all__ = ["PathChooser", "Rates", "SplitPlan", "split_misses"]
+__all__ = ["PathChooser", "Rates", "SplitPlan", "cpu_share_seconds", "split_misses"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -143,11 +143,9 @@ def split_misses(experts: np.ndarray, tokens: np.ndarray, expert_bytes: int, rat
     if n and tokens.min() < 1:
         raise ValueError(f"tokens: every missed expert has >= 1 token, got {tokens.min()}")
     pcie_cost = expert_bytes / rates.pcie_bps if rates.pcie_bps > 0 else math.inf
-    cost = cpu_time_of if cpu_time_of is not None else functools.partial(rates.cpu_expert_seconds, expert_bytes)
-    per_count = {m: cost(m) for m in set(tokens.tolist())}  # (decode: one count)
-    cpu_cost = [per_count[m] for m in tokens.tolist()]
+    cpu_cost = _cpu_costs(tokens, expert_bytes, rates, cpu_time_of)
     cpu_fixed, pcie_fixed = rates.cpu_fixed_s, rates.pcie_fixed_s
-    all_cpu = SplitPlan(experts, np.zeros(n, bool), cpu_fixed + math.fsum(cpu_cost) if n else 0.0, gpu_busy_seconds)
+    all_cpu = SplitPlan(experts, np.zeros(n, bool), _cpu_share(cpu_cost, rates), gpu_busy_seconds)
     if mode == "cpu" or (mode == "auto" and math.isinf(pcie_cost)):
         return all_cpu
     all_pcie = SplitPlan(experts, np.ones(n, bool), 0.0, gpu_busy_seconds + (pcie_fixed + n * pcie_cost if n else 0.0))
@@ -168,6 +166,25 @@ def split_misses(experts: np.ndarray, tokens: np.ndarray, expert_bytes: int, rat
     balanced = SplitPlan(experts, pcie, cpu_t, pcie_t)
     # the fixed costs can make one path alone faster than any balance (ties: the balanced split, then the CPU)
     return min((balanced, all_cpu, all_pcie), key=lambda plan: plan.predicted_seconds)
+
+
+def cpu_share_seconds(tokens: np.ndarray, expert_bytes: int, rates: Rates,
+                      cpu_time_of: Callable[[int], float] | None = None) -> float:  # fmt: skip
+    """The CPU tier's predicted seconds for experts with ``tokens`` tokens each: its fixed cost (once, when it gets
+    any) plus each expert's time for its count; what ``split_misses`` predicts for the share it gives the CPU tier
+    (``SplitPlan.cpu_seconds``). ``cpu_time_of`` as in ``split_misses``."""
+    return _cpu_share(_cpu_costs(np.asarray(tokens), expert_bytes, rates, cpu_time_of), rates)
+
+
+def _cpu_costs(tokens: np.ndarray, expert_bytes: int, rates: Rates,
+               cpu_time_of: Callable[[int], float] | None) -> list[float]:  # fmt: skip
+    cost = cpu_time_of if cpu_time_of is not None else functools.partial(rates.cpu_expert_seconds, expert_bytes)
+    per_count = {m: cost(m) for m in set(tokens.tolist())}  # (decode: one count)
+    return [per_count[m] for m in tokens.tolist()]
+
+
+def _cpu_share(costs: list[float], rates: Rates) -> float:
+    return rates.cpu_fixed_s + math.fsum(costs) if costs else 0.0
 
 
 #: Decode steps of one batch size after which ``PathChooser`` measures both paths again (the cache's contents, the

@@ -57,7 +57,7 @@ from .config import Dsv41PluginConfig, TieredConfig
 from .experts import _check_args, _refuse_capture, in_profile_run
 from .home import ExpertHome, LayerExperts
 from .route_prep import prepare_routing
-from .split import PathChooser, Rates, split_misses
+from .split import PathChooser, Rates, cpu_share_seconds, split_misses
 
 __all__ = ["TierStats", "TieredRuntime", "hit_seconds"]
 
@@ -912,7 +912,8 @@ class TieredRuntime:
             p.job = self._tier.submit(layer, pr.np_xrows, picks_obj, out=pr.np_cpu)
             if ptrs is not None:  # (before the cache exists the GPU has no table to recompute missed picks from:
                 # the CPU tier's share is waited for whole; a deadline there raised under load, CI's tiered test)
-                p.timeout = self._deadline(self._cpu_share_seconds(layer, experts_c) if cpu_raw is None else cpu_raw)
+                assert cpu_raw is not None  # (with the table, the split or split "cpu" predicted the share above)
+                p.timeout = self._deadline(cpu_raw)
         self._read_pcie_timings()  # the stream has passed the earlier layers' PCIe shares (this input follows them)
         # 5. the PCIe share queued after the CPU job is submitted: its copies' host-side queuing (per projection)
         # overlaps the CPU tier's work instead of delaying its start.
@@ -1223,12 +1224,9 @@ class TieredRuntime:
         its fixed cost plus each distinct expert's time for its token count."""
         rates = self.split_rates()
         per_expert = np.bincount(expert_ids, minlength=self._layers[layer].num_experts)
-        experts_per_count = np.bincount(per_expert)  # [m]: experts with m tokens (decode: all at one count)
         eb = self._expert_bytes[layer]
-        return rates.cpu_fixed_s + math.fsum(
-            int(experts_per_count[m]) * _cpu_expert_seconds(rates, eb, int(m))
-            for m in np.flatnonzero(experts_per_count[1:]) + 1
-        )
+        cost = functools.partial(_cpu_expert_seconds, rates, eb)
+        return cpu_share_seconds(per_expert[per_expert > 0], eb, rates, cost)
 
     def _deadline(self, predicted: float) -> float | None:
         """The CPU tier's deadline for a share predicted to take ``predicted`` seconds: ``factor * predicted +
