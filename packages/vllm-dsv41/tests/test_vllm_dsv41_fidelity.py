@@ -63,24 +63,31 @@ def test_fidelity_tool_on_the_demo_pack(demo_pack: Path, tmp_path: Path) -> None
     assert "noise floor" in r.stdout
 
 
-@pytest.mark.slow
-def test_tiered_runtime_served_by_vllm_equals_the_oracle(demo_pack: Path, tmp_path: Path) -> None:
-    """The tiered runtime inside vLLM's CPU build: a cache of a few slots (hits, CPU misses, replans every 2 steps,
-    the routing trace), against the all-in-VRAM oracle."""
-    out, trace = tmp_path / "fidelity.json", tmp_path / "trace.npz"
-    tiered = {"cache_gib": 0.0005, "replan_every": 2, "split": "cpu", "trace_path": str(trace)}
+def _served_tiered(demo_pack: Path, out: Path, tiered: dict[str, object]) -> tuple[dict, str]:
+    """The fidelity tool on the demo pack: the tiered runtime with ``tiered`` settings inside vLLM's CPU build
+    against the all-in-VRAM oracle (256 positions, 2 greedy prompts of 8 tokens, gated at top-1 0.999 and KL
+    1e-4); returns its JSON result and its stdout."""
     cmd = [sys.executable, "-m", "vllm_dsv41.fidelity", str(demo_pack), "--runtime", "tiered", "--against",
            "all-in-vram", "--positions", "256", "--length", "64", "--greedy-prompts", "2", "--greedy-tokens", "8",
            "--cpu-threads", "2", "--json", str(out), "--min-top1", "0.999", "--max-kl-mean", "1e-4",
            "--tiered", json.dumps(tiered)]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    return json.loads(out.read_text()), r.stdout
+
+
+@pytest.mark.slow
+def test_tiered_runtime_served_by_vllm_equals_the_oracle(demo_pack: Path, tmp_path: Path) -> None:
+    """The tiered runtime inside vLLM's CPU build: a cache of a few slots (hits, CPU misses, replans every 2 steps,
+    the routing trace), against the all-in-VRAM oracle."""
+    out, trace = tmp_path / "fidelity.json", tmp_path / "trace.npz"
+    tiered = {"cache_gib": 0.0005, "replan_every": 2, "split": "cpu", "trace_path": str(trace)}
+    res, stdout = _served_tiered(demo_pack, out, tiered)
     assert res["runtime"] == "tiered" and res["positions"] == 256 and res["top1_agreement"] == 1.0
     assert res["greedy_match"]
     st = res["runtime_stats"]  # the cache was created, hit, and the misses went to the CPU tier
     assert st["cache_slots"] > 0 and st["hit_picks"] > 0 and st["cpu_picks"] + st["fallback_picks"] > 0
-    assert st["pcie_picks"] == 0 and st["steps"] > 0 and "runtime counters" in r.stdout
+    assert st["pcie_picks"] == 0 and st["steps"] > 0 and "runtime counters" in stdout
     from expert_cache import load_trace
 
     t = load_trace(trace)
@@ -96,13 +103,7 @@ def test_tiered_device_path_served_by_vllm_equals_the_oracle(demo_pack: Path, tm
     out, trace = tmp_path / "fidelity.json", tmp_path / "trace.npz"
     tiered = {"cache_gib": 0.0005, "replan_every": 2, "split": split, "split_probe": 2, "prefill": False,
               "trace_path": str(trace)}  # fmt: skip
-    cmd = [sys.executable, "-m", "vllm_dsv41.fidelity", str(demo_pack), "--runtime", "tiered", "--against",
-           "all-in-vram", "--positions", "256", "--length", "64", "--greedy-prompts", "2", "--greedy-tokens", "8",
-           "--cpu-threads", "2", "--json", str(out), "--min-top1", "0.999", "--max-kl-mean", "1e-4",
-           "--tiered", json.dumps(tiered)]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res, _ = _served_tiered(demo_pack, out, tiered)
     assert res["top1_agreement"] == 1.0 and res["greedy_match"]
     st = res["runtime_stats"]
     assert st["device_steps"] > 0 and st["hit_picks"] > 0, st
@@ -164,13 +165,7 @@ def test_staged_prefill_served_by_vllm_equals_the_oracle(demo_pack: Path, tmp_pa
     out = tmp_path / "fidelity.json"
     tiered = {"cache_gib": 0.0005, "replan_every": 2, "split": "cpu", "prefill_min_tokens": 32,
               "prefill_ring_slots": 2, "prefill_experts_per_batch": 2}  # fmt: skip
-    cmd = [sys.executable, "-m", "vllm_dsv41.fidelity", str(demo_pack), "--runtime", "tiered", "--against",
-           "all-in-vram", "--positions", "256", "--length", "64", "--greedy-prompts", "2", "--greedy-tokens", "8",
-           "--cpu-threads", "2", "--json", str(out), "--min-top1", "0.999", "--max-kl-mean", "1e-4",
-           "--tiered", json.dumps(tiered)]  # fmt: skip
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    res = json.loads(out.read_text())
+    res, _ = _served_tiered(demo_pack, out, tiered)
     assert res["top1_agreement"] == 1.0 and res["greedy_match"]
     pf = res["runtime_stats"]["prefill"]
     assert pf["calls"] > 0 and pf["tokens"] >= 256 and pf["violations"] == []

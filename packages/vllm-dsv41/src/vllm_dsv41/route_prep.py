@@ -54,13 +54,13 @@ def prepare_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, slot_row
     if not use_triton:
         prepare_routing_reference(topk_ids, topk_weights, slot_row, counts, dev_counts, ids, w, hit, gpu_ids)
         return
-    n = ids.numel()
     if topk_ids.shape != ids.shape or topk_weights.shape != ids.shape:  # (broadcasting: the general path)
         prepare_routing_reference(topk_ids, topk_weights, slot_row, counts, dev_counts, ids, w, hit, gpu_ids)
         return
-    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()  # (a router's outputs already are)
+    n = ids.numel()
     if n == 0:
         return
+    topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()  # (a router's outputs already are)
     for name, tns in (("ids", ids), ("w", w), ("hit", hit), ("gpu_ids", gpu_ids), ("slot_row", slot_row)):
         if tns is not None and not tns.is_contiguous():
             raise ValueError(f"prepare_routing: {name} must be contiguous")
