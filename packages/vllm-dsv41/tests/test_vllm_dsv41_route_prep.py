@@ -27,9 +27,12 @@ def case(rng: np.random.Generator, t: int, k: int, e: int, ids_dtype: torch.dtyp
 
 def run(topk_ids: torch.Tensor, topk_w: torch.Tensor, slot: torch.Tensor, fn, **kw) -> dict[str, torch.Tensor]:
     t, k = topk_ids.shape
-    o = {"ids": torch.full((t, k), 7, dtype=torch.int32), "w": torch.full((t, k), 7.0),
-         "hit": torch.ones((t, k), dtype=torch.bool), "gpu_ids": torch.full((t, k), 7, dtype=torch.int32),
-         "counts": torch.full((slot.numel(),), 2.0), "dev": torch.tensor([5, 6], dtype=torch.int64)}  # fmt: skip
+    d = topk_ids.device  # the outputs where the inputs are (the gpu test: CUDA; H200 run 6 had them on the CPU)
+    o = {"ids": torch.full((t, k), 7, dtype=torch.int32, device=d), "w": torch.full((t, k), 7.0, device=d),
+         "hit": torch.ones((t, k), dtype=torch.bool, device=d),
+         "gpu_ids": torch.full((t, k), 7, dtype=torch.int32, device=d),
+         "counts": torch.full((slot.numel(),), 2.0, device=d),
+         "dev": torch.tensor([5, 6], dtype=torch.int64, device=d)}  # fmt: skip
     fn(topk_ids, topk_w, slot, o["counts"], o["dev"], o["ids"], o["w"], o["hit"], o["gpu_ids"], **kw)
     return o
 

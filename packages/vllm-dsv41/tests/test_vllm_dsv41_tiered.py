@@ -14,6 +14,7 @@ import torch
 
 from cpu_tier import CpuTierConfig
 from vllm_dsv41 import Dsv41PluginConfig
+from vllm_dsv41 import tiered as tiered_mod
 from vllm_dsv41.config import TieredConfig
 from vllm_dsv41.home import ExpertHome
 from vllm_dsv41.reference import ReferenceExperts
@@ -287,8 +288,10 @@ def test_the_staged_read_through_transient_slots(home: ExpertHome, reference: Re
         assert s.pcie_picks > 0 and s.hit_picks > 0 and rt._stager.bytes_copied > 0
         if split == "pcie":
             assert s.cpu_picks == 0
+            # the decode-size steps on the device path, their misses staged by the device over the same slots
+            assert s.device_steps == 6 and rt._dstage is not None and rt._dstage.bytes_copied > 0
         if slots == 1 and split == "pcie":
-            assert rt._stager.rounds > s.steps * LAYERS  # several rounds per layer (every miss is read by the GPU)
+            assert rt._stager.rounds > 2 * LAYERS  # the 24-token steps: several rounds per layer
         st = rt._stager
         assert st.groups == (2 if slots >= 2 else 1) and st.round_size == slots // st.groups
     finally:
@@ -333,18 +336,38 @@ def test_the_mapped_read_refuses_a_home_its_kernel_cannot_read(home: ExpertHome)
 
 
 def test_staged_and_mapped_reads_agree(home: ExpertHome) -> None:
-    """The same hit kernel through the home in place and through transient slots: bit-identical outputs."""
+    """The same hit kernel through the home in place and through transient slots: bit-identical outputs (the
+    decode-size steps on the device path: its misses staged by the device in rounds of the 2 slots, ``dev_stage``;
+    the 20-token step on the split path: staged by the copy engine)."""
     outs = []
     for mode in ("mapped", "staged"):
         rt = _runtime(home, 0, "pcie", pcie_read=mode, pcie_stage_slots=2)
         rng = np.random.default_rng(9)
         try:
             outs.append([o for n in (3, 3, 20, 3) for *_, o in _step(rt, rng, tokens=n, hot=6)])
-            assert (rt._stager is not None) == (mode == "staged")
+            assert (rt._stager is not None) == (mode == "staged") and rt.stats.device_steps == 3
+            if mode == "staged":
+                assert rt._dstage is not None and rt._dstage.bytes_copied > 0 and rt._stager.bytes_copied > 0
         finally:
             rt.close()
     for a, b in zip(*outs, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_without_device_staging_a_staged_home_keeps_the_split_path(
+    home: ExpertHome, reference: ReferenceExperts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A home whose tensors are not 4-byte words (``DeviceStaging.supported`` false) has no device path: split
+    "pcie" runs its decode steps on the split path (the copy engine stages), with the same results."""
+    monkeypatch.setattr(tiered_mod.DeviceStaging, "supported", staticmethod(lambda alignment, nbytes: False))
+    rt = _runtime(home, 0, "pcie", pcie_read="staged", pcie_stage_slots=2)
+    rng = np.random.default_rng(4)
+    try:
+        _exact_steps(rt, rng, reference, 3, tokens=2)
+        assert rt._stager is not None and rt._dstage is None
+        assert rt.stats.device_steps == 0 and rt._stager.bytes_copied > 0 and rt.stats.pcie_picks > 0
+    finally:
+        rt.close()
 
 
 def test_the_combine_does_not_depend_on_the_split(home: ExpertHome) -> None:

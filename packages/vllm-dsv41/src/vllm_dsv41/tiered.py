@@ -54,6 +54,8 @@ from torch.profiler import record_function
 
 from . import metrics
 from .config import Dsv41PluginConfig, TieredConfig
+from .dev_stage import MAX_PICKS, DeviceStaging
+from .dev_stage import kernels_available as dev_stage_kernels
 from .experts import _check_args, _refuse_capture, in_profile_run
 from .home import ExpertHome, LayerExperts
 from .route_prep import prepare_routing
@@ -348,6 +350,15 @@ class _Stager:
             ev.record(torch.cuda.current_stream(self.device))
             self._free[self._group] = ev
 
+    def claim_all(self) -> None:
+        """After the device path wrote and read every slot on the compute stream (``dev_stage``): the next copies
+        into any group wait for that. (Its writes need no wait of their own: the compute stream waited for every
+        earlier round's copies before the kernel that read them.)"""
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self._free = [ev] * self.groups
+
 
 class TieredRuntime:
     """Routed experts of every MoE layer split between a VRAM cache (GPU), the CPU tier and PCIe reads.
@@ -438,6 +449,8 @@ class TieredRuntime:
         self._limits: dict[int, float | None] = {}
         self._prefill: Any = None  # vllm_dsv41.prefill.StagedPrefill, built with the cache
         self._stager: _Stager | None = None  # the staged read's transient slots (pcie_read staged; with the cache)
+        self._dstage: DeviceStaging | None = None  # the device path's staged read over the same slots (dev_stage)
+        self._last_k = 0  # the last call's top-k (the device path's picks are bounded: dev_stage.MAX_PICKS)
         # split feedback (TieredConfig.split_feedback): measured / predicted per path, the rates the split uses now,
         # and the PCIe shares queued on the GPU whose timing events are read once the stream has passed them
         self._scale = {"cpu": 1.0, "pcie": 1.0}
@@ -535,8 +548,17 @@ class TieredRuntime:
             replan_every=t.replan_every,
             admit_limit=t.admit_limit,
         )
-        if self._read_staged(src.rows):
+        alignment = self._read_staged(src.rows)
+        if alignment:
             self._stager = _Stager(cfg, src.rows, t.pcie_stage_slots, self.device)
+            nbytes = [spec.nbytes for spec in cfg.projection_specs]
+            if DeviceStaging.supported(alignment, nbytes) and (self.device.type != "cuda" or dev_stage_kernels()):
+                self._dstage = DeviceStaging(self._stager.slot_addr, nbytes, cfg.num_experts)
+                logger.info("dsv41 tiered: the device path stages its misses itself, %d transient slots a round",
+                            self._stager.n)  # fmt: skip
+            else:
+                logger.info("dsv41 tiered: no device path: the home's %d-byte alignment or its projections' sizes "
+                            "(%s bytes) are not 4-byte words", alignment, nbytes)  # fmt: skip
             if budget is not None:  # the transient slots come out of a given budget
                 budget = max(1, budget - self._stager.nbytes)
                 cfg = dataclasses.replace(cfg, vram_budget_bytes=budget)
@@ -562,10 +584,10 @@ class TieredRuntime:
                     slots, slots * cfg.slot_stride / GiB, 100.0 * slots / cfg.num_keys, cfg.num_keys, t.policy,
                     self._rates.describe())  # fmt: skip
 
-    def _read_staged(self, rows: Any) -> bool:
+    def _read_staged(self, rows: Any) -> int:
         """Whether the GPU reads the home through transient slots (``pcie_read``): "auto" stages when a hit kernel
         cannot read the home's addresses in place (a checkpoint's safetensors files place tensors on 8-byte
-        boundaries; exllamav3's kernel loads 16 bytes)."""
+        boundaries; exllamav3's kernel loads 16 bytes). Returns the home's alignment when it stages, else 0."""
         addr = np.asarray(rows.kernel_addresses(), np.int64)
         acc = int(np.bitwise_or.reduce(addr.reshape(-1))) | 4096 if addr.size else 4096
         alignment = acc & -acc
@@ -579,7 +601,7 @@ class TieredRuntime:
         logger.info("dsv41 tiered: the GPU reads the host home %s (its tensors are %d-byte aligned, the hit kernel "
                     "loads %d bytes)", f"through {self.tcfg.pcie_stage_slots} transient VRAM slots" if staged
                     else "in place (zero-copy)", alignment, need)  # fmt: skip
-        return staged
+        return alignment if staged else 0
 
     def _prefill_setup(self, home: ExpertHome) -> None:
         """The staged prefill (``vllm_dsv41.prefill``), its step rule calibrated now (memory lent by the cache)."""
@@ -768,6 +790,7 @@ class TieredRuntime:
             self._stats.profile_calls += 1
             self._pending = _Pending(layer, t, t0=t0, profile=True)
             return
+        self._last_k = topk_ids.shape[1]
         self._begin_layer(layer, t)
         pf = self._prefill
         if pf is not None and t and pf.wants(t, topk_ids.shape[1]):  # the staged prefill (vllm_dsv41.prefill)
@@ -964,8 +987,11 @@ class TieredRuntime:
         self._step_spans = left
 
     def _device_path_possible(self, t: int) -> bool:
-        """A call of ``t`` tokens can run on the device path: decode-size, the cache exists, mapped reads."""
-        return self._cache is not None and self._stager is None and 0 < t <= HIT_CHUNK_TOKENS
+        """A call of ``t`` tokens can run on the device path: decode-size, the cache exists, the misses read in place
+        (mapped) or staged by the device (``dev_stage``: at most ``MAX_PICKS`` picks)."""
+        if self._cache is None or not 0 < t <= HIT_CHUNK_TOKENS:
+            return False
+        return self._stager is None or (self._dstage is not None and t * self._last_k <= MAX_PICKS)
 
     def _device_only(self, t: int) -> bool:
         """Whether a call runs with no host sync (``_begin_device``): every miss read over PCIe by the hit kernel
@@ -1003,7 +1029,19 @@ class TieredRuntime:
             if self.device.type == "cuda" and layer == max(self._layers):  # the step's copies are done by then
                 self._trace_ready = torch.cuda.Event()
                 self._trace_ready.record(torch.cuda.current_stream(self.device))
-        _hits_forward(self._hits[layer], ptrs, x32, ids, w, y)
+        ds = self._dstage
+        if ds is None:
+            _hits_forward(self._hits[layer], ptrs, x32, ids, w, y)
+        else:  # the misses staged by the device, in rounds of the transient slots (the first round: and the hits)
+            with _mark("dsv41.tiered.device_stage"):
+                ids_r = ds.plan(ids, r.hit, ptrs)
+            for rd in range(ids_r.shape[0]):
+                ds.copy(ptrs, rd)
+                _hits_forward(self._hits[layer], ds.table_d, x32, ids_r[rd], w, y if rd == 0 else r.y2)
+                if rd:
+                    y.add_(r.y2)
+            assert self._stager is not None
+            self._stager.claim_all()
         return _Pending(layer, t, k=k, b=b, device_only=True)
 
     def _prepare(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor, r: _Rows,

@@ -353,14 +353,15 @@ def tiny_v41_config(d: TinyV41 = TinyV41(), compressed_vocab: int | None = None)
         "hidden_act": "silu",
         "swiglu_limit": 10.0,
         "rms_norm_eps": 1e-20,
-        "max_position_embeddings": 65536,
+        # the release's context: 1M positions (YaRN x16 over 64k), so a Flash-shaped pack serves 262k-token prompts
+        "max_position_embeddings": 1048576,
         "rope_theta": 10000,
         "rope_scaling": {
             "type": "yarn",
             "factor": 16,
             "beta_fast": 32,
             "beta_slow": 1,
-            "original_max_position_embeddings": 4096,
+            "original_max_position_embeddings": 65536,
         },
         "n_routed_experts": d.experts,
         "n_shared_experts": 1,
