@@ -21,7 +21,9 @@ machine (40 MoE layers, ~25 ms a token at 40 tok/s: 625 us a layer) every 100 us
    than views, the routing prep counted as its one Triton launch).
 
 The floor in the same run is the device path (every miss read over PCIe by the hit kernel, no host sync: the
-least host work a call can do); each row prints its ratio to it and its share of the 625 us budget.
+least host work a call can do); each row prints its ratio to it and its share of the 625 us budget. The
+``device-staged`` row is the device path on a home the hit kernel cannot read in place (``dev_stage``: a plan
+launch and, per round of the transient slots, a copy launch and the hit kernel).
 """
 
 from __future__ import annotations
@@ -99,23 +101,34 @@ def count_ops(fn: Any, verbose: bool = False) -> int:
                 names[func.__name__] = names.get(func.__name__, 0) + 1
             return func(*args, **(kwargs or {}))
 
-    real = getattr(tiered, "prepare_routing", None)  # (absent before 2026-12-02: an A/B against an older tree)
+    def one_launch(real: Any, label: str) -> Any:
+        """``real`` counted as the one Triton launch it is on a GPU (its CPU definition's ops not counted)."""
 
-    def prep(*args: Any, **kwargs: Any) -> None:
-        before = dict(names)
-        real(*args, **kwargs)  # type: ignore[misc]
-        names.clear()
-        names.update(before)
-        names["route_prep (one launch)"] = names.get("route_prep (one launch)", 0) + 1
+        def call(*args: Any, **kwargs: Any) -> Any:
+            before = dict(names)
+            r = real(*args, **kwargs)
+            names.clear()
+            names.update(before)
+            names[label] = names.get(label, 0) + 1
+            return r
 
-    if real is not None:
-        tiered.prepare_routing = prep
+        return call
+
+    # (absent before 2026-12-02: an A/B against an older tree)
+    patched = [(mod, attr, getattr(mod, attr)) for mod, attr in ((tiered, "prepare_routing"),) if hasattr(mod, attr)]
+    staging = getattr(tiered, "DeviceStaging", None)  # the device path's staged read (dev_stage): plan, copy per round
+    if staging is not None:
+        patched += [(staging, "plan", staging.plan), (staging, "copy", staging.copy)]
+    labels = {"prepare_routing": "route_prep (one launch)", "plan": "dev_stage plan (one launch)",
+              "copy": "dev_stage copy (one launch a round)"}  # fmt: skip
+    for mod, attr, real in patched:
+        setattr(mod, attr, one_launch(real, labels[attr]))
     try:
         with Count():
             fn()
     finally:
-        if real is not None:
-            tiered.prepare_routing = real
+        for mod, attr, real in patched:
+            setattr(mod, attr, real)
     if verbose:
         print("  ops:", ", ".join(f"{k} {v}" for k, v in sorted(names.items(), key=lambda kv: -kv[1])))
     return sum(names.values())
@@ -131,9 +144,11 @@ def run_case(home: Any, path: str, streams: int, args: argparse.Namespace, devic
     lids = sorted(home.layer_ids)
     lx0 = next(iter(home.layers()))
     eb = _expert_bytes(lx0)
-    split = {"split-cpu": "cpu", "split-auto": "auto", "device": "pcie"}[path]
+    split = {"split-cpu": "cpu", "split-auto": "auto", "device": "pcie", "device-staged": "pcie"}[path]
+    # device-staged: the device path on a home its hit kernel cannot read in place (dev_stage's plan and copies)
+    read = "staged" if path == "device-staged" else "auto"
     tcfg = TieredConfig(split=split, split_probe=0, hit_kernel="reference", prefill=False, deadline_factor=4.0,
-                        split_feedback=0.0)  # fmt: skip
+                        split_feedback=0.0, pcie_read=read)  # fmt: skip
     cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=1), runtime="tiered", tiered=tcfg)
     # rates that balance a decode call's misses about half and half (the split's work is what is timed)
     rates = Rates(cpu_bps=20e9, pcie_bps=20e9, gpu_bps=1e12, source="bench", cpu_fixed_s=1e-5, pcie_fixed_s=1e-5)
@@ -186,6 +201,8 @@ def run_case(home: Any, path: str, streams: int, args: argparse.Namespace, devic
                     torch.cuda.synchronize(device)
                 means.append((time.perf_counter() - t0) / (args.steps * len(lids)) * 1e6)
             st = rt.stats
+            if path == "device-staged" and (rt._dstage is None or st.device_steps == 0):
+                raise RuntimeError("device-staged: the device path's staged read did not run")
     finally:
         rt.close()
     return {
@@ -205,7 +222,9 @@ def main() -> int:
     ap.add_argument("--intermediate", type=int, default=128)
     ap.add_argument("--root", type=Path, default=Path("/tmp/dsv41/host-overhead"))
     ap.add_argument("--streams", default="1,2,4")
-    ap.add_argument("--paths", default="device,split-cpu,split-auto")
+    ap.add_argument("--paths", default="device,device-staged,split-cpu,split-auto",
+                    help="device (misses read in place), device-staged (misses staged by the GPU: dev_stage), "
+                    "split-cpu, split-auto")  # fmt: skip
     ap.add_argument("--cache-share", type=float, default=0.3, help="share of each layer's experts the cache holds")
     ap.add_argument("--warmup", type=int, default=32)
     ap.add_argument("--steps", type=int, default=100)

@@ -439,6 +439,11 @@ def main() -> int:
     ap.add_argument("--cache-mib", type=float, default=0.0, help="the cache size outright (dry runs)")
     ap.add_argument("--policy", default="hybrid")
     ap.add_argument("--hit-kernel", default="auto")
+    ap.add_argument(
+        "--no-device-stage",
+        action="store_true",
+        help="decode calls on a staged home take the split path (TieredConfig.device_stage off)",
+    )
     ap.add_argument("--cpu-threads", type=int, default=8)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (default PIECEWISE)")
     ap.add_argument(
@@ -491,7 +496,8 @@ def main() -> int:
         extra["kv_cache_memory_bytes"] = int(a.kv_cache_gib * GiB)
     # Built with the tiered runtime, as served: the compiled graphs then call its two halves as eager breaks
     # (the shared expert between them); every runtime switched in below has both halves.
-    tiered0: dict[str, Any] = {"split": "auto", "stats_every": 0, "policy": a.policy, "hit_kernel": a.hit_kernel}
+    tiered0: dict[str, Any] = {"split": "auto", "stats_every": 0, "policy": a.policy, "hit_kernel": a.hit_kernel,
+                               "device_stage": not a.no_device_stage}  # fmt: skip
     if cache_bytes:
         tiered0["cache_gib"] = cache_bytes / GiB
     llm = build_llm(

@@ -16,7 +16,9 @@
 #           (upstream's FP8 KV / index rounding emulated in bf16: vllm_dsv41.ampere.fp8) is gated: top-1 >= 0.999,
 #           KL mean <= 1e-4; on tiny-v41 also ours with "bf16" (unrounded: H200 run 4's 0.975 top-1), printed,
 #           not gated (one more ~100 s run; split8 runs upstream and fp8 only); TINY_RUNS / SPLIT8_RUNS override
-#           the runs per pack (an empty value skips the pack)
+#           the runs per pack (an empty value skips the pack); the upstream run also scores two floors, its experts'
+#           sums in float64 and its attention outputs perturbed by ATTN_FLOOR (relative, default 2.1e-3: FlashMLA's
+#           own error vs float64), and the gate takes the lower (less two standard deviations of its flips)
 #   speed   tiny-v41: prefill 8k, decode at 8k and 64k context, attention time ours / upstream per phase
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
@@ -87,7 +89,8 @@ served() {  # pack name, runs: "upstream" and "triton-<kv_rounding>" (fp8 gated,
     for run in "$@"; do
         local args=(--attention "${run%%-*}")
         # upstream also scores the noise floor (its experts' sums in float64): the gate below holds ours to it
-        if [ "$run" = upstream ]; then args+=(--noise-floor); else args+=(--kv-rounding "${run#*-}"); fi
+        # and the attention floor (every attention output perturbed by FlashMLA's own error vs float64, 2.1e-3)
+        if [ "$run" = upstream ]; then args+=(--noise-floor --attn-floor "${ATTN_FLOOR:-2.1e-3}"); else args+=(--kv-rounding "${run#*-}"); fi
         log "served $name: $run"
         timeout "$(gpu_tmo 560)" python3 "$CHECK" run "/tmp/dsv41/$name" "${args[@]}" --out "$RUNS/$name/$run" \
             > "$OUT/ampere_${name}_$run.log" 2>&1

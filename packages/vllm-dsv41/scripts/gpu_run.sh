@@ -24,6 +24,7 @@
 #   decode    benches/bench_served_decode.py on that pack: served decode tok/s at 1/2/4 streams for the runtimes
 #             none / tiered (misses cpu, auto, pcie) / cpu vs the roofline of the same run; VRAM capped at 24 GiB,
 #             PIECEWISE; DEC_RUNTIMES picks the cases (none first), DEC_TAG names the outputs, DEC_THREADS the CPU tier's threads (8); traces under $OUT;
+#             DEC_ARGS: more arguments (split at spaces), e.g. "--hit-kernel triton";
 #             DEC_PROFILE='tiered:auto:1' profiles one generate of that case and stream count (torch.profiler)
 #   sprefill  benches/bench_served_prefill.py on that pack (PF_PROFILE=100: profile the tiered 100-token prompt):
 #             served prompt tok/s at PF_PROMPTS lengths (default
@@ -140,10 +141,11 @@ fi
 if step decode; then
     log "decode"
     mkdir -p "$OUT/decode${DEC_TAG:-}"
+    # shellcheck disable=SC2086  # DEC_ARGS is a list of arguments
     timeout "$(gpu_tmo 560)" python3 packages/vllm-dsv41/benches/bench_served_decode.py --layers "${DEC_LAYERS:-4}" --root /tmp/dsv41/served \
         --runtimes "${DEC_RUNTIMES:-none,tiered:auto,tiered:cpu,tiered:pcie,cpu}" --streams 1,2,4 --runs 3 --cpu-threads "${DEC_THREADS:-8}" \
         --time-budget-s "${DEC_BUDGET:-430}" --profile "${DEC_PROFILE:-}" --json "$OUT/decode${DEC_TAG:-}/bench_served_decode.json" \
-        2>&1 | tee "$OUT/decode${DEC_TAG:-}/bench_served_decode.log" | grep -v "INFO\|DEBUG\|WARNING" | tail -40
+        ${DEC_ARGS:-} 2>&1 | tee "$OUT/decode${DEC_TAG:-}/bench_served_decode.log" | grep -v "INFO\|DEBUG\|WARNING" | tail -40
     r=${PIPESTATUS[0]}; log "decode rc=$r"; rc=$((rc || r))
 fi
 if step sprefill; then

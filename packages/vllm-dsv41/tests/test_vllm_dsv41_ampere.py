@@ -679,3 +679,51 @@ def test_ampere_check_gates_top1_at_the_upstream_runs_noise_floor(tmp_path: Path
     # a floor at or above the goal leaves the goal standing
     np.savez_compressed(tmp_path / "upstream" / "logits_floor.npz", logits=up, prompt_lens=lens)
     assert check.main(argv) == 1
+
+
+def test_ampere_check_gates_top1_at_the_lower_of_its_two_floors(tmp_path: Path, capsys: Any) -> None:
+    """The upstream run's attention floor (its attention outputs perturbed by a kernel's own error size) gates too:
+    the lower of the two floors (each less two standard deviations of its flips) decides; neither lowers a goal
+    it does not fall under."""
+    import numpy as np
+
+    rng = np.random.default_rng(secrets.randbits(32))
+    n, v = 2000, 64
+    up = rng.standard_normal((n, v)).astype(np.float32)
+    lens = np.array([n])
+    for name, logits in {"upstream": up, "triton": _flipped(up, rng, 30)}.items():
+        (tmp_path / name).mkdir()
+        np.savez_compressed(tmp_path / name / "logits.npz", logits=logits, prompt_lens=lens)
+        np.savez_compressed(tmp_path / name / "layers.npz", layer0=np.zeros(4, np.uint16))
+    check = _check_script()
+    argv = ["compare", str(tmp_path / "upstream"), str(tmp_path / "triton"), "--min-top1", "0.999",
+            "--max-kl-mean", "1.0"]  # fmt: skip
+    np.savez_compressed(tmp_path / "upstream" / "logits_floor.npz", logits=_flipped(up, rng, 10), prompt_lens=lens)
+    assert check.main(argv) == 1  # 30 flips (0.985) under the expert-sum floor's gate (0.995 - 2 sqrt(11) / 2000)
+    capsys.readouterr()
+    np.savez_compressed(tmp_path / "upstream" / "logits_attn_floor.npz", logits=_flipped(up, rng, 28),
+                        prompt_lens=lens, rel=2.1e-3, achieved=2.5e-3)  # fmt: skip
+    assert check.main(argv) == 0  # the attention floor: 28 flips; gate 0.986 - 2 sqrt(29) / 2000 = 0.9806
+    out = capsys.readouterr().out
+    assert "attention floor" in out and "2.500e-03" in out and "PASS" in out
+    np.savez_compressed(tmp_path / "upstream" / "logits_attn_floor.npz", logits=_flipped(up, rng, 5),
+                        prompt_lens=lens, rel=2.1e-3, achieved=2.5e-3)  # fmt: skip
+    assert check.main(argv) == 1  # a tighter attention floor leaves the expert-sum floor's gate
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_ampere_check_perturbs_an_attention_output_by_the_asked_size() -> None:
+    import torch
+
+    check = _check_script()
+    gen = torch.Generator()
+    gen.manual_seed(secrets.randbits(32))
+    o32 = torch.randn((64, 8, 512), generator=gen)
+    for dtype, rel, lo, hi in ((torch.float32, 2.1e-3, 0.9, 1.1), (torch.bfloat16, 2.1e-3, 0.9, 2.5)):
+        o = o32.to(dtype)
+        before = o.float().clone()
+        dd, oo = check.perturb_(o, rel, gen)
+        achieved = (dd / oo) ** 0.5
+        assert o.dtype == dtype and not torch.equal(o.float(), before)
+        assert abs(float((o.float() - before).norm() / before.norm()) - achieved) < 1e-6
+        assert lo * rel < achieved < hi * rel, (dtype, achieved)  # bf16: rounding dithers it, about the same size

@@ -354,13 +354,16 @@ def test_staged_and_mapped_reads_agree(home: ExpertHome) -> None:
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("why", ["device_stage off", "not 4-byte words"])
 def test_without_device_staging_a_staged_home_keeps_the_split_path(
-    home: ExpertHome, reference: ReferenceExperts, monkeypatch: pytest.MonkeyPatch
+    home: ExpertHome, reference: ReferenceExperts, monkeypatch: pytest.MonkeyPatch, why: str
 ) -> None:
-    """A home whose tensors are not 4-byte words (``DeviceStaging.supported`` false) has no device path: split
-    "pcie" runs its decode steps on the split path (the copy engine stages), with the same results."""
-    monkeypatch.setattr(tiered_mod.DeviceStaging, "supported", staticmethod(lambda alignment, nbytes: False))
-    rt = _runtime(home, 0, "pcie", pcie_read="staged", pcie_stage_slots=2)
+    """With ``device_stage`` off, or on a home whose tensors are not 4-byte words (``DeviceStaging.supported``
+    false), a staged home has no device path: split "pcie" runs its decode steps on the split path (the copy engine
+    stages), with the same results."""
+    if why == "not 4-byte words":
+        monkeypatch.setattr(tiered_mod.DeviceStaging, "supported", staticmethod(lambda alignment, nbytes: False))
+    rt = _runtime(home, 0, "pcie", pcie_read="staged", pcie_stage_slots=2, device_stage=why != "device_stage off")
     rng = np.random.default_rng(4)
     try:
         _exact_steps(rt, rng, reference, 3, tokens=2)
@@ -916,6 +919,8 @@ def test_on_the_gpu_the_staged_read_matches_the_reference(registered_home: Exper
                 expected = reference.forward(layer, x, ids, w)
                 np.testing.assert_allclose(out.cpu().numpy(), expected, rtol=0, atol=tol * np.abs(expected).max())
         assert rt._stager is not None and rt._stager.bytes_copied > 0 and rt.stats.pcie_picks > 0
+        # the 1- and 3-token steps on the device path, their misses staged by the GPU itself (dev_stage's kernels)
+        assert rt._dstage is not None and rt._dstage.use_triton and rt.stats.device_steps == 4
     finally:
         rt.close()
 

@@ -151,6 +151,13 @@ def _parser() -> argparse.ArgumentParser:
         "mapped where the kernel can, else staged)",
     )
     t.add_argument(
+        "--device-stage",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="where PCIe reads are staged, let decode steps stay on the device path with the GPU copying their "
+        f"misses into the transient slots itself (default {'on' if _TIERED.device_stage else 'off'})",
+    )
+    t.add_argument(
         "--pcie-stage-slots",
         type=int,
         metavar="N",
@@ -257,6 +264,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
     # flag -> field of the plugin's nested tiered-runtime config (TieredConfig)
     tiered_fields = {"cache_gib": "cache_gib", "cache_margin_gib": "cache_margin_gib", "cache_policy": "policy",
                      "miss_split": "split", "split_probe": "split_probe", "split_feedback": "split_feedback", "hit_kernel": "hit_kernel", "pcie_read": "pcie_read",
+                     "device_stage": "device_stage",
                      "pcie_stage_slots": "pcie_stage_slots", "cpu_gbps": "cpu_gbps",
                      "pcie_gbps": "pcie_gbps", "record_routing": "trace_path",
                      "tier_stats_every": "stats_every", "prefill": "prefill",

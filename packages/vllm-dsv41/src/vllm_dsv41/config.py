@@ -104,7 +104,12 @@ class TieredConfig:
         of ``pcie_stage_slots // 2`` experts. Default 16: rounds of 8 (213 MB at Flash's sizes).
     cpu_gbps, pcie_gbps : the cost model's rates (expert bytes per second, in GB/s) of the CPU tier and of the
         GPU's PCIe reads of the host home (mapped or staged, as configured); 0 = measured at startup.
-    split_probe : with split "auto" and mapped reads, each decode batch size (tokens per step) runs this many steps
+    device_stage : where the GPU stages its PCIe reads ("staged", or "auto" on a home its kernel cannot read in
+        place), let decode-size calls still run on the device path, the GPU copying their misses into the transient
+        slots itself (``vllm_dsv41.dev_stage``; needs the home's tensors in 4-byte words). False: such calls take
+        the split path (the host learns the misses and queues the copy engine's copies).
+    split_probe : with split "auto" and a device path (mapped reads, or staged ones with ``device_stage``), each
+        decode batch size (tokens per step) runs this many steps
         on each of two paths, the split (inputs to the host, misses split by the cost model) and the device path
         (every miss read over PCIe by the hit kernel, no host sync per layer; what split "pcie" always runs), and
         keeps the one whose steps' MoE layers span less time, median (``vllm_dsv41.split.PathChooser``; measured
@@ -147,6 +152,7 @@ class TieredConfig:
     pcie_stage_slots: int = 16
     cpu_gbps: float = 0.0
     pcie_gbps: float = 0.0
+    device_stage: bool = True
     split_probe: int = 8
     split_feedback: float = 0.1
     deadline_factor: float = 4.0

@@ -552,7 +552,12 @@ class TieredRuntime:
         if alignment:
             self._stager = _Stager(cfg, src.rows, t.pcie_stage_slots, self.device)
             nbytes = [spec.nbytes for spec in cfg.projection_specs]
-            if DeviceStaging.supported(alignment, nbytes) and (self.device.type != "cuda" or dev_stage_kernels()):
+            kernels = self.device.type != "cuda" or dev_stage_kernels()
+            if not t.device_stage:
+                logger.info("dsv41 tiered: device_stage off: decode calls stage their misses on the split path")
+            elif not kernels:
+                logger.warning("dsv41 tiered: no device path on this staged home: its kernels need Triton")
+            elif DeviceStaging.supported(alignment, nbytes):
                 self._dstage = DeviceStaging(self._stager.slot_addr, nbytes, cfg.num_experts)
                 logger.info("dsv41 tiered: the device path stages its misses itself, %d transient slots a round",
                             self._stager.n)  # fmt: skip
