@@ -123,7 +123,15 @@ def test_bad_calls_are_refused() -> None:
     with pytest.raises(ValueError, match="129 picks"):
         st.plan(ids, torch.zeros_like(ids, dtype=torch.bool), home.table)
     with pytest.raises(ValueError, match="pointer table"):
+        st.plan(ids[:2], torch.zeros((2, 1), dtype=torch.bool), home.table[:, :5].contiguous())
+    with pytest.raises(ValueError, match="table must be contiguous"):
         st.plan(ids[:2], torch.zeros((2, 1), dtype=torch.bool), home.table[:, :5])
+    with pytest.raises(ValueError, match="ids must be contiguous torch.int32"):
+        st.plan(ids[:2].long(), torch.zeros((2, 1), dtype=torch.bool), home.table)
+    with pytest.raises(ValueError, match="hit must be contiguous torch.bool"):
+        st.plan(ids[:2], torch.zeros((2, 1), dtype=torch.uint8), home.table)
+    with pytest.raises(ValueError, match=r"hit \(3, 1\) for ids \(2, 1\)"):
+        st.plan(ids[:2], torch.zeros((3, 1), dtype=torch.bool), home.table)
     with pytest.raises(ValueError, match="3 projections"):
         DeviceStaging(home.slot_addr, [8, 4, 4], 10)
     assert DeviceStaging.supported(8, [8, 4])
@@ -237,11 +245,12 @@ def test_the_kernels_compile_for_ampere_and_hopper(arch: int) -> None:
 
     target = GPUTarget("cuda", arch, 32)
     sig = dict(IDS="*i32", HIT="*u8", TABLE="*i64", SLOT_ADDR="*i64", TABLE_D="*i64", IDS_R="*i32",
-               RANK_EXPERT="*i32", N="i32", E="i32", PER="i32", R="i32", P="constexpr", BLOCK_N="constexpr",
-               BLOCK_E="constexpr")  # fmt: skip
-    consts = dict(P=9, BLOCK_N=MAX_PICKS, BLOCK_E=_BLOCK_E)
-    k = triton.compile(ASTSource(_stage_plan, sig, constexprs=consts), target=target, options=dict(num_warps=4))
-    assert k.asm["cubin"], "ptxas built no cubin"
+               RANK_EXPERT="*i32", N="i32", E="i32", PER="i32", R="i32", NRANK="i32", P="constexpr",
+               BLOCK_N="constexpr", BLOCK_E="constexpr")  # fmt: skip
+    for block_n in (16, MAX_PICKS):  # the smallest and the largest pick block
+        consts = dict(P=9, BLOCK_N=block_n, BLOCK_E=_BLOCK_E)
+        k = triton.compile(ASTSource(_stage_plan, sig, constexprs=consts), target=target, options=dict(num_warps=8))
+        assert k.asm["cubin"], "ptxas built no cubin"
     sig = dict(TABLE="*i64", SLOT_ADDR="*i64", NBYTES="*i64", RANK_EXPERT="*i32", R0="i32", NRANK="i32", E="i32",
                PER="i32", CHUNK="constexpr")  # fmt: skip
     k = triton.compile(ASTSource(_stage_copy, sig, constexprs=dict(CHUNK=CHUNK_BYTES)), target=target,

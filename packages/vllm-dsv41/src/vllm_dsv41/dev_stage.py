@@ -131,6 +131,12 @@ class DeviceStaging:
         n = ids.numel()
         if n > MAX_PICKS:
             raise ValueError(f"device staging: a call of {n} picks (at most {MAX_PICKS})")
+        for name, x, dtype in (("ids", ids, torch.int32), ("hit", hit, torch.bool), ("table", table, torch.int64)):
+            if x.dtype != dtype or not x.is_contiguous() or x.device != self.device:
+                raise ValueError(f"device staging: {name} must be contiguous {dtype} on {self.device}, got "
+                                 f"{x.dtype} on {x.device}{'' if x.is_contiguous() else ', strided'}")  # fmt: skip
+        if hit.shape != ids.shape:
+            raise ValueError(f"device staging: hit {tuple(hit.shape)} for ids {tuple(ids.shape)}")
         if table.shape != self.table_d.shape:
             raise ValueError(
                 f"device staging: pointer table {tuple(table.shape)}, expected {tuple(self.table_d.shape)}"
@@ -140,11 +146,15 @@ class DeviceStaging:
         if not self.use_triton:
             plan_reference(ids, hit, table, self.slot_addr, self.table_d, ids_r, self.rank_expert)
         elif n:
+            # the pick block as small as the call allows (its [B, B] temporaries: 16, 32, 64 or 128 picks)
+            block_n = max(16, 1 << (n - 1).bit_length())
             _kernels()[0][(-(-self.num_experts // _BLOCK_E),)](
                 ids, hit.view(torch.uint8), table, self.slot_addr, self.table_d, ids_r, self.rank_expert,
-                n, self.num_experts, self.per, rounds,
-                P=len(self.nbytes), BLOCK_N=MAX_PICKS, BLOCK_E=_BLOCK_E,
+                n, self.num_experts, self.per, rounds, self.rank_expert.numel(),
+                P=len(self.nbytes), BLOCK_N=block_n, BLOCK_E=_BLOCK_E, num_warps=8,
             )  # fmt: skip
+        else:  # nothing to stage (a later copy() finds no expert)
+            self.rank_expert.fill_(-1)
         return ids_r.view(rounds, *ids.shape)
 
     def copy(self, table: torch.Tensor, round_: int) -> None:
@@ -176,9 +186,9 @@ try:
 except ImportError:  # (torch without CUDA may come without Triton: the definition serves there)
     _stage_plan = _stage_copy = None
 else:
-
-    @triton.jit
-    def _stage_plan(IDS, HIT, TABLE, SLOT_ADDR, TABLE_D, IDS_R, RANK_EXPERT, N, E, PER, R,
+    # (the integer arguments not specialized on their values: a new batch size does not compile the kernels again)
+    @triton.jit(do_not_specialize=["N", "E", "PER", "R", "NRANK"])
+    def _stage_plan(IDS, HIT, TABLE, SLOT_ADDR, TABLE_D, IDS_R, RANK_EXPERT, N, E, PER, R, NRANK,
                     P: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
         i = tl.arange(0, BLOCK_N)
         m = i < N
@@ -213,8 +223,10 @@ else:
             rk = tl.arange(0, BLOCK_N)
             at = (crank[None, :] == rk[:, None]) & fm[None, :]
             tl.store(RANK_EXPERT + rk, tl.sum(tl.where(at, (e + 1)[None, :], 0), axis=1) - 1)
+            for r0 in range(BLOCK_N, NRANK, BLOCK_N):  # the ranks past this call's block: none
+                tl.store(RANK_EXPERT + r0 + rk, tl.full((BLOCK_N,), -1, tl.int32), mask=r0 + rk < NRANK)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["R0", "NRANK", "E", "PER"])
     def _stage_copy(TABLE, SLOT_ADDR, NBYTES, RANK_EXPERT, R0, NRANK, E, PER, CHUNK: tl.constexpr):
         s = tl.program_id(0)
         p = tl.program_id(1)

@@ -558,9 +558,7 @@ class TieredRuntime:
             elif not kernels:
                 logger.warning("dsv41 tiered: no device path on this staged home: its kernels need Triton")
             elif DeviceStaging.supported(alignment, nbytes):
-                self._dstage = DeviceStaging(self._stager.slot_addr, nbytes, cfg.num_experts)
-                logger.info("dsv41 tiered: the device path stages its misses itself, %d transient slots a round",
-                            self._stager.n)  # fmt: skip
+                self._dstage = self._device_staging(nbytes, cfg.num_experts)
             else:
                 logger.info("dsv41 tiered: no device path: the home's %d-byte alignment or its projections' sizes "
                             "(%s bytes) are not 4-byte words", alignment, nbytes)  # fmt: skip
@@ -588,6 +586,24 @@ class TieredRuntime:
         logger.info("dsv41 tiered: VRAM expert cache of %d slots (%.2f GiB, %.1f%% of %d experts), policy %s; %s",
                     slots, slots * cfg.slot_stride / GiB, 100.0 * slots / cfg.num_keys, cfg.num_keys, t.policy,
                     self._rates.describe())  # fmt: skip
+
+    def _device_staging(self, nbytes: list[int], num_experts: int) -> DeviceStaging | None:
+        """The device path's staged read over the stager's slots, its kernels compiled now (one empty call: a
+        compile in a request would stall it); None, logged, if they cannot run here (the split path stages)."""
+        assert self._stager is not None
+        try:
+            ds = DeviceStaging(self._stager.slot_addr, nbytes, num_experts)
+            table = torch.zeros((len(nbytes), num_experts), dtype=torch.int64, device=self.device)
+            ids = torch.full((1, 1), -1, dtype=torch.int32, device=self.device)
+            ds.plan(ids, torch.zeros((1, 1), dtype=torch.bool, device=self.device), table)
+            ds.copy(table, 0)  # (no expert: every program returns)
+        except Exception as exc:  # a kernel Triton cannot build or launch on this GPU
+            logger.warning("dsv41 tiered: no device path on this staged home: its staging kernels failed (%s: %s)",
+                           type(exc).__name__, exc)  # fmt: skip
+            return None
+        logger.info("dsv41 tiered: the device path stages its misses itself, %d transient slots a round",
+                    self._stager.n)  # fmt: skip
+        return ds
 
     def _read_staged(self, rows: Any) -> int:
         """Whether the GPU reads the home through transient slots (``pcie_read``): "auto" stages when a hit kernel
@@ -993,15 +1009,16 @@ class TieredRuntime:
 
     def _device_path_possible(self, t: int) -> bool:
         """A call of ``t`` tokens can run on the device path: decode-size, the cache exists, the misses read in place
-        (mapped) or staged by the device (``dev_stage``: at most ``MAX_PICKS`` picks)."""
+        (mapped) or staged by the device (``dev_stage``: at most ``MAX_PICKS`` picks of the top-k ``begin`` saw
+        last, ``_last_k``, set before this is asked)."""
         if self._cache is None or not 0 < t <= HIT_CHUNK_TOKENS:
             return False
         return self._stager is None or (self._dstage is not None and t * self._last_k <= MAX_PICKS)
 
     def _device_only(self, t: int) -> bool:
         """Whether a call runs with no host sync (``_begin_device``): every miss read over PCIe by the hit kernel
-        in place, at decode sizes, once the cache exists: always with split "pcie", and on the steps split "auto"
-        gives the device path (``PathChooser``)."""
+        (in place, or staged by the device: ``dev_stage``), at decode sizes, once the cache exists: always with
+        split "pcie", and on the steps split "auto" gives the device path (``PathChooser``)."""
         if not self._device_path_possible(t):
             return False
         return self.tcfg.split == "pcie" or (self.tcfg.split == "auto" and self._step_path == "device")
@@ -1010,9 +1027,11 @@ class TieredRuntime:
                       t: int) -> _Pending:  # fmt: skip
         """A decode-size call with every miss over PCIe, queued on the device with no host sync: the layer's pointer
         table sends each pick to its VRAM slot (a hit) or to its bytes in the mapped host home (a miss), so one hit
-        kernel call computes them all. The same result as the split path's two calls (each pick is computed
-        alone; sums in a fixed order). Its hit and pick counts stay on the device until the stats are read; the
-        routing trace is copied to pinned memory and read when the step is recorded."""
+        kernel call computes them all; on a staged home (``self._dstage``) the GPU first copies the misses into
+        the transient slots, in rounds of them, and the hit kernel runs per round. The same result as the split
+        path's two calls (each pick is computed alone; sums in a fixed order). Its hit and pick counts stay on the
+        device until the stats are read; the routing trace is copied to pinned memory and read when the step is
+        recorded."""
         k = topk_ids.shape[1]
         b = self._buffers_for(x.shape[1], k, t)
         r = b.at(t)
@@ -1038,15 +1057,17 @@ class TieredRuntime:
         if ds is None:
             _hits_forward(self._hits[layer], ptrs, x32, ids, w, y)
         else:  # the misses staged by the device, in rounds of the transient slots (the first round: and the hits)
-            with _mark("dsv41.tiered.device_stage"):
-                ids_r = ds.plan(ids, r.hit, ptrs)
-            for rd in range(ids_r.shape[0]):
-                ds.copy(ptrs, rd)
-                _hits_forward(self._hits[layer], ds.table_d, x32, ids_r[rd], w, y if rd == 0 else r.y2)
-                if rd:
-                    y.add_(r.y2)
             assert self._stager is not None
-            self._stager.claim_all()
+            try:
+                with _mark("dsv41.tiered.device_stage"):
+                    ids_r = ds.plan(ids, r.hit, ptrs)
+                for rd in range(ids_r.shape[0]):
+                    ds.copy(ptrs, rd)
+                    _hits_forward(self._hits[layer], ds.table_d, x32, ids_r[rd], w, y if rd == 0 else r.y2)
+                    if rd:
+                        y.add_(r.y2)
+            finally:  # (also after a failed launch: what was queued on the slots orders the next staged copies)
+                self._stager.claim_all()
         return _Pending(layer, t, k=k, b=b, device_only=True)
 
     def _prepare(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor, r: _Rows,
