@@ -242,24 +242,24 @@ def compare(a: argparse.Namespace) -> int:
     print(f"served logits, {nt} vs {nu} attention: {agree.size} positions, top-1 agreement "
           f"{agree.mean():.5f}, KL mean {kl.mean():.3e} max {kl.max():.3e}")  # fmt: skip
     min_top1 = a.min_top1
-    if (up / "logits_floor.npz").exists():  # the upstream run's noise floor (run --noise-floor)
-        fa, fk = compare_logits(lu["logits"], np.load(up / "logits_floor.npz")["logits"])
-        print(f"noise floor ({nu} with float64 expert sums vs {nu}): top-1 agreement {fa.mean():.5f}, KL mean "
-              f"{fk.mean():.3e} max {fk.max():.3e}")  # fmt: skip
+
+    def floor_gate(floor: str, how: str, logits: np.ndarray) -> None:
+        """Print how far the upstream run's ``floor`` scoring is from its own, and gate top-1 there if lower."""
+        nonlocal min_top1
+        fa, fk = compare_logits(lu["logits"], logits)
+        print(f"{floor} ({nu} {how} vs {nu}): top-1 agreement {fa.mean():.5f}, KL mean {fk.mean():.3e} max "
+              f"{fk.max():.3e}")  # fmt: skip
         if min_top1 is not None and (g := noise_floor_gate(min_top1, float(fa.mean()), fa.size)) < min_top1:
-            print(f"top-1 gate: {min_top1} is above what the noise floor allows ({fa.mean():.5f}, less two standard "
+            print(f"top-1 gate: {min_top1:.5f} is above what the {floor} allows ({fa.mean():.5f}, less two standard "
                   f"deviations of its flip count: {g:.5f}); gating there")  # fmt: skip
             min_top1 = g
-    if (up / "logits_attn_floor.npz").exists():  # upstream's attention perturbed by its own error's size
+
+    if (up / "logits_floor.npz").exists():  # the upstream run's noise floor (run --noise-floor)
+        floor_gate("noise floor", "with float64 expert sums", np.load(up / "logits_floor.npz")["logits"])
+    if (up / "logits_attn_floor.npz").exists():  # upstream's attention perturbed by its own error's size (--attn-floor)
         af = np.load(up / "logits_attn_floor.npz")
-        fa, fk = compare_logits(lu["logits"], af["logits"])
-        print(f"attention floor ({nu} with every attention output perturbed, ||change|| / ||output|| "
-              f"{float(af['achieved']):.3e}, vs {nu}): top-1 agreement {fa.mean():.5f}, KL mean {fk.mean():.3e} "
-              f"max {fk.max():.3e}")  # fmt: skip
-        if min_top1 is not None and (g := noise_floor_gate(min_top1, float(fa.mean()), fa.size)) < min_top1:
-            print(f"top-1 gate: {min_top1:.5f} is above what the attention floor allows ({fa.mean():.5f}, less two "
-                  f"standard deviations of its flip count: {g:.5f}); gating there")  # fmt: skip
-            min_top1 = g
+        floor_gate("attention floor", f"with every attention output perturbed, ||change|| / ||output|| "
+                   f"{float(af['achieved']):.3e},", af["logits"])  # fmt: skip
     yu, yt = np.load(up / "layers.npz"), np.load(tr / "layers.npz")
     print("per-layer attention output (first prompt, all heads): relative error ||t - u|| / ||u||, max |t - u|")
     for k in sorted(set(yu.files) & set(yt.files), key=lambda s: int(s[5:])):

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_PICKS", "DeviceStaging", "copy_reference", "kernels_available", "plan_reference"]
+__all__ = ["MAX_PICKS", "DeviceStaging", "copy_reference", "plan_reference"]
 
 #: The most picks one call may have (the device path's calls: ``HIT_CHUNK_TOKENS`` x top-k <= 16 x 8).
 MAX_PICKS = 128
@@ -164,14 +164,9 @@ class DeviceStaging:
             self.bytes_copied += copy_reference(table, self.slot_addr, self.nbytes, self.rank_expert, round_)
             return
         _kernels()[1][(self.per, len(self.nbytes), self._chunks)](
-            table, self.slot_addr, self._nbytes_t, self.rank_expert, round_ * self.per, MAX_PICKS,
+            table, self.slot_addr, self._nbytes_t, self.rank_expert, round_ * self.per, self.rank_expert.numel(),
             self.num_experts, self.per, CHUNK=CHUNK_BYTES,
         )  # fmt: skip
-
-
-def kernels_available() -> bool:
-    """Whether the kernels can run here (Triton is installed)."""
-    return _stage_plan is not None
 
 
 def _kernels() -> tuple[Any, Any]:

@@ -55,7 +55,6 @@ from torch.profiler import record_function
 from . import metrics
 from .config import Dsv41PluginConfig, TieredConfig
 from .dev_stage import MAX_PICKS, DeviceStaging
-from .dev_stage import kernels_available as dev_stage_kernels
 from .experts import _check_args, _refuse_capture, in_profile_run
 from .home import ExpertHome, LayerExperts
 from .route_prep import prepare_routing
@@ -552,12 +551,9 @@ class TieredRuntime:
         if alignment:
             self._stager = _Stager(cfg, src.rows, t.pcie_stage_slots, self.device)
             nbytes = [spec.nbytes for spec in cfg.projection_specs]
-            kernels = self.device.type != "cuda" or dev_stage_kernels()
             if not t.device_stage:
                 logger.info("dsv41 tiered: device_stage off: decode calls stage their misses on the split path")
-            elif not kernels:
-                logger.warning("dsv41 tiered: no device path on this staged home: its kernels need Triton")
-            elif DeviceStaging.supported(alignment, nbytes):
+            elif DeviceStaging.supported(alignment, nbytes):  # (without Triton on a GPU: its warm-up fails, logged)
                 self._dstage = self._device_staging(nbytes, cfg.num_experts)
             else:
                 logger.info("dsv41 tiered: no device path: the home's %d-byte alignment or its projections' sizes "
@@ -597,7 +593,7 @@ class TieredRuntime:
             ids = torch.full((1, 1), -1, dtype=torch.int32, device=self.device)
             ds.plan(ids, torch.zeros((1, 1), dtype=torch.bool, device=self.device), table)
             ds.copy(table, 0)  # (no expert: every program returns)
-        except Exception as exc:  # a kernel Triton cannot build or launch on this GPU
+        except Exception as exc:  # no Triton, or a kernel Triton cannot build or launch on this GPU
             logger.warning("dsv41 tiered: no device path on this staged home: its staging kernels failed (%s: %s)",
                            type(exc).__name__, exc)  # fmt: skip
             return None
