@@ -211,6 +211,12 @@ def main() -> int:
         default="",
         help="prompt lengths whose tiered case is profiled once after its timed runs (comma list)",
     )
+    ap.add_argument(
+        "--tiered",
+        type=json.loads,
+        default={},
+        help="more tiered settings as JSON, e.g. '{\"prefill_ring_slots\": 24}' (the staging ring)",
+    )
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     lengths = [int(x) for x in a.prompts.split(",")]
@@ -241,7 +247,7 @@ def main() -> int:
         extra["kv_cache_memory_bytes"] = int(a.kv_cache_gib * GiB)
     t = time.perf_counter()
     llm = build_llm(pack, runtime="tiered", tiered={"split": "auto", "stats_every": 0, "cache_gib": cache_bytes / GiB,
-                                                         "prefill_min_tokens": a.min_tokens},
+                                                         "prefill_min_tokens": a.min_tokens, **a.tiered},
                     eager=a.eager, max_model_len=max(lengths) + 64, gpu_memory_gib=a.gpu_memory_gib,
                     cpu_threads=a.cpu_threads, extra=extra)  # fmt: skip
     log(f"model built in {time.perf_counter() - t:.0f} s ({'PIECEWISE graphs' if cuda and not a.eager else 'eager'}, "

@@ -29,7 +29,8 @@
 #   sprefill  benches/bench_served_prefill.py on that pack (PF_PROFILE=100: profile the tiered 100-token prompt):
 #             served prompt tok/s at PF_PROMPTS lengths (default
 #             2048,8192,16384) with PF_CHUNK-token chunks (default 8192), experts off vs the tiered runtime's staged
-#             prefill, against the roofline of the same runs (streamed bytes / the measured copy rate + non-expert time)
+#             prefill, against the roofline of the same runs (streamed bytes / the measured copy rate + non-expert time);
+#             PF_ARGS: more arguments (split at spaces), e.g. '--tiered {"prefill_ring_slots":24}'; PF_TAG names the outputs
 #   savejit   tar the JIT caches (TileLang, Triton, vLLM/DeepGEMM) into $OUT/jitcache.tgz; a later machine restores
 #             them from .jitcache/jitcache.tgz when that folder is carried (saves the cold compile, ~2-3 min)
 set -uo pipefail
@@ -152,8 +153,8 @@ if step sprefill; then
     log "sprefill"
     timeout "$(gpu_tmo 560)" python3 packages/vllm-dsv41/benches/bench_served_prefill.py --layers "${DEC_LAYERS:-4}" \
         --root /tmp/dsv41/served --prompts "${PF_PROMPTS:-2048,8192,16384}" --chunk "${PF_CHUNK:-8192}" --runs 3 \
-        --cpu-threads 8 --time-budget-s 400 --profile "${PF_PROFILE:-}" --json "$OUT/bench_served_prefill.json" \
-        2>&1 | tee "$OUT/bench_served_prefill.log" | grep -v "INFO\|DEBUG\|WARNING" | tail -20
+        --cpu-threads 8 --time-budget-s 400 --profile "${PF_PROFILE:-}" --json "$OUT/bench_served_prefill${PF_TAG:-}.json" \
+        ${PF_ARGS:-} 2>&1 | tee "$OUT/bench_served_prefill${PF_TAG:-}.log" | grep -v "INFO\|DEBUG\|WARNING" | tail -20
     r=${PIPESTATUS[0]}; log "sprefill rc=$r"; rc=$((rc || r))
 fi
 if step savejit; then
