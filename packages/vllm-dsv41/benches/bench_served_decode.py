@@ -131,6 +131,23 @@ class Meter:
     total_hit: int = 0
     total_all: int = 0
     tokens: list[int] = dataclasses.field(default_factory=list)
+    # device-path calls (no host copy of their routing): (first layer, tokens, on, ids, hit) as device clones,
+    # counted by ``flush`` after the run (reading them on the host inside the step would add a sync per layer)
+    pending: list[tuple[bool, int, bool, Any, Any]] = dataclasses.field(default_factory=list)
+
+    def defer(self, first_layer: bool, t: int, ids: Any, hit: Any) -> None:
+        if t <= self.decode_max_tokens:
+            self.pending.append((first_layer, t, self.on, ids.clone(), hit.clone()))
+
+    def flush(self) -> None:
+        """Count the deferred device-path calls: hits = distinct resident experts, PCIe = the distinct others
+        (negative ids are vLLM's padding rows, no pick)."""
+        pending, self.pending = self.pending, []
+        for first, t, on, ids_d, hit_d in pending:
+            ids, hit = ids_d.cpu().numpy().reshape(-1), hit_d.cpu().numpy().reshape(-1)
+            on0, self.on = self.on, on
+            self.add(first, t, np.unique(ids[hit]).size, 0, np.unique(ids[~hit & (ids >= 0)]).size)
+            self.on = on0
 
     def add(self, first_layer: bool, t: int, hit: int, cpu: int, pcie: int) -> None:
         if t > self.decode_max_tokens:
@@ -191,7 +208,10 @@ def _timing(model: Any, on: bool) -> list[tuple[float, int]]:
 
 def _meter(model: Any) -> dict[str, Any]:
     m = _W["meter"]
-    return dataclasses.asdict(m) if m is not None else {}
+    if m is None:
+        return {}
+    m.flush()
+    return {k: v for k, v in dataclasses.asdict(m).items() if k != "pending"}
 
 
 def _metered_classes() -> tuple[type, type]:
@@ -199,7 +219,8 @@ def _metered_classes() -> tuple[type, type]:
     from vllm_dsv41.tiered import TieredRuntime
 
     class MeteredTiered(TieredRuntime):  # type: ignore[misc]
-        """The tiered runtime, counting each layer's distinct experts per path from its own host-side split."""
+        """The tiered runtime, counting each layer's distinct experts per path from its own host-side split (the
+        device path's from clones of its routing and hit mask, counted after the run: two small copies a call)."""
 
         def _begin(self, layer: int, x: Any, topk_ids: Any, topk_weights: Any, t: int) -> Any:
             p = super()._begin(layer, x, topk_ids, topk_weights, t)
@@ -214,6 +235,14 @@ def _metered_classes() -> tuple[type, type]:
                     np.unique(ids[p.cpu_picks]).size,
                     np.unique(ids[p.pcie_picks]).size,
                 )
+            return p
+
+        def _begin_device(self, layer: int, x: Any, topk_ids: Any, topk_weights: Any, t: int) -> Any:
+            p = super()._begin_device(layer, x, topk_ids, topk_weights, t)
+            m = _W["meter"]
+            if m is not None and p.b is not None:
+                r = p.b.at(t)
+                m.defer(layer == min(self._layers), t, r.ids, r.hit)
             return p
 
     class MeteredCpu(CpuExpertRuntime):  # type: ignore[misc]
