@@ -21,6 +21,7 @@ from vllm_dsv41.hits import (
     HitGeometry,
     ReferenceHits,
     TritonHits,
+    in_place_backend,
     layer_pointers,
     make_hits,
     pointer_problems,
@@ -250,6 +251,22 @@ def test_make_hits(home: ExpertHome) -> None:
         make_hits(lx, "cpu", "triton", block_k=48)
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16 dividing 256 and 128"):
         make_hits(lx, "cpu", "triton", block_n=256)
+
+
+@pytest.mark.parametrize(
+    ("backend", "alignment", "expected"),
+    [
+        ("exllamav3", 4, "triton"),  # a Flash pack's home (run 7): ours reads it in place
+        ("exllamav3", 8, "triton"),  # a checkpoint's safetensors
+        ("exllamav3", 16, None),  # exllamav3 reads it in place too
+        ("exllamav3", 4096, None),
+        ("exllamav3", 2, None),  # neither reads it in place: staged either way
+        ("triton", 4, None),
+        ("reference", 8, None),
+    ],
+)
+def test_in_place_backend(backend: str, alignment: int, expected: str | None) -> None:
+    assert in_place_backend(backend, alignment) == expected
 
 
 def test_triton_splits_fill_the_machine() -> None:

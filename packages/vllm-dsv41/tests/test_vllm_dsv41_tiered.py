@@ -354,6 +354,55 @@ def test_staged_and_mapped_reads_agree(home: ExpertHome) -> None:
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize(
+    ("alignment", "pcie_read", "switched"),
+    [(8, "auto", True), (16, "auto", False), (8, "staged", False)],
+)
+def test_auto_hit_kernel_takes_ours_on_a_home_exllamav3_cannot_read_in_place(
+    home: ExpertHome,
+    reference: ReferenceExperts,
+    monkeypatch: pytest.MonkeyPatch,
+    alignment: int,
+    pcie_read: str,
+    switched: bool,
+) -> None:
+    """``hit_kernel`` "auto" with exllamav3 (stood in for by the reference kernel under its name and alignment) on a
+    home of 8-byte-aligned tensors: the layers get our kernel (asked of ``make_hits`` by name) and the misses are
+    read in place (no transient slots); on a 16-byte-aligned home, or with ``pcie_read`` "staged" asked, nothing
+    changes. Outputs exact either way."""
+    from vllm_dsv41 import hits as hits_mod
+    from vllm_dsv41.hits import ReferenceHits
+
+    class FakeExl3(ReferenceHits):
+        name = "exllamav3"
+        alignment = 16
+
+    t = TieredConfig(split="pcie", hit_kernel="auto", pcie_read=pcie_read, replan_every=2, prefill=False)
+    cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact"), runtime="tiered", tiered=t)
+    rt = TieredRuntime(cfg, home, "cpu", rates=RATES, cache_bytes=12 * _slot_bytes(home))
+    for lx in home.layers():
+        rt.add_layer(lx, swiglu_limit=None)
+    for k in rt._hits.values():
+        k.__class__ = FakeExl3
+    asked: list[str] = []
+    make = hits_mod.make_hits
+
+    def recording(lx, dev, backend="auto", **kw):  # type: ignore[no-untyped-def]
+        asked.append(backend)
+        return make(lx, dev, backend="reference", **kw)
+
+    monkeypatch.setattr(hits_mod, "make_hits", recording)
+    monkeypatch.setattr(tiered_mod, "_home_alignment", lambda rows: alignment)
+    try:
+        _exact_steps(rt, np.random.default_rng(3), reference, steps=3, tokens=2)
+        assert asked == (["triton"] * LAYERS if switched else [])
+        names = {k.name for k in rt._hits.values()}
+        assert names == ({"reference"} if switched else {"exllamav3"})
+        assert (rt._stager is None) == (pcie_read == "auto")
+    finally:
+        rt.close()
+
+
 @pytest.mark.parametrize("why", ["device_stage off", "not 4-byte words"])
 def test_without_device_staging_a_staged_home_keeps_the_split_path(
     home: ExpertHome, reference: ReferenceExperts, monkeypatch: pytest.MonkeyPatch, why: str

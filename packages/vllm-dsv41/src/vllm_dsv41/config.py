@@ -93,7 +93,9 @@ class TieredConfig:
     admit_limit : most experts admitted into the cache per replan (bounds the copy traffic).
     split : where misses go. "auto": the cost model (measured rates) splits them between the CPU tier and the
         GPU reading the host home over PCIe so both finish together; "cpu" / "pcie": all of them there.
-    hit_kernel : the GPU kernel of the cached experts (``vllm_dsv41.hits``); "auto" picks the fastest available.
+    hit_kernel : the GPU kernel of the cached experts (``vllm_dsv41.hits``); "auto" picks the fastest available:
+        exllamav3's where it imports, ours where the host home is not 16-byte aligned (with ``pcie_read`` "auto":
+        ours reads the misses in place, exllamav3 would stage them; ``hits.in_place_backend``).
     pcie_read : how the GPU reads the experts it computes from the host home (the PCIe share of the misses and the
         deadline fallback). "mapped": the hit kernel reads the GPU-mapped home in place (zero-copy; needs the
         home's tensors aligned to the kernel's loads: 16 bytes for exllamav3's); "staged": the copy engine copies

@@ -642,6 +642,23 @@ def _codebook_ints(codebook: Codebook) -> tuple[int, int]:
 Backend = Literal["auto", "exllamav3", "triton", "reference"]
 
 
+def in_place_backend(backend: str, home_alignment: int) -> Backend | None:
+    """The hit kernel "auto" should switch to once the host home's alignment is known, or None to keep ``backend``.
+
+    Misses are computed straight from the pinned home only if the kernel can load its addresses: exllamav3's loads
+    16 bytes, ours 4. A checkpoint's safetensors place tensors on 8-byte (Flash packs: 4-byte) boundaries, so with
+    exllamav3 every miss would first be copied into transient VRAM slots. Measured served (H200 run 7, 3 real-size
+    Flash layers, every miss over PCIe, same machine and pack): exllamav3 with the misses staged 77 / 108 / 91 tok/s
+    at 1 / 2 / 4 streams, ours reading them in place 113 / 144 / 162 tok/s; with the CPU tier taking a share
+    ("auto" split) 77 / 112 / 99 vs 129 / 147 / 126. So on a home exllamav3 cannot read in place, "auto" is ours.
+    """
+    if backend != Exl3MgemmHits.name:
+        return None
+    if home_alignment % Exl3MgemmHits.alignment == 0 or home_alignment % TritonHits.alignment:
+        return None
+    return "triton"
+
+
 def make_hits(
     experts: LayerExperts,
     device: torch.device | str,
@@ -655,8 +672,9 @@ def make_hits(
     """The hit kernel for one layer on ``device``.
 
     ``backend`` "auto": the reference on the CPU; on CUDA exllamav3's multi-GEMM where its extension imports,
-    else ours. ``options`` go to ``TritonHits`` (block sizes, splits). ``max_tokens * top_k`` picks of scratch are
-    allocated now (GPU backends).
+    else ours (the tiered runtime then switches to ours once it sees a host home exllamav3 cannot read in place:
+    ``in_place_backend``). ``options`` go to ``TritonHits`` (block sizes, splits). ``max_tokens * top_k`` picks
+    of scratch are allocated now (GPU backends).
     """
     geometry = HitGeometry.from_layer(experts, swiglu_limit)
     dev = torch.device(device)

@@ -547,7 +547,9 @@ class TieredRuntime:
             replan_every=t.replan_every,
             admit_limit=t.admit_limit,
         )
-        alignment = self._read_staged(src.rows)
+        home_alignment = _home_alignment(src.rows)
+        self._hits_for_home(home_alignment)
+        alignment = self._read_staged(home_alignment)
         if alignment:
             self._stager = _Stager(cfg, src.rows, t.pcie_stage_slots, self.device)
             nbytes = [spec.nbytes for spec in cfg.projection_specs]
@@ -601,13 +603,28 @@ class TieredRuntime:
                     self._stager.n)  # fmt: skip
         return ds
 
-    def _read_staged(self, rows: Any) -> int:
+    def _hits_for_home(self, home_alignment: int) -> None:
+        """With ``hit_kernel`` and ``pcie_read`` both "auto": if the hit kernels cannot read the home in place but
+        ours can, the layers get ours (``hits.in_place_backend``: staging every miss cost more than it gained in
+        H200 run 7)."""
+        if self.tcfg.hit_kernel != "auto" or self.tcfg.pcie_read != "auto" or self._hits_factory is not None:
+            return
+        from .hits import in_place_backend, make_hits
+
+        names = {getattr(k, "name", "") for k in self._hits.values()}
+        to = in_place_backend(names.pop(), home_alignment) if len(names) == 1 else None
+        if to is None:
+            return
+        for layer, lx in self._layers.items():
+            self._hits[layer] = make_hits(lx, self.device, backend=to, swiglu_limit=self._limits[layer])
+        logger.info("dsv41 tiered: hit kernel 'auto': %s, which reads the host home in place (its tensors are %d-byte "
+                    "aligned; exllamav3 would stage every miss through VRAM slots)", to, home_alignment)  # fmt: skip
+
+    def _read_staged(self, alignment: int) -> int:
         """Whether the GPU reads the home through transient slots (``pcie_read``): "auto" stages when a hit kernel
         cannot read the home's addresses in place (a checkpoint's safetensors files place tensors on 8-byte
-        boundaries; exllamav3's kernel loads 16 bytes). Returns the home's alignment when it stages, else 0."""
-        addr = np.asarray(rows.kernel_addresses(), np.int64)
-        acc = int(np.bitwise_or.reduce(addr.reshape(-1))) | 4096 if addr.size else 4096
-        alignment = acc & -acc
+        boundaries; exllamav3's kernel loads 16 bytes). ``alignment``: the home's (``_home_alignment``). Returns
+        the home's alignment when it stages, else 0."""
         need = max((getattr(k, "alignment", 1) for k in self._hits.values()), default=1)
         mode = self.tcfg.pcie_read
         if mode == "mapped" and alignment % need:
@@ -1392,6 +1409,13 @@ def _cpu_expert_seconds(rates: Rates, expert_bytes: int, tokens: int) -> float:
 
 _NO_PICKS = np.empty(0, np.int64)
 _NO_PICKS.flags.writeable = False
+
+
+def _home_alignment(rows: Any) -> int:
+    """The largest power of two (at most 4096) dividing every address the hit kernels read in the host home."""
+    addr = np.asarray(rows.kernel_addresses(), np.int64)
+    acc = int(np.bitwise_or.reduce(addr.reshape(-1))) | 4096 if addr.size else 4096
+    return acc & -acc
 
 
 def _expert_bytes(lx: LayerExperts) -> int:
