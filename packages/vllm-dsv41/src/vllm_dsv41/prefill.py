@@ -48,7 +48,7 @@ from .split import Rates
 
 __all__ = ["PrefillStats", "StagedPrefill", "external_store"]
 
-logger = logging.getLogger("vllm_dsv41.prefill")
+logger = logging.getLogger("vllm.dsv41.prefill")  # under "vllm": printed with vLLM's own log lines
 
 
 def external_store(home: ExpertHome, layers: Mapping[int, LayerExperts]) -> Any:

@@ -62,7 +62,7 @@ from .split import PathChooser, Rates, cpu_share_seconds, split_misses
 
 __all__ = ["TierStats", "TieredRuntime", "hit_seconds"]
 
-logger = logging.getLogger("vllm_dsv41.tiered")
+logger = logging.getLogger("vllm.dsv41.tiered")  # under "vllm": printed with vLLM's own log lines, in every process
 
 _CPU_RATE_TOKENS = (1, 2, 4, 8)  # tokens per expert at which the CPU tier's rate is measured (it decodes once per <= 8)
 
