@@ -29,6 +29,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,8 +118,48 @@ def measure_rates(runtime: Any, lx: Any, device: torch.device, reps: int = 5) ->
             keep.append(t)
             ptrs[c, e] = t.data_ptr()
     hbm = n * eb / hit_seconds(kernel, ptrs, n, lx.hidden, device, reps)
+    h2d, d2d = hardware_ceilings(lx, n, device, reps)
     return {"cpu": r.cpu_bps, "pcie": pcie, "hbm": hbm, "cpu_fixed_s": r.cpu_fixed_s, "pcie_fixed_s": r.pcie_fixed_s,
-            "cpu_tokens": [[m, v] for m, v in r.cpu_tokens]}  # fmt: skip
+            "cpu_tokens": [[m, v] for m, v in r.cpu_tokens], "h2d": h2d, "d2d": d2d}  # fmt: skip
+
+
+def hardware_ceilings(lx: Any, n: int, device: torch.device, reps: int = 5) -> tuple[float, float]:
+    """The machine's own rates, not our kernels': the copy engine's bytes/s from the host home (the first ``n``
+    experts' tensors, page-locked, copied to device memory) and device memory's read rate (a device-to-device copy
+    of 512 MiB reads and writes it: 2 x bytes / time). Best of ``reps``; (0, 0) off CUDA."""
+    from vllm_dsv41.home import EXPERT_COLUMNS
+
+    if device.type != "cuda":
+        return 0.0, 0.0
+    src = [torch.from_numpy(np.asarray(getattr(getattr(lx, role)[e], part)))
+           for e in range(n) for role, part in EXPERT_COLUMNS]  # fmt: skip
+    dst = [torch.empty_like(t, device=device) for t in src]
+    h2d_bytes = sum(t.numel() * t.element_size() for t in src)
+    big = torch.empty(1 << 29, dtype=torch.uint8, device=device)
+    big2 = torch.empty_like(big)
+
+    def best(fn: Callable[[], None]) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        return min(times)
+
+    def h2d_copy() -> None:
+        for d, t in zip(dst, src, strict=True):
+            d.copy_(t, non_blocking=True)
+
+    h2d = h2d_bytes / best(h2d_copy)
+    d2d = 2 * big.numel() / best(lambda: big2.copy_(big))
+    big = big2 = torch.empty(0)
+    dst.clear()
+    torch.cuda.empty_cache()  # (the buffers' 1 GiB back before the cases run)
+    return h2d, d2d
 
 
 def model_rates(rates: dict[str, Any], source: str) -> Any:
