@@ -397,3 +397,45 @@ def test_the_tables_never_reach_vllms_weight_reader(v41_pack: Path) -> None:
     assert not tables & set(on_disk)
     assert "layers.1.engram.wkv.trellis" in on_disk and "layers.1.engram.q_weight" in on_disk  # the rest loads
     assert tables <= set(names(False))  # engram="upstream": vLLM reads and pins them, as before
+
+
+@pytest.mark.parametrize(
+    ("use_v2", "graphs", "warned"),
+    [(False, "PIECEWISE", True), (True, "PIECEWISE", False), (False, "NONE", False), (False, None, False)],
+)
+def test_a_warning_under_the_v1_model_runner_with_graphs(use_v2: bool, graphs: str | None, warned: bool) -> None:
+    """Upstream's V4.1 model hashes Engram's n-grams only in steps with attention metadata; vLLM's V1 runner
+    captures its graphs without it: the mapped-table hook warns then (and binds upstream's name to ours either
+    way, restored after)."""
+    import logging
+
+    from vllm.models.deepseek_v41.nvidia import model as nvidia_model
+
+    from vllm_dsv41.engram import engram_construction
+
+    mode = None if graphs is None else types.SimpleNamespace(name=graphs)
+    cfg = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(hf_config=types.SimpleNamespace(engram_layer_ids=[1])),
+        use_v2_model_runner=use_v2,
+        compilation_config=types.SimpleNamespace(cudagraph_mode=mode),
+    )
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    log = logging.getLogger("vllm.dsv41.engram")
+    handler = Keep(level=logging.WARNING)
+    log.addHandler(handler)
+    original = nvidia_model.Engram
+    try:
+        with engram_construction(cfg, "mmap") as on:
+            assert on and nvidia_model.Engram is not original
+    finally:
+        log.removeHandler(handler)
+    assert nvidia_model.Engram is original
+    msgs = [r.getMessage() for r in records]
+    assert bool(msgs) == warned, msgs
+    if warned:
+        assert "V1 model runner" in msgs[0] and graphs in msgs[0] and "--enforce-eager" in msgs[0]

@@ -39,6 +39,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -518,12 +519,28 @@ def engram_construction(vllm_config: Any, plugin_engram: str) -> Iterator[bool]:
         return
     from vllm.models.deepseek_v41.nvidia import model as nvidia_model
 
+    mode = _v1_runner_graphs(vllm_config)
+    if mode:
+        logging.getLogger("vllm.dsv41.engram").warning(
+            "dsv41 Engram: vLLM runs its V1 model runner with CUDA graphs (%s): upstream's V4.1 model hashes "
+            "Engram's n-grams only in steps with attention metadata, which that runner's graph capture does not give, "
+            "so captured graphs may replay without Engram (not checked on a GPU; the V2 runner, vLLM's default, builds "
+            "the metadata). --enforce-eager avoids it", mode)  # fmt: skip
     original = nvidia_model.Engram
     nvidia_model.Engram = mmap_engram_class()
     try:
         yield True
     finally:
         nvidia_model.Engram = original
+
+
+def _v1_runner_graphs(vllm_config: Any) -> str:
+    """The CUDA graph mode's name when vLLM will run its V1 model runner with graphs (else "")."""
+    if getattr(vllm_config, "use_v2_model_runner", True):
+        return ""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    name = str(getattr(mode, "name", mode or "NONE"))
+    return "" if name == "NONE" else name
 
 
 def engram_gathers(model: torch.nn.Module) -> dict[int, EngramRowGather]:
