@@ -946,6 +946,38 @@ def test_on_the_gpu_matches_the_reference(registered_home: ExpertHome, reference
 
 
 @pytest.mark.gpu
+def test_on_the_gpu_auto_takes_a_kernel_reading_the_home_in_place(registered_home: ExpertHome,
+                                                                   reference: ReferenceExperts) -> None:  # fmt: skip
+    """``hit_kernel`` "auto" with exllamav3 present: on a home not 16-byte aligned the layers get ours and read the
+    misses in place (no transient slots, every decode step on the device path); on an aligned one exllamav3 stays.
+    Exact against the float64 reference either way."""
+    from vllm_dsv41.dense import exllamav3_available
+
+    if not exllamav3_available():
+        pytest.fail("exllamav3's CUDA extension does not import (stage it: scripts/gpu_stage_exl3.sh)")
+    rt = _gpu_runtime(registered_home, 5, "pcie", "auto")
+    rng = np.random.default_rng(21)
+    dev = torch.device("cuda")
+    try:
+        for _ in range(4):
+            for layer in range(LAYERS):
+                x = rng.standard_normal((2, HIDDEN)).astype(np.float32)
+                ids, w = _routing(rng, 2, hot=6)
+                out = torch.empty((2, HIDDEN), device=dev)
+                rt.forward_into(layer, torch.from_numpy(x).to(dev), torch.from_numpy(ids).to(dev),
+                                torch.from_numpy(w).to(dev), out)  # fmt: skip
+                expected = reference.forward(layer, x, ids, w)
+                tol = 3e-3 if rt._hits[layer].name == "exllamav3" else 3e-5
+                np.testing.assert_allclose(out.cpu().numpy(), expected, rtol=0, atol=tol * np.abs(expected).max())
+        aligned = tiered_mod._home_alignment(registered_home.cache_home(list(registered_home.layer_ids)).rows)
+        names = {k.name for k in rt._hits.values()}
+        assert names == ({"exllamav3"} if aligned % 16 == 0 else {"triton"}), (aligned, names)
+        assert rt._stager is None and rt.stats.device_steps == 4
+    finally:
+        rt.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["triton", "exllamav3"])
 @pytest.mark.parametrize("stage_slots", [1, 4])
 def test_on_the_gpu_the_staged_read_matches_the_reference(registered_home: ExpertHome, reference: ReferenceExperts,
