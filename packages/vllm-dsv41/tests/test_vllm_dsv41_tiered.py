@@ -497,11 +497,34 @@ def test_auto_measures_the_split_and_the_device_path_and_keeps_the_faster(
         rt.close()
 
 
+def test_auto_charges_a_path_the_time_after_its_last_moe_layer(home: ExpertHome) -> None:
+    """A step's sample runs to the next step's first MoE layer: here both paths' MoE layers take the same time, but
+    after a split-path step the GPU waits 5 ms (vLLM's host work, which the split path's host syncs keep from
+    overlapping the GPU; on a virtual clock): the device path is kept. (Timed from first to last MoE layer the two
+    tie and the split path was kept: H200 run 7's 4-token steps.)"""
+    rt = _runtime(home, 3, "auto", split_probe=2, deadline_factor=0.0)
+    clock = _VirtualClock()
+    rt._span_mark = clock.mark  # type: ignore[method-assign]
+    rng = np.random.default_rng(23)
+    try:
+        for _ in range(8):
+            _step(rt, rng, tokens=2)
+            if rt._step_path == "split":
+                clock.now += 0.005
+        chooser = rt._chooser
+        assert chooser is not None and chooser.decisions, chooser
+        t, kept, split_s, device_s = chooser.decisions[0]
+        assert (t, kept) == (2, "device") and split_s > device_s + 0.004, chooser.decisions
+    finally:
+        rt.close()
+
+
 def test_auto_times_a_step_from_its_first_moe_layer_to_its_last_not_the_idle_gap_after(
         home: ExpertHome) -> None:  # fmt: skip
-    """The chooser's samples are the steps' spans (first MoE layer's begin to the last one's finish), so the idle
-    time between requests (here 0.3 s after every step, on a virtual clock that ticks 1 ms a mark) is not charged
-    to the path that ran before it."""
+    """Where the gap to the next step is idle time between requests (here 0.3 s after every step, on a virtual
+    clock that ticks 1 ms a mark: more than ``_IDLE_FACTOR`` x the step's MoE span), the chooser's sample is the
+    span alone (first MoE layer's begin to the last one's finish): the idle time is not charged to the path that
+    ran before it."""
     rt = _runtime(home, 3, "auto", split_probe=2, deadline_factor=0.0)
     clock = _VirtualClock()
     rt._span_mark = clock.mark  # type: ignore[method-assign]

@@ -111,11 +111,11 @@ class TieredConfig:
         slots itself (``vllm_dsv41.dev_stage``; needs the home's tensors in 4-byte words). False: such calls take
         the split path (the host learns the misses and queues the copy engine's copies).
     split_probe : with split "auto" and a device path (mapped reads, or staged ones with ``device_stage``), each
-        decode batch size (tokens per step) runs this many steps
-        on each of two paths, the split (inputs to the host, misses split by the cost model) and the device path
-        (every miss read over PCIe by the hit kernel, no host sync per layer; what split "pcie" always runs), and
-        keeps the one whose steps' MoE layers span less time, median (``vllm_dsv41.split.PathChooser``; measured
-        again every ``REVISIT_STEPS`` steps). 0: always the split.
+        decode batch size (tokens per step) runs this many steps on each of two paths, the split (inputs to the
+        host, misses split by the cost model) and the device path (every miss read over PCIe by the hit kernel, no
+        host sync per layer; what split "pcie" always runs), and keeps the one whose steps take less time, median
+        (first MoE layer to the next step's; ``vllm_dsv41.split.PathChooser``; measured again every
+        ``REVISIT_STEPS`` steps). 0: always the split.
     split_feedback : how much each layer call's measured times correct the split's startup rates: per path (CPU
         tier, PCIe share) an exponential average of log(measured / predicted seconds) (this weight per call) scales
         that path's rate and fixed cost, so the split follows what the paths take while serving (the CPU tier

@@ -74,6 +74,9 @@ GiB = 1 << 30
 HIT_CHUNK_TOKENS = 16
 #: Steps between two folds of the device path's pick counts into ``TierStats`` and Prometheus (a sync each).
 _FOLD_EVERY = 64
+#: a probed step's time runs to the next step's start unless that is more than this many times its MoE layers'
+#: span (then the gap is idle time between requests, not the step's: the span alone is the sample)
+_IDLE_FACTOR = 10.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -435,10 +438,11 @@ class TieredRuntime:
         )
         self._step_path = "split"
         self._step_probed = False  # the open step's path is under the chooser (its time is reported to it)
-        # a probed step's span, from its first MoE layer's begin to its last one's finish: CUDA events (read once
-        # the stream passed them) or host seconds on a CPU device; (tokens, path, start, end) until reported
+        # a probed step's marks: its first MoE layer's begin, its last one's finish, the next step's first MoE begin:
+        # CUDA events (read once the stream passed them) or host seconds on a CPU device, until reported
         self._step_start: Any = None
-        self._step_spans: list[tuple[int, str, Any, Any]] = []
+        self._step_spans: list[tuple[int, str, Any, Any, Any]] = []  # (t, path, start, last MoE's end, next start)
+        self._span_open: tuple[int, str, Any, Any] | None = None  # a probed step waiting for the next one's start
         self._trace_ready: Any = None
         self._m_cpu = metrics.tier("cpu")
         self._recorder: Any = None  # expert_cache.TraceRecorder, created at the first recorded step
@@ -727,6 +731,9 @@ class TieredRuntime:
             return
         if self._step_open:
             self._end_step()
+        if self._span_open is not None:  # the last probed step's sample ends where this step's MoE work starts
+            self._step_spans.append((*self._span_open, self._span_mark() if self._span_open[0] == tokens else None))
+            self._span_open = None
         self._report_step_spans()
         if self._dev_counts is not None and self._stats.steps % _FOLD_EVERY == 0:
             self._fold_device_counts()  # (Prometheus' counters too; at a step's start the GPU has little queued)
@@ -871,7 +878,7 @@ class TieredRuntime:
                 with _mark("dsv41.tiered.finish"):
                     self._finish(p, out, sts)
         if self._step_probed and layer == max(self._layers) and self._step_start is not None:
-            self._step_spans.append((self._step_tokens, self._step_path, self._step_start, self._span_mark()))
+            self._span_open = (self._step_tokens, self._step_path, self._step_start, self._span_mark())
             self._step_start = None
         dt = time.perf_counter() - p.t0
         for st in sts:
@@ -999,24 +1006,34 @@ class TieredRuntime:
         return ev
 
     def _report_step_spans(self) -> None:
-        """Give the chooser the spans of probed steps the stream has finished (the device path runs ahead)."""
+        """Give the chooser the times of probed steps the stream has finished (the device path runs ahead).
+
+        A step's time is from its first MoE layer's start to the next step's (same token count), on the GPU's
+        timeline: that includes what follows its last MoE layer, where the split path's host waits cost the
+        overlap of vLLM's own host work with the GPU (H200 run 7: 4-token steps measured from first to last MoE
+        layer kept the split path, which served 126 tok/s against the device path's 162). Where no next step of
+        the same size follows, or the gap to it is idle time (more than ``_IDLE_FACTOR`` x the MoE layers' span:
+        between requests), the sample is the span alone."""
         if self._chooser is None:
             return
         left = []
-        for t, path, start, end in self._step_spans:
-            if isinstance(end, float):
-                seconds = end - start
-            elif end.query():
-                seconds = start.elapsed_time(end) / 1e3
+        for t, path, start, end, nxt in self._step_spans:
+            last = nxt if nxt is not None else end
+            if isinstance(last, float):
+                span, whole = end - start, (nxt - start if nxt is not None else None)
+            elif last.query():
+                span = start.elapsed_time(end) / 1e3
+                whole = start.elapsed_time(nxt) / 1e3 if nxt is not None else None
             else:
-                left.append((t, path, start, end))
+                left.append((t, path, start, end, nxt))
                 continue
+            seconds = whole if whole is not None and whole <= _IDLE_FACTOR * span else span
             kept = self._chooser.record(t, path, seconds)
             if kept is not None:
                 _, _, split_s, device_s = self._chooser.decisions[-1]
                 logger.info("dsv41 tiered: %d-token decode steps: split path %.2f ms, device path %.2f ms (medians "
-                            "of %d steps each, first to last MoE layer): the %s path kept for the next %d steps", t,
-                            1e3 * split_s, 1e3 * device_s, self._chooser.probe, kept,
+                            "of %d steps each, first MoE layer to the next step's): the %s path kept for the next %d "
+                            "steps", t, 1e3 * split_s, 1e3 * device_s, self._chooser.probe, kept,
                             self._chooser.revisit)  # fmt: skip
         self._step_spans = left
 
