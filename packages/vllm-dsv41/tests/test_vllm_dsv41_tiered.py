@@ -473,16 +473,22 @@ def test_decode_with_every_miss_over_pcie_runs_without_a_host_sync(home: ExpertH
         assert np.array_equal(ta[f], tb[f]), f
 
 
+def _auto_on_a_virtual_clock(home: ExpertHome) -> tuple[TieredRuntime, _VirtualClock]:
+    """A split "auto" runtime (2 probe steps a path, 3 slots) whose chooser reads a ``_VirtualClock``."""
+    rt = _runtime(home, 3, "auto", split_probe=2, deadline_factor=0.0)
+    clock = _VirtualClock()
+    rt._span_mark = clock.mark  # type: ignore[method-assign]
+    return rt, clock
+
+
 def test_auto_measures_the_split_and_the_device_path_and_keeps_the_faster(
     home: ExpertHome, reference: ReferenceExperts
 ) -> None:
     """split "auto" with mapped reads: per decode batch size, ``split_probe`` steps on each path (alternating), then
     the faster by median step time; here the split path's CPU tier is slowed (on a virtual clock: 10 ms a job), so
     the device path is kept; every output exact on both paths."""
-    rt = _runtime(home, 3, "auto", split_probe=2, deadline_factor=0.0)
-    clock = _VirtualClock()
+    rt, clock = _auto_on_a_virtual_clock(home)
     rt._tier = _SlowTier(rt._tier, delay=0.01, clock=clock)  # type: ignore[assignment]
-    rt._span_mark = clock.mark  # type: ignore[method-assign]
     rng = np.random.default_rng(17)
     paths = []
     try:
@@ -502,9 +508,7 @@ def test_auto_charges_a_path_the_time_after_its_last_moe_layer(home: ExpertHome)
     after a split-path step the GPU waits 5 ms (vLLM's host work, which the split path's host syncs keep from
     overlapping the GPU; on a virtual clock): the device path is kept. (Timed from first to last MoE layer the two
     tie and the split path was kept: H200 run 7's 4-token steps.)"""
-    rt = _runtime(home, 3, "auto", split_probe=2, deadline_factor=0.0)
-    clock = _VirtualClock()
-    rt._span_mark = clock.mark  # type: ignore[method-assign]
+    rt, clock = _auto_on_a_virtual_clock(home)
     rng = np.random.default_rng(23)
     try:
         for _ in range(8):
@@ -525,9 +529,7 @@ def test_auto_times_a_step_from_its_first_moe_layer_to_its_last_not_the_idle_gap
     clock that ticks 1 ms a mark: more than ``_IDLE_FACTOR`` x the step's MoE span), the chooser's sample is the
     span alone (first MoE layer's begin to the last one's finish): the idle time is not charged to the path that
     ran before it."""
-    rt = _runtime(home, 3, "auto", split_probe=2, deadline_factor=0.0)
-    clock = _VirtualClock()
-    rt._span_mark = clock.mark  # type: ignore[method-assign]
+    rt, clock = _auto_on_a_virtual_clock(home)
     rng = np.random.default_rng(19)
     try:
         for _ in range(6):
