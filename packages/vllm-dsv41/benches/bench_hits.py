@@ -86,13 +86,16 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     ap.add_argument("--codebook", default=V41_FLASH.codebook)
     ap.add_argument("--swiglu-limit", type=float, default=10.0)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 32])
-    ap.add_argument("--memory", nargs="+", default=None, help="device mapped (default, CUDA) / host (CPU)")
+    ap.add_argument("--memory", nargs="+", default=None,
+                    help="device mapped (default, CUDA) / host (CPU); MEMORY@N puts every tensor N bytes past a "
+                         "256-byte boundary (mapped@4: a Flash pack's home, on 4-byte boundaries)")  # fmt: skip
     ap.add_argument("--backends", nargs="+", default=None, help="default: exllamav3 triton on CUDA, reference on CPU")
     ap.add_argument(
         "--triton",
         nargs="*",
         default=["", "prefetch=0", "block_n=256", "decode=elements"],
-        help="TritonHits option sets to compare, e.g. 'block_k=64,prefetch=4,decode=elements' ('' = defaults)",
+        help="TritonHits option sets to compare, e.g. 'block_k=64,prefetch=4,decode=elements' ('' or 'defaults': "
+        "the defaults)",
     )
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
@@ -113,7 +116,7 @@ def main() -> None:  # noqa: PLR0915 - one linear script
         dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(dev)
     memories = a.memory or (["device", "mapped"] if cuda else ["host"])
-    if any((m == "host") == cuda for m in memories):
+    if any((m.split("@")[0] == "host") == cuda for m in memories):
         raise SystemExit(f"bench_hits: memory {memories} on {dev}: 'device'/'mapped' on CUDA, 'host' on the CPU")
     backends = a.backends or (["exllamav3", "triton"] if cuda else ["reference"])
     if "exllamav3" in backends and not (cuda and exllamav3_available()):
@@ -133,7 +136,8 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     pools = {}
     for m in memories:
         t0 = time.time()
-        pools[m] = ExpertPool(lx, dev, m)  # type: ignore[arg-type]
+        kind, _, off = m.partition("@")
+        pools[m] = ExpertPool(lx, dev, kind, offset=int(off or 0))  # type: ignore[arg-type]
         print(f"# {m} pool ready in {time.time() - t0:.1f} s", flush=True)
 
     name = torch.cuda.get_device_name(dev) if cuda else (platform.processor() or platform.machine())
@@ -172,7 +176,7 @@ def main() -> None:  # noqa: PLR0915 - one linear script
         for t in a.tokens:
             nb = int(statistics.median(r[3] for r in routes[t]))
             dst = torch.empty(nb, dtype=torch.uint8, device=dev)
-            if m == "device":
+            if m.startswith("device"):
                 src = torch.empty(nb, dtype=torch.uint8, device=dev)
                 src.fill_(1)
                 traffic = 2 * nb  # read + write
@@ -183,7 +187,7 @@ def main() -> None:  # noqa: PLR0915 - one linear script
                             a.warmup)  # fmt: skip
             lo, med, hi = _stats(us)
             ceilings[(m, t)] = traffic / med / 1e3
-            what = {"device": "D2D copy", "mapped": "H2D copy", "host": "memcpy"}[m]
+            what = {"device": "D2D copy", "mapped": "H2D copy", "host": "memcpy"}[m.split("@")[0]]
             rows.append(dict(case="ceiling", backend=what, memory=m, tokens=t, bytes=nb, us_min=lo, us_med=med,
                              us_max=hi, gbps=ceilings[(m, t)]))  # fmt: skip
             del src, dst
@@ -198,7 +202,7 @@ def main() -> None:  # noqa: PLR0915 - one linear script
     for b in backends:
         if b == "triton":
             for spec in a.triton:
-                pairs = (kv.split("=", 1) for kv in spec.split(",") if kv)
+                pairs = (kv.split("=", 1) for kv in spec.split(",") if kv and kv != "defaults")
                 opts = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in pairs}
                 variants.append((b, f"triton {spec or 'defaults'}", opts))
         else:
@@ -214,6 +218,9 @@ def main() -> None:  # noqa: PLR0915 - one linear script
                 ref.forward(ptrs, x0, ids0, w0, want)
             for backend, label, opts in variants:
                 kern: Any = make_hits(lx, dev, backend, swiglu_limit=a.swiglu_limit, max_tokens=t, top_k=k, **opts)  # type: ignore[arg-type]
+                if int(m.partition("@")[2] or 0) % getattr(kern, "alignment", 1):
+                    print(f"# {label}: skipped on {m} (its loads need {kern.alignment}-byte aligned tensors)")
+                    continue
                 sx, sids, sw = x0.clone(), ids0.clone(), w0.clone()
                 out = torch.empty((t, k, h), dtype=torch.float32, device=dev)
                 kern.forward(ptrs, sx, sids, sw, out)  # compiles / autotunes this size

@@ -288,6 +288,14 @@ def test_expert_pool_checks(home: ExpertHome) -> None:
         trellis = lx.down[3].trellis
         raw = (ctypes.c_int16 * trellis.size).from_address(int(pool.ptrs[6, 3]))
         assert np.array_equal(np.frombuffer(raw, dtype=np.int16).reshape(trellis.shape), trellis)
+    with ExpertPool(lx, "cpu", "host", alignment=16, offset=4) as pool:  # a Flash pack's 4-byte boundaries
+        geo = HitGeometry.from_layer(lx)
+        assert (pool.ptrs.numpy() % 16 == 4).all() and pointer_problems(pool.ptrs, geo, alignment=4) == []
+        trellis = lx.gate[5].trellis
+        raw = (ctypes.c_int16 * trellis.size).from_address(int(pool.ptrs[0, 5]))
+        assert np.array_equal(np.frombuffer(raw, dtype=np.int16).reshape(trellis.shape), trellis)
+    with pytest.raises(ValueError, match=r"offset must be in \[0, alignment = 16\), got 16"):
+        ExpertPool(lx, "cpu", "host", alignment=16, offset=16)
     with pytest.raises(ValueError, match="memory 'device' does not go with device cpu"):
         ExpertPool(lx, "cpu", "device")
     with pytest.raises(ValueError, match="memory must be 'device', 'mapped' or 'host'"):

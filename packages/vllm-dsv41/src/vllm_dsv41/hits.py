@@ -722,15 +722,19 @@ class ExpertPool:
     """A layer's experts copied into one buffer, and the pointer table into it (tests, benchmarks).
 
     ``memory``: "device" (a VRAM pool, like the cache's slots), "mapped" (page-locked host memory read by the GPU
-    over PCIe, like the registered home: zero copy) or "host" (plain host memory; CPU only). Each tensor starts on
-    an ``alignment`` boundary. ``ptrs`` is on ``device``. ``close()`` (or ``with``) frees it.
+    over PCIe, like the registered home: zero copy) or "host" (plain host memory; CPU only). Each tensor starts
+    ``offset`` bytes past an ``alignment`` boundary (``offset`` 4: a home as misaligned as a Flash pack's, whose
+    safetensors place the experts' tensors on 4-byte boundaries). ``ptrs`` is on ``device``. ``close()`` (or
+    ``with``) frees it.
     """
 
     def __init__(self, experts: LayerExperts, device: torch.device | str, memory: Literal["device", "mapped", "host"],
-                 *, alignment: int = 256) -> None:  # fmt: skip
+                 *, alignment: int = 256, offset: int = 0) -> None:  # fmt: skip
         self.device = torch.device(device)
         if memory not in ("device", "mapped", "host"):
             raise ValueError(f"ExpertPool: memory must be 'device', 'mapped' or 'host', got {memory!r}")
+        if not 0 <= offset < alignment:
+            raise ValueError(f"ExpertPool: offset must be in [0, alignment = {alignment}), got {offset}")
         if (memory == "host") != (self.device.type == "cpu"):
             raise ValueError(f"ExpertPool: memory {memory!r} does not go with device {self.device} "
                              "('host' on the CPU, 'device' or 'mapped' on CUDA)")  # fmt: skip
@@ -744,8 +748,8 @@ class ExpertPool:
                 offsets[c, e] = pos
                 pos += -(-a.nbytes // alignment) * alignment
         self.nbytes = pos
-        raw = np.empty(pos + alignment, dtype=np.uint8)
-        lead = (-_address(raw)) % alignment
+        raw = np.empty(pos + 2 * alignment, dtype=np.uint8)
+        lead = (-_address(raw)) % alignment + offset
         host = raw[lead : lead + pos]
         for e in range(n):
             for c, a in enumerate(arrays[e]):
