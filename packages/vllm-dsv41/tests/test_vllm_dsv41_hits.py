@@ -269,6 +269,19 @@ def test_in_place_backend(backend: str, alignment: int, expected: str | None) ->
     assert in_place_backend(backend, alignment) == expected
 
 
+def test_triton_default_warps_follow_the_decode() -> None:
+    """4 warps where every projection takes the group decode (fastest on the H200, run 8), 8 where one takes the
+    per-element decode (it spills registers at 4: ``test_triton_kernels_compile_for_the_gpu``)."""
+    flash = HitGeometry(layer=0, num_experts=384, hidden=5120, intermediate=2304, bits=(3, 3, 3),
+                        codebooks=("mul1",) * 3)  # fmt: skip
+    assert TritonHits(flash, "cpu").num_warps == 4
+    assert TritonHits(flash, "cpu", decode="elements").num_warps == 8
+    assert TritonHits(dataclasses.replace(flash, bits=(3, 3, 2.5)), "cpu").num_warps == 8
+    assert TritonHits(flash, "cpu", num_warps=2).num_warps == 2
+    with pytest.raises(ValueError, match="num_warps must be a power of two, got 3"):
+        TritonHits(flash, "cpu", num_warps=3)
+
+
 def test_triton_splits_fill_the_machine() -> None:
     geo = HitGeometry(layer=0, num_experts=384, hidden=5120, intermediate=2304, bits=(3, 3, 3), codebooks=("mul1",) * 3)
     th = TritonHits(geo, "cpu", programs_per_sm=4 * 132)  # the target of an H200 (132 multiprocessors)
@@ -416,8 +429,9 @@ def test_triton_kernels_compile_for_the_gpu(arch: int) -> None:
              (6, True, 32, 8, True, 1), (6, True, 32, 8, True, 2), (8, True, 64, 0, True, 1),
              (2, True, 16, 0, True, 0))  # fmt: skip
     for k2, mul1, bk, pf, groups, picks in cases:
-        ptx = _compile(hk.gemv_kernel, arch, 8, spills=(k2, bk) == (5, 64), **geo, NPROJ=2, K2=k2, MUL1=mul1, BK=bk,
-                       PREFETCH=pf, PF_LINES=16, GROUPS=groups, PICKS=picks)  # fmt: skip
+        # TritonHits' default warps: 4 for the group decode, 8 for the per-element one (which spills at 4)
+        ptx = _compile(hk.gemv_kernel, arch, 4 if groups else 8, spills=(k2, bk) == (5, 64), **geo, NPROJ=2, K2=k2,
+                       MUL1=mul1, BK=bk, PREFETCH=pf, PF_LINES=16, GROUPS=groups, PICKS=picks)  # fmt: skip
         assert ("shf.l.clamp.b32" in ptx) and (("dp4a" in ptx) == mul1) and (("fma.rn.f16x2" in ptx) == mul1)
         assert ("prefetch.global.L2" in ptx) == (pf > 0)
     assert "ex2" in _compile(hk.mid_kernel, arch, 1, I=2048, HAS_LIMIT=True, LIBDEVICE=True)

@@ -473,8 +473,13 @@ class TritonHits:
     device : a CUDA device, or "cpu" under Triton's interpreter (``TRITON_INTERPRET=1``, tests).
     max_tokens, top_k : scratch capacity ``max_tokens * top_k`` picks allocated now (0: on the first call).
     block_n, block_k : the weight block a program decodes per step (``block_k`` divides 128).
-    num_warps : per program.
+    num_warps : per program (None: 4 where every projection takes the group decode, else 8: the per-element
+        decode spills registers to local memory at 4 warps, checked by ptxas for sm_90 and sm_86 in the tests).
     split_k : K splits per projection (None: enough programs for ``programs_per_sm`` per multiprocessor).
+        The defaults (4 warps, 16 programs per multiprocessor) were the fastest of a sweep on the H200 (run 8,
+        ``results/h200-run8-bench-hits-warps.log``; V4.1 Flash experts, CUDA graph replays, L2 flushed): VRAM
+        712 / 908 GB/s at 1 / 4 tokens (8 warps, 4 programs: 533 / 665), the 4-byte-aligned mapped home 41.8 /
+        42.3 GB/s (39.7 / 40.1), i.e. 0.77 / 0.76 of the copy engine's 54.6 / 55.4 GB/s.
     prefetch : blocks ahead whose trellis lines each program requests into L2 (CUDA only; 0: none).
     decode : how a weight block is decoded. "groups": per group of 8 consecutive trellis elements from three words
         (one funnel-shifted 64-bit window, constant shifts per element), and experts with one pick in the step
@@ -488,8 +493,8 @@ class TritonHits:
     alignment = 4  # trellis words read as uint32, sign vectors as fp16
 
     def __init__(self, geometry: HitGeometry, device: torch.device | str, *, max_tokens: int = 0, top_k: int = 0,
-                 block_n: int = 128, block_k: int = 32, num_warps: int = 8, split_k: int | None = None,
-                 programs_per_sm: int = 4, prefetch: int = 8,
+                 block_n: int = 128, block_k: int = 32, num_warps: int | None = None, split_k: int | None = None,
+                 programs_per_sm: int = 16, prefetch: int = 8,
                  decode: Literal["auto", "groups", "elements"] = "auto") -> None:  # fmt: skip
         self.geometry = geometry
         if decode not in ("auto", "groups", "elements"):
@@ -509,6 +514,10 @@ class TritonHits:
             raise ValueError(f"TritonHits: block_n must be a power of two >= 16 dividing {h} and {i}, got {block_n}")
         if split_k is not None and split_k < 1:
             raise ValueError(f"TritonHits: split_k must be >= 1, got {split_k}")
+        if num_warps is None:
+            num_warps = 4 if all(self.groups) else 8
+        if num_warps < 1 or num_warps & (num_warps - 1):
+            raise ValueError(f"TritonHits: num_warps must be a power of two, got {num_warps}")
         self.block_n, self.block_k, self.num_warps = block_n, block_k, num_warps
         if prefetch < 0:
             raise ValueError(f"TritonHits: prefetch must be >= 0, got {prefetch}")
