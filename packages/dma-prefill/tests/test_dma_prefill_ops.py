@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from cpu_tier import exl3
-from dma_prefill.ops_torch import codebook_torch, decode_torch, hadamard_128_torch, linear_torch, swiglu
+from dma_prefill.ops_torch import (
+    codebook_table,
+    codebook_torch,
+    decode_torch,
+    hadamard_128_torch,
+    linear_torch,
+    swiglu,
+)
 
 CASES = [(cb, k) for cb in exl3.CODEBOOKS for k in exl3.SUPPORTED_BITS[cb]]
 
@@ -16,8 +23,21 @@ CASES = [(cb, k) for cb in exl3.CODEBOOKS for k in exl3.SUPPORTED_BITS[cb]]
 def test_decode_torch_bit_exact(codebook: str, bits: float) -> None:
     t = exl3.random_tensor(128, 256, bits, codebook, seed=int(bits * 10) + len(codebook))
     ref = exl3.decode(t.trellis, codebook)
-    got = decode_torch(torch.from_numpy(t.trellis), codebook, chunk_tiles=50).numpy()  # several chunks
-    np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
+    for table in (None, codebook_table(codebook)):  # the values computed, then looked up
+        got = decode_torch(torch.from_numpy(t.trellis), codebook, chunk_tiles=50, table=table).numpy()  # 3 chunks
+        np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
+
+
+def test_codebook_table_is_every_states_value() -> None:
+    for cb in exl3.CODEBOOKS:
+        table = codebook_table(cb)
+        assert table.dtype == torch.float16 and table.shape == (65536,)
+        np.testing.assert_array_equal(table.numpy().view(np.uint16),
+                                      codebook_torch(torch.arange(65536), cb).numpy().view(np.uint16))  # fmt: skip
+    with pytest.raises(ValueError, match="unknown codebook"):
+        codebook_table("e8p")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"table must be float16 \[65536\]"):
+        decode_torch(torch.zeros(8, 8, 48, dtype=torch.int16), "mul1", table=codebook_table("mul1").float())
 
 
 def test_codebooks_every_state() -> None:

@@ -21,6 +21,11 @@
 #   flash     load time and RSS of a Flash-shaped pack with real-size layers (scripts/gpu_flash_load.py)
 #   flashpack build + verify the flash-v41 pack (DEC_LAYERS real-size Flash layers, default 4: ~21 GB) in /tmp/dsv41/served
 #             (benches/bench_served_decode.py --build-only; reused by later calls of the same lease)
+#   ffidelity fidelity of the tiered runtime (default settings) vs all-in-vram on that pack (after flashpack, in this
+#             call or an earlier one of the lease): the oracle dequantizes each routed expert per call on the GPU
+#             (a real-size layer is 54 GB of fp32); VRAM capped at 24 GiB, PIECEWISE, --noise-floor;
+#             FF_POSITIONS scored positions (default 512), FF_ARGS: more arguments (split at spaces), e.g.
+#             '--tiered {"cache_gib":4}'
 #   decode    benches/bench_served_decode.py on that pack: served decode tok/s at 1/2/4 streams for the runtimes
 #             none / tiered (misses cpu, auto, pcie) / cpu vs the roofline of the same run; VRAM capped at 24 GiB,
 #             PIECEWISE; DEC_RUNTIMES picks the cases (none first), DEC_TAG names the outputs, DEC_THREADS the CPU tier's threads (8); traces under $OUT;
@@ -75,11 +80,11 @@ if step tests; then
         2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
     r=${PIPESTATUS[0]}; log "tests rc=$r"; rc=$((rc || r))
 fi
-fid() {  # name, extra args
+fid() {  # name, extra args; FID_PACK: another pack than $PACK
     local name=$1; shift
     log "fidelity $name"
     rm -f "/tmp/dsv41-results/fidelity_$name.json"
-    timeout "$(gpu_tmo 560)" python3 -m vllm_dsv41.fidelity "$PACK" --runtime cpu --against all-in-vram --gpu-memory-gib 24 \
+    timeout "$(gpu_tmo 560)" python3 -m vllm_dsv41.fidelity "${FID_PACK:-$PACK}" --runtime cpu --against all-in-vram --gpu-memory-gib 24 \
         --cpu-threads 8 --json "$OUT/fidelity_$name.json" --min-top1 0.999 --max-kl-mean 1e-4 --noise-floor "$@" \
         > "$OUT/fidelity_$name.log" 2>&1
     local r=$?
@@ -138,6 +143,16 @@ if step flashpack; then
     timeout "$(gpu_tmo 560)" python3 packages/vllm-dsv41/benches/bench_served_decode.py --build-only --layers "${DEC_LAYERS:-4}" \
         --root /tmp/dsv41/served 2>&1 | tee "$OUT/flashpack.log" | grep -v "it/s\]" | tail -8
     r=${PIPESTATUS[0]}; log "flashpack rc=$r"; rc=$((rc || r))
+fi
+if step ffidelity; then
+    FLASHPACK=/tmp/dsv41/served/flash-v41-${DEC_LAYERS:-4}
+    if [ -f "$FLASHPACK/config.json" ]; then
+        # shellcheck disable=SC2086  # FF_ARGS is a list of arguments
+        FID_PACK=$FLASHPACK fid flash --runtime tiered --positions "${FF_POSITIONS:-512}" --length 256 \
+            --greedy-prompts 2 --greedy-tokens 16 ${FF_ARGS:-}
+    else
+        log "ffidelity: no pack at $FLASHPACK: run STEPS=flashpack first (DEC_LAYERS=${DEC_LAYERS:-4})"; rc=1
+    fi
 fi
 if step decode; then
     log "decode"

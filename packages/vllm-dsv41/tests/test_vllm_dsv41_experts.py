@@ -3,42 +3,54 @@ float64 numpy reference; the op's out-buffer contract."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 
-from cpu_tier import CpuTierConfig
+from cpu_tier import CpuTierConfig, exl3
 from vllm_dsv41 import Dsv41PluginConfig
 from vllm_dsv41.experts import (
     AllInVramRuntime,
     CpuExpertRuntime,
     NoExpertsRuntime,
+    choose_dequantize,
+    free_device_bytes,
     get_runtime,
+    make_runtime,
     register_runtime,
     replace_runtime,
     routed_experts,
     unregister_runtime,
 )
-from vllm_dsv41.home import ExpertHome
+from vllm_dsv41.home import ExpertHome, LayerExperts
 from vllm_dsv41.reference import ReferenceExperts
 
 LAYERS, EXPERTS, TOP_K, HIDDEN = 2, 8, 2, 256
 
 
-@pytest.fixture(scope="module", params=["cpu", "all-in-vram", "all-in-vram-f64"])
+@pytest.fixture(scope="module", params=["cpu", "all-in-vram", "all-in-vram-f64", "all-in-vram:per-call",
+                                         "all-in-vram-f64:per-call"])  # fmt: skip
 def handle(request: pytest.FixtureRequest, home: ExpertHome) -> Iterator[int]:
     runtime: CpuExpertRuntime | AllInVramRuntime
-    if request.param == "cpu":
+    name, _, dequantize = request.param.partition(":")
+    if name == "cpu":
         runtime = CpuExpertRuntime(Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact")))
-    elif request.param == "all-in-vram-f64":
-        runtime = AllInVramRuntime("cpu", torch.float64)
-        assert runtime.name == "all-in-vram-f64"
+    elif name == "all-in-vram-f64":
+        runtime = AllInVramRuntime("cpu", torch.float64, dequantize=dequantize or "auto")  # type: ignore[arg-type]
+        assert runtime.name == "all-in-vram-f64" + (f"-{dequantize}" if dequantize else "")
     else:
-        runtime = AllInVramRuntime("cpu")
+        runtime = AllInVramRuntime("cpu", dequantize=dequantize or "auto")  # type: ignore[arg-type]
+        assert runtime.name == "all-in-vram" + (f"-{dequantize}" if dequantize else "")
     for lx in home.layers():
         runtime.add_layer(lx, swiglu_limit=None)
+    if dequantize:  # per call: the home's views kept (read-only mappings), nothing dequantized held
+        assert isinstance(runtime, AllInVramRuntime) and runtime.nbytes == 0
+        assert set(runtime.modes.values()) == {"per-call"}
     h = register_runtime(runtime)
     yield h
     unregister_runtime(h)
@@ -262,3 +274,117 @@ def test_the_call_path_is_fixed_by_the_runtime_the_model_is_built_with() -> None
                 unregister_runtime(q._runtime_handle)
     finally:
         host.close()
+
+
+# ------------------------------------------------------------------------- the oracle's dequantization modes
+
+
+def _random_layer(rng: np.random.Generator, layer: int, experts: int = 6, hidden: int = 256,
+                  inter: int = 384) -> LayerExperts:  # fmt: skip
+    """Fresh random experts (each projection of a random codebook and width, a half-bit one among them)."""
+    widths = {"3inst": (2, 3, 4), "mcg": (3, 4), "mul1": (2.5, 3, 3.5)}
+
+    def one(k: int, n: int) -> exl3.Exl3Tensor:
+        cb = str(rng.choice(list(widths)))
+        return exl3.random_tensor(k, n, float(rng.choice(widths[cb])), cb, rng)  # type: ignore[arg-type]
+
+    return LayerExperts(layer, tuple(one(hidden, inter) for _ in range(experts)),
+                        tuple(one(hidden, inter) for _ in range(experts)),
+                        tuple(one(inter, hidden) for _ in range(experts)))  # fmt: skip
+
+
+@contextlib.contextmanager
+def _records(name: str = "vllm.dsv41.experts") -> Iterator[list[logging.LogRecord]]:
+    """The records of logger ``name`` at INFO and up (a handler on it: vLLM's "vllm" logger does not propagate)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger(name)
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_per_call_equals_load_bit_for_bit(dtype: torch.dtype) -> None:
+    """Per call, each routed expert is dequantized on the device, used and freed; at load all are kept: the same
+    weights and the same math, so the outputs are equal bit for bit, on fresh random layers and routings with
+    padding rows (all ids -1), single skipped picks, an expert picked twice by one token, and T = 0."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    hidden, experts, topk = 256, 6, 4
+    layers = [_random_layer(rng, lid, experts, hidden) for lid in (0, 3)]
+    limits = {0: None, 3: 0.5}  # the clamp bites: random inputs give gate/up values of order 1
+    load = AllInVramRuntime("cpu", dtype, dequantize="load")
+    per_call = AllInVramRuntime("cpu", dtype, dequantize="per-call")
+    ref = ReferenceExperts()
+    for lx in layers:
+        for rt in (load, per_call):
+            rt.add_layer(lx, swiglu_limit=limits[lx.layer])
+        ref.add_layer(lx.layer, lx.gate, lx.up, lx.down, swiglu_limit=limits[lx.layer])
+    assert load.modes == {0: "load", 3: "load"} and per_call.modes == {0: "per-call", 3: "per-call"}
+    assert load.nbytes == sum(load.layer_nbytes(lx) for lx in layers) > 0 and per_call.nbytes == 0
+    for tokens in (0, 1, 5, 23):
+        for lid in (0, 3):
+            x = torch.from_numpy((rng.standard_normal((tokens, hidden)) * 2).astype(np.float32))
+            ids = rng.integers(-1, experts, size=(tokens, topk))  # -1: a skipped pick; repeats within a token
+            if tokens > 2:
+                ids[-2:] = -1  # a CUDA graph's padding rows
+                ids[0, :2] = ids[0, 2]  # one expert picked three times by a token
+            w = torch.from_numpy(rng.uniform(0.05, 1.0, size=(tokens, topk)).astype(np.float32))
+            outs = []
+            for rt in (load, per_call):
+                out = torch.full((tokens + 2, hidden), float("nan"))
+                rt.forward_into(lid, x, torch.from_numpy(ids), w, out)
+                assert torch.isnan(out[tokens:]).all(), f"seed {seed}"  # rows past T untouched
+                outs.append(out[:tokens])
+            assert torch.equal(outs[0], outs[1]), f"seed {seed}: T {tokens} layer {lid}"
+            if tokens > 2:
+                assert (outs[1][-2:] == 0).all()
+            if tokens:
+                want = ref.forward(lid, x.numpy(), ids, w.numpy())
+                np.testing.assert_allclose(outs[1].numpy(), want, rtol=0, atol=2e-5 * np.abs(want).max(),
+                                           err_msg=f"seed {seed}")  # fmt: skip
+
+
+def test_auto_dequantizes_per_call_above_half_the_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_dsv41 import experts as ex
+
+    assert choose_dequantize(100, 201) == "load" and choose_dequantize(100, 200) == "load"
+    assert choose_dequantize(101, 200) == "per-call" and choose_dequantize(1, 0) == "per-call"
+    assert free_device_bytes("cpu") > 0
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    layers = [_random_layer(rng, lid, experts=2) for lid in range(3)]
+    rt = AllInVramRuntime("cpu")
+    assert rt.dequantize == "auto"
+    need = rt.layer_nbytes(layers[0])
+    assert need == 2 * 3 * 256 * 384 * 4
+    with _records() as records:
+        monkeypatch.setattr(ex, "free_device_bytes", lambda device: 2 * need - 1)
+        rt.add_layer(layers[0], swiglu_limit=None)
+        monkeypatch.setattr(ex, "free_device_bytes", lambda device: 2 * need)
+        rt.add_layer(layers[1], swiglu_limit=None)
+        monkeypatch.undo()  # the real free memory: a small layer is dequantized at load
+        rt.add_layer(layers[2], swiglu_limit=None)
+    assert rt.modes == {0: "per-call", 1: "load", 2: "load"}
+    assert rt.nbytes == 2 * need  # the two layers dequantized at load; none of the per-call one
+    msgs = [r.getMessage() for r in records]
+    assert len(msgs) == 3 and "dsv41 all-in-vram: MoE layer 0's 2 experts dequantized per call on cpu (auto:" in msgs[0]
+    assert all("dequantized at load on cpu (auto:" in m for m in msgs[1:]), msgs
+    f64 = AllInVramRuntime("cpu", torch.float64)
+    assert f64.layer_nbytes(layers[0]) == 2 * need
+
+
+def test_dequantize_is_validated_and_make_runtime_takes_auto() -> None:
+    with pytest.raises(ValueError, match=r"dequantize must be one of \('load', 'per-call', 'auto'\), got 'lazy'"):
+        AllInVramRuntime("cpu", dequantize="lazy")  # type: ignore[arg-type]
+    rt = make_runtime(Dsv41PluginConfig(runtime="all-in-vram"), "cpu", vllm_share_bytes=1 << 30)
+    assert isinstance(rt, AllInVramRuntime) and rt.dequantize == "auto" and rt.dtype == torch.float32
+    lx = _random_layer(np.random.default_rng(int.from_bytes(os.urandom(4), "little")), 0, experts=1)
+    rt.add_layer(lx, swiglu_limit=None)  # vLLM's share is a GPU's: on the CPU, the host's memory counts
+    assert rt.modes == {0: "load"} and rt.name == "all-in-vram"

@@ -63,6 +63,25 @@ def test_fidelity_tool_on_the_demo_pack(demo_pack: Path, tmp_path: Path) -> None
     assert "noise floor" in r.stdout
 
 
+@pytest.mark.slow
+def test_oracle_per_call_equals_the_oracle_served_by_vllm(demo_pack: Path, tmp_path: Path) -> None:
+    """The oracle dequantizing every expert per call (``all-in-vram-per-call``) against the oracle that keeps them
+    (the demo's small layers: "auto" keeps them): the same weights and math, so the same logits bit for bit."""
+    out = tmp_path / "fidelity.json"
+    cmd = [sys.executable, "-m", "vllm_dsv41.fidelity", str(demo_pack), "--runtime", "all-in-vram-per-call",
+           "--against", "all-in-vram", "--positions", "256", "--length", "64", "--greedy-prompts", "2",
+           "--greedy-tokens", "8", "--cpu-threads", "2", "--json", str(out), "--min-top1", "1.0",
+           "--max-kl-mean", "0"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["runtime"] == "all-in-vram-per-call" and res["positions"] == 256
+    assert res["top1_agreement"] == 1.0 and res["kl_max"] == 0.0 and res["greedy_match"]
+    logs = r.stdout + r.stderr
+    assert "dsv41 all-in-vram-per-call: MoE layer 1's 8 experts dequantized per call" in logs
+    assert "dsv41 all-in-vram: MoE layer 1's 8 experts dequantized at load" in logs
+
+
 def _served_tiered(demo_pack: Path, out: Path, tiered: dict[str, object]) -> tuple[dict, str]:
     """The fidelity tool on the demo pack: the tiered runtime with ``tiered`` settings inside vLLM's CPU build
     against the all-in-VRAM oracle (256 positions, 2 greedy prompts of 8 tokens, gated at top-1 0.999 and KL

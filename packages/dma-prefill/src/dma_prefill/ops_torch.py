@@ -1,6 +1,7 @@
 """Pure-torch EXL3 expert math: the CPU path, the fallback on any device, and the second test reference.
 
-``decode_torch`` is bit-exact against ``cpu_tier.exl3.decode`` (same integer arithmetic, done in int64).
+``decode_torch`` is bit-exact against ``cpu_tier.exl3.decode`` (same integer arithmetic, done in int64; the codebook
+computed per element, or looked up in ``codebook_table``, every state's value from ``cpu_tier.exl3.codebook_values``).
 ``linear_torch`` / ``expert_torch`` follow the EXL3 forward order ``H(x * suh) @ W_inner -> H -> * svh`` in the
 requested float dtype (float32 on the fake device, float64 for references).
 """
@@ -23,6 +24,7 @@ from cpu_tier.exl3 import (
     MUL1_SCALE,
     Codebook,
     bits_from_trellis,
+    codebook_values,
     hadamard_matrix,
     stream_windows,
     tensor_core_perm,
@@ -30,7 +32,15 @@ from cpu_tier.exl3 import (
 
 from .config import Projection
 
-__all__ = ["decode_torch", "expert_torch", "hadamard_128_torch", "hadamard_pm1", "linear_torch", "swiglu"]
+__all__ = [
+    "codebook_table",
+    "decode_torch",
+    "expert_torch",
+    "hadamard_128_torch",
+    "hadamard_pm1",
+    "linear_torch",
+    "swiglu",
+]
 
 # The format's constants and bit-stream rules are cpu_tier.exl3's; this module only redoes the arithmetic in torch.
 _stream_index = functools.cache(stream_windows)
@@ -52,17 +62,41 @@ def codebook_torch(states: torch.Tensor, codebook: Codebook) -> torch.Tensor:
     return (lo + hi).to(torch.float16)  # exact fp32 sum, one rounding (as __hadd)
 
 
-def decode_torch(trellis: torch.Tensor, codebook: Codebook, *, chunk_tiles: int = 8192) -> torch.Tensor:
+@functools.cache
+def _codebook_values_np(codebook: Codebook) -> np.ndarray:
+    return codebook_values(np.arange(65536, dtype=np.int64), codebook)
+
+
+def codebook_table(codebook: Codebook, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The fp16 value of every 16-bit state (``[65536]`` on ``device``): ``cpu_tier.exl3.codebook_values`` over all
+    states, so a lookup is the reference itself. An element's value is a pure function of its state, so one gather
+    of this 128 KiB table replaces ``codebook_torch``'s integer arithmetic (what ``decode_torch(table=...)`` does)."""
+    if codebook not in CODEBOOKS:
+        raise ValueError(f"unknown codebook {codebook!r}; expected one of {CODEBOOKS}")
+    return torch.from_numpy(_codebook_values_np(codebook)).to(device, copy=True)  # (not the cached array)
+
+
+def decode_torch(
+    trellis: torch.Tensor, codebook: Codebook, *, chunk_tiles: int = 8192, table: torch.Tensor | None = None
+) -> torch.Tensor:
     """Decode an EXL3 trellis to ``W_inner`` (fp16 ``(k, n)``), bit-exact, on the trellis's device.
 
     Parameters
     ----------
     trellis : int16 ``[k/16, n/16, 16*K]`` (any device; a slot or host-store view works).
     codebook : "3inst", "mcg" or "mul1".
+    chunk_tiles : tiles decoded at a time (bounds the int64 temporaries: ~2 KiB per tile each).
+    table : ``codebook_table(codebook, trellis.device)``: look the values up instead of computing them (fewer
+        kernels on a GPU); None: ``codebook_torch``.
     """
     if trellis.dtype != torch.int16 or trellis.dim() != 3:
         raise ValueError(f"trellis must be int16 [k/16, n/16, 16*K], got {trellis.dtype} {tuple(trellis.shape)}")
     bits = bits_from_trellis(np.empty((0, 0, trellis.shape[-1]), dtype=np.int16))
+    if table is not None and (
+        table.dtype != torch.float16 or table.shape != (65536,) or table.device != trellis.device
+    ):
+        raise ValueError(f"table must be float16 [65536] on {trellis.device} (codebook_table), got {table.dtype} "
+                         f"{tuple(table.shape)} on {table.device}")  # fmt: skip
     tk, tn, _ = trellis.shape
     dev = trellis.device
     i0, i1, shift = (torch.from_numpy(a).to(dev) for a in _stream_index(bits))
@@ -75,7 +109,7 @@ def decode_torch(trellis: torch.Tensor, codebook: Codebook, *, chunk_tiles: int 
         words = u16[:, 0::2] | (u16[:, 1::2] << 16)
         pair = (words[:, i0] << 32) | words[:, i1]  # int64 wraps; the bits we keep are below bit 64
         states = (pair >> shift) & 0xFFFF
-        outf[s : s + chunk_tiles, perm] = codebook_torch(states, codebook)
+        outf[s : s + chunk_tiles, perm] = codebook_torch(states, codebook) if table is None else table[states]
     return out.view(tk, tn, 16, 16).permute(0, 2, 1, 3).reshape(16 * tk, 16 * tn)
 
 

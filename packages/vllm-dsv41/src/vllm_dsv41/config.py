@@ -218,9 +218,10 @@ class Dsv41PluginConfig:
         threshold, prefetch distance, work split). Its ``swiglu_limit`` is not used: each MoE layer passes the
         model's own clamp.
     runtime : where the routed experts run. "cpu": every routed expert in the pack's host home, computed by
-        cpu-tier (the served default). "all-in-vram": every routed expert dequantized once into the model's
-        device memory and computed by a plain fp32-accumulate path (the oracle every tier is measured
-        against; only for packs whose experts fit).
+        cpu-tier (the served default). "all-in-vram": every routed expert dequantized on the model's device and
+        computed by a plain fp32-accumulate path (the oracle every tier is measured against): a layer's experts
+        kept in device memory when they take at most half of its free memory, else each routed expert
+        dequantized when a call uses it (``AllInVramRuntime``'s "auto").
     dense_kernel : the GPU kernel of the dense EXL3 linears (attention, shared experts, Engram ``wkv``, head).
         "exllamav3": exllamav3's CUDA kernels (needs the ``exllamav3`` package); "triton": ours (decode to fp16
         with dma-prefill's bit-exact Triton decode, then a GEMM); "auto": exllamav3 where it imports, else

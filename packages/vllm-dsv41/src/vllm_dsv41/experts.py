@@ -10,9 +10,11 @@ caller-owned output buffer (the buffer a captured CUDA graph segment reads next)
   layer, the CPU tier's own);
 * ``TieredRuntime`` (``vllm_dsv41.tiered``): the hottest experts in a VRAM cache computed on the GPU, the misses
   on the CPU tier or read over PCIe by the GPU;
-* ``AllInVramRuntime``: the oracle. Every routed expert dequantized once (``cpu_tier.exl3``, float32) into the
-  model's device memory and computed by plain fp32 matmuls, so it differs from any tier only in where the
-  experts run.
+* ``AllInVramRuntime``: the oracle. Every routed expert dequantized on the model's device (``vllm_dsv41.dequant``:
+  ``cpu_tier.exl3.reconstruct`` to float32 rounding) and computed by plain fp32 matmuls, so it differs from any tier
+  only in where the experts run. A layer's experts are dequantized once and kept (``dequantize="load"``) or, where
+  they would not fit (a real-size layer: 54 GB of fp32), each routed expert per call and freed ("per-call"); the two
+  give the same output bit for bit.
 * ``NoExpertsRuntime``: writes zeros (the routed experts switched off). For benchmarks only: it times the rest of
   a decode step (attention, router, shared expert, head, sampling); not a configurable runtime, so a server
   refuses it.
@@ -25,11 +27,12 @@ as an eager break of vLLM's breakable CUDA graphs (see ``methods.py``).
 from __future__ import annotations
 
 import itertools
+import logging
+import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -39,10 +42,14 @@ from .config import Dsv41PluginConfig
 from .home import LayerExperts
 
 __all__ = [
+    "AUTO_FREE_SHARE",
+    "DEQUANTIZE",
     "AllInVramRuntime",
     "CpuExpertRuntime",
     "ExpertRuntime",
     "NoExpertsRuntime",
+    "choose_dequantize",
+    "free_device_bytes",
     "in_profile_run",
     "make_runtime",
     "register_runtime",
@@ -51,6 +58,8 @@ __all__ = [
     "routed_experts_out",
     "unregister_runtime",
 ]
+
+logger = logging.getLogger("vllm.dsv41.experts")  # under "vllm": printed with vLLM's own log lines
 
 
 class ExpertRuntime(Protocol):
@@ -207,43 +216,137 @@ class _Staging:
         self.inputs_ready = torch.cuda.Event()
 
 
+Dequantize = Literal["load", "per-call", "auto"]
+#: ``AllInVramRuntime``'s ``dequantize`` values.
+DEQUANTIZE: tuple[Dequantize, ...] = ("load", "per-call", "auto")
+#: "auto" dequantizes a layer per call when its dequantized experts would take more than this share of the memory
+#: free on the device at ``add_layer`` (``free_device_bytes``), else at load: what stays free is the rest of the
+#: layers', the next runtime's (the fidelity tool builds one while the other still holds its memory) and vLLM's.
+AUTO_FREE_SHARE = 0.5
+
+
+def choose_dequantize(nbytes: int, free_bytes: int) -> Literal["load", "per-call"]:
+    """The mode "auto" gives a layer whose dequantized experts take ``nbytes`` with ``free_bytes`` free on the
+    device: "per-call" above ``AUTO_FREE_SHARE`` of it, else "load"."""
+    return "per-call" if nbytes > AUTO_FREE_SHARE * free_bytes else "load"
+
+
+def free_device_bytes(device: torch.device | str) -> int:
+    """Memory free for new tensors on ``device``. CUDA: the driver's free memory (``torch.cuda.mem_get_info``) plus
+    what PyTorch's caching allocator holds unused (reserved minus allocated: a closed runtime's weights). CPU: the
+    host's available memory (``MemAvailable`` of ``/proc/meminfo``; elsewhere the free physical pages)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        return int(free + torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class AllInVramRuntime:
-    """The oracle: every routed expert dequantized once into device memory, computed in fp32 (no TF32).
+    """The oracle: every routed expert dequantized on the model's device, computed in fp32 (no TF32).
 
     Parameters
     ----------
-    device : where the experts live (the model's device; "cpu" for the CPU demo).
+    device : where the experts are dequantized and computed (the model's device; "cpu" for the CPU demo).
     dtype : the compute (and storage) dtype: float32 (the oracle) or float64 (a diagnostic: the same experts with
         more exact sums, to measure how much of a runtime's difference is the model's sensitivity to the last bits).
+        The experts are dequantized to float32 either way (``vllm_dsv41.dequant.reconstruct_torch``), then cast.
+    dequantize : when. "load": every expert of a layer at ``add_layer``, kept on the device (``nbytes``: all of
+        them). "per-call": ``add_layer`` keeps the layer's ``Exl3Tensor`` views of the host home (no copy) and
+        ``forward_into`` dequantizes each routed expert the call uses (gate, up, down), computes it exactly as
+        "load" does and frees it (``nbytes``: none of them); the outputs of the two are equal bit for bit.
+        "auto" (default): per layer, "per-call" when the layer's dequantized experts would take more than
+        ``AUTO_FREE_SHARE`` of the memory free on the device (``choose_dequantize``, ``free_device_bytes``), else
+        "load". Each layer's mode is logged once (``vllm.dsv41.experts``) and kept in ``modes``.
+    vllm_share_bytes : vLLM's share of the device, when the runtime is built in vLLM's model load (the plugin passes
+        it): experts kept at load are model weights there, inside the share, so "auto" counts as free at most what
+        of the share PyTorch does not hold yet (a real-size layer then goes per call under ``--gpu-memory-gib 24``
+        instead of overrunning the share).
+
+    ``name``: "all-in-vram" (float32), "all-in-vram-f64" (float64), with "-per-call" when every layer is dequantized
+    per call (``dequantize="per-call"``).
     """
 
     name = "all-in-vram"
     graph_safe = False  # data-dependent per-expert loops (host reads the routing)
 
-    def __init__(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, device: torch.device | str, dtype: torch.dtype = torch.float32,
+                 dequantize: Dequantize = "auto", vllm_share_bytes: int | None = None) -> None:  # fmt: skip
         if dtype not in (torch.float32, torch.float64):
             raise ValueError(f"AllInVramRuntime: dtype must be float32 or float64, got {dtype}")
+        if dequantize not in DEQUANTIZE:
+            raise ValueError(f"AllInVramRuntime: dequantize must be one of {DEQUANTIZE}, got {dequantize!r}")
         self.device = torch.device(device)
         self.dtype = dtype
+        self.dequantize: Dequantize = dequantize
+        self._vllm_share = vllm_share_bytes
         if dtype == torch.float64:
             self.name = "all-in-vram-f64"
+        if dequantize == "per-call":  # a diagnostic name (the fidelity tool switches runtimes by name)
+            self.name += "-per-call"
+        #: the layers dequantized at load: gate, up, down of every expert, on the device
         self._w: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
+        #: the layers dequantized per call: their views of the host home
+        self._home: dict[int, LayerExperts] = {}
+        #: the mode each layer took, "load" or "per-call"
+        self.modes: dict[int, Literal["load", "per-call"]] = {}
         self._limit: dict[int, float | None] = {}
         self._hidden: dict[int, int] = {}
 
-    def add_layer(self, experts: LayerExperts, swiglu_limit: float | None) -> None:
-        def dq(ts: Sequence[Any]) -> list[torch.Tensor]:
-            return [torch.from_numpy(np.ascontiguousarray(t.reconstruct(), dtype=np.float32)).to(self.device,
-                                                                                                 self.dtype)
-                    for t in ts]  # fmt: skip
+    def _dq(self, t: Any) -> torch.Tensor:
+        from .dequant import reconstruct_torch
 
-        self._w[experts.layer] = (dq(experts.gate), dq(experts.up), dq(experts.down))
-        self._limit[experts.layer] = swiglu_limit
-        self._hidden[experts.layer] = experts.hidden
+        return reconstruct_torch(t, self.device).to(self.dtype)
+
+    def layer_nbytes(self, experts: LayerExperts) -> int:
+        """Bytes of ``experts`` dequantized in this runtime's dtype (what "load" keeps on the device)."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return sum(t.k * t.n * size for proj in (experts.gate, experts.up, experts.down) for t in proj)
+
+    def add_layer(self, experts: LayerExperts, swiglu_limit: float | None) -> None:
+        lid = experts.layer
+        nbytes = self.layer_nbytes(experts)
+        mode: Literal["load", "per-call"]
+        if self.dequantize == "auto":
+            free = free_device_bytes(self.device)
+            if self._vllm_share and self.device.type == "cuda":  # in vLLM's model load: inside its share
+                free = min(free, max(0, self._vllm_share - torch.cuda.memory_reserved(self.device)))
+            mode = choose_dequantize(nbytes, free)
+            why = f"auto: {nbytes / 2**30:.3g} GiB dequantized, {free / 2**30:.3g} GiB free"
+        else:
+            mode, why = self.dequantize, "as asked"
+        logger.info("dsv41 %s: MoE layer %d's %d experts dequantized %s on %s (%s)", self.name, lid,
+                    experts.num_experts, "at load" if mode == "load" else "per call", self.device, why)  # fmt: skip
+        self._w.pop(lid, None)
+        self._home.pop(lid, None)
+        if mode == "load":
+            gate, up, down = ([self._dq(t) for t in proj] for proj in (experts.gate, experts.up, experts.down))
+            self._w[lid] = (gate, up, down)
+        else:
+            self._home[lid] = experts
+        self.modes[lid] = mode
+        self._limit[lid] = swiglu_limit
+        self._hidden[lid] = experts.hidden
 
     @property
     def nbytes(self) -> int:
+        """Bytes of dequantized experts held on the device (the "load" layers'; a per-call expert only in its call)."""
         return sum(w.numel() * w.element_size() for layer in self._w.values() for proj in layer for w in proj)
+
+    def _expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert ``e``'s gate, up and down weights: the kept ones, or dequantized now."""
+        kept = self._w.get(layer)
+        if kept is not None:
+            return kept[0][e], kept[1][e], kept[2][e]
+        lx = self._home[layer]
+        return self._dq(lx.gate[e]), self._dq(lx.up[e]), self._dq(lx.down[e])
 
     def forward_into(
         self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
@@ -254,7 +357,6 @@ class AllInVramRuntime:
         if t == 0:
             return
         _refuse_capture(self.name)
-        gate, up, down = self._w[layer]
         limit = self._limit[layer]
         xs = x.to(self.dtype)
         acc = torch.zeros((t, x.shape[1]), dtype=self.dtype, device=x.device)
@@ -267,15 +369,23 @@ class AllInVramRuntime:
                 if e < 0:  # vLLM's padding rows (a CUDA graph's batch padded up): no pick
                     continue
                 tok, slot = torch.nonzero(ids == e, as_tuple=True)
+                gate, up, down = self._expert(layer, e)
                 xe = xs[tok]
-                y = swiglu(xe @ gate[e], xe @ up[e], limit) @ down[e]
+                y = swiglu(xe @ gate, xe @ up, limit) @ down
                 acc.index_add_(0, tok, y * w[tok, slot, None])
+                del gate, up, down  # (per call: freed before the next expert is dequantized)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
         out[:t].copy_(acc)
 
     def close(self) -> None:
+        """Drop the experts; on CUDA, give the kept ones' memory back to the driver, so that the next runtime's
+        automatic sizing (the tiered cache, another oracle's "auto") sees it free."""
+        held = bool(self._w)
         self._w.clear()
+        self._home.clear()
+        if held and self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 class NoExpertsRuntime:
@@ -338,11 +448,11 @@ def make_runtime(config: Dsv41PluginConfig, device: torch.device | str, max_toke
                  home: Any = None, vllm_share_bytes: int | None = None) -> ExpertRuntime:  # fmt: skip
     """The runtime ``config.runtime`` names, for a model on ``device``; ``home`` (the ``ExpertHome``, or a callable
     returning it) is needed by the tiered runtime, ``vllm_share_bytes`` (vLLM's share of the device) tells it what
-    its automatic cache size must leave to vLLM."""
+    its automatic cache size must leave to vLLM, and the oracle what its "auto" dequantization may keep at load."""
     if config.runtime == "cpu":
         return CpuExpertRuntime(config, max_tokens=max_tokens)
     if config.runtime == "all-in-vram":
-        return AllInVramRuntime(device)
+        return AllInVramRuntime(device, vllm_share_bytes=vllm_share_bytes)
     if config.runtime == "tiered":
         if home is None:
             raise ValueError("runtime 'tiered': needs the host home of the experts")

@@ -40,6 +40,11 @@ __all__ = ["FidelityResult", "Reference", "compare_logits", "main", "record_refe
 
 #: The diagnostic runtime ``--noise-floor`` compares with the oracle: the same dequantized experts, float64 sums.
 NOISE_FLOOR_RUNTIME = "all-in-vram-f64"
+#: The oracle with every layer dequantized per call (``AllInVramRuntime(dequantize="per-call")``): a check of that
+#: path, which must equal the oracle bit for bit (``--runtime all-in-vram-per-call --against all-in-vram``).
+PER_CALL_RUNTIME = "all-in-vram-per-call"
+#: The runtime a model is built with when one of these oracle variants is the one tested (not config values).
+_ORACLE_VARIANTS = {NOISE_FLOOR_RUNTIME: "all-in-vram", PER_CALL_RUNTIME: "all-in-vram"}
 #: Text the fixed prompts are cut from (tokenized with the pack's tokenizer).
 CORPUS = (
     "The capital of Japan is Tokyo. The capital of France is Paris. A mixture of experts routes each token to a "
@@ -176,10 +181,13 @@ def _switch(model: torch.nn.Module, runtime: str) -> str:
     if current.name == runtime:
         return runtime
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-    if runtime == NOISE_FLOOR_RUNTIME:  # the oracle's experts with float64 sums (a diagnostic, not a config value)
+    if runtime in _ORACLE_VARIANTS:  # the oracle's experts with float64 sums, or all per call (diagnostics)
         from .experts import AllInVramRuntime
 
-        new: Any = AllInVramRuntime(device, torch.float64)
+        if runtime == NOISE_FLOOR_RUNTIME:
+            new: Any = AllInVramRuntime(device, torch.float64)  # (dequantized at load or per call: "auto")
+        else:
+            new = AllInVramRuntime(device, dequantize="per-call")
     else:
         new = make_runtime(dc.replace(q.rank_plugin_config(), runtime=runtime), device, home=q.home())
     limits = _swiglu_limits(model)
@@ -456,7 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     ap = argparse.ArgumentParser(prog="python -m vllm_dsv41.fidelity", description=__doc__.split("\n\n")[0])
     ap.add_argument("pack", help="the pack directory")
-    ap.add_argument("--runtime", default="cpu", help="the expert runtime under test (default cpu)")
+    ap.add_argument("--runtime", default="cpu",
+                    help=f"the expert runtime under test (default cpu; also {PER_CALL_RUNTIME}, the oracle "
+                         f"dequantizing every expert per call, or {NOISE_FLOOR_RUNTIME})")  # fmt: skip
     ap.add_argument("--against", default="all-in-vram", help="the reference runtime (default all-in-vram)")
     ap.add_argument("--positions", type=int, default=2048, help="scored prompt positions (default 2048)")
     ap.add_argument("--length", type=int, default=256, help="tokens per prompt (default 256)")
@@ -494,7 +504,8 @@ def main(argv: list[str] | None = None) -> int:
     # The model is built with the runtime under test: how the model calls its expert runtime is fixed when it is
     # built (with CUDA graphs a graph-safe runtime's calls are captured, and no other runtime could replace it),
     # while the graph-safe reference runs in the tested runtime's eager breaks (experts.call_path).
-    llm = build_llm(a.pack, runtime=a.against if a.save_reference else a.runtime, eager=a.eager,
+    built = a.against if a.save_reference else a.runtime
+    llm = build_llm(a.pack, runtime=_ORACLE_VARIANTS.get(built, built), eager=a.eager,
                     max_model_len=a.max_model_len, gpu_memory_gib=a.gpu_memory_gib, cpu_threads=a.cpu_threads,
                     precision=a.precision, tiered=a.tiered, engram=a.engram,
                     pipeline_parallel_size=a.pipeline_parallel_size)  # fmt: skip
