@@ -136,7 +136,7 @@ def test_cuda_flash_projection() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cuda_oracle_per_call_equals_load(dtype: torch.dtype) -> None:
-    """The oracle on CUDA: per call and at load equal bit for bit (TF32 off in both), close to the float64
+    """The oracle on CUDA: per call and at load equal to float32 rounding (TF32 off in both), close to the float64
     reference; "auto" keeps a small layer at load."""
     from cpu_tier.exl3 import random_tensor
     from vllm_dsv41.experts import AllInVramRuntime, free_device_bytes
@@ -175,7 +175,12 @@ def test_cuda_oracle_per_call_equals_load(dtype: torch.dtype) -> None:
             rt.forward_into(0, x, torch.from_numpy(ids).to(dev), torch.from_numpy(w).to(dev), out)
             assert torch.isnan(out[tokens:]).all()
             outs.append(out[:tokens].cpu())
-        assert all(torch.equal(outs[0], o) for o in outs[1:]), f"seed {seed} T {tokens}"
+        # the same weights and math, but not bit for bit on CUDA: cuBLAS may pick another GEMM kernel for the
+        # kept weights than for the ones dequantized in the call (H200 run 8: seed 4153200690, T = 64 differed in
+        # float32); so equal to the float32 rounding of the sums
+        for o in outs[1:]:
+            torch.testing.assert_close(o, outs[0], rtol=0, atol=1e-6 * float(outs[0].abs().max()) if tokens else 0,
+                                       msg=f"seed {seed} T {tokens}")  # fmt: skip
         if tokens:
             want = ref.forward(0, x.cpu().numpy(), ids, w)
             np.testing.assert_allclose(outs[1].numpy(), want, rtol=0, atol=2e-5 * np.abs(want).max(),

@@ -14,7 +14,8 @@ caller-owned output buffer (the buffer a captured CUDA graph segment reads next)
   ``cpu_tier.exl3.reconstruct`` to float32 rounding) and computed by plain fp32 matmuls, so it differs from any tier
   only in where the experts run. A layer's experts are dequantized once and kept (``dequantize="load"``) or, where
   they would not fit (a real-size layer: 54 GB of fp32), each routed expert per call and freed ("per-call"); the two
-  give the same output bit for bit.
+  give the same output (bit for bit on the CPU; on CUDA to the float32 rounding of cuBLAS's GEMMs, which may pick
+  other kernels for the kept weights than for those dequantized in the call).
 * ``NoExpertsRuntime``: writes zeros (the routed experts switched off). For benchmarks only: it times the rest of
   a decode step (attention, router, shared expert, head, sampling); not a configurable runtime, so a server
   refuses it.
@@ -261,7 +262,8 @@ class AllInVramRuntime:
     dequantize : when. "load": every expert of a layer at ``add_layer``, kept on the device (``nbytes``: all of
         them). "per-call": ``add_layer`` keeps the layer's ``Exl3Tensor`` views of the host home (no copy) and
         ``forward_into`` dequantizes each routed expert the call uses (gate, up, down), computes it exactly as
-        "load" does and frees it (``nbytes``: none of them); the outputs of the two are equal bit for bit.
+        "load" does and frees it (``nbytes``: none of them); the outputs of the two are equal bit for bit on
+        the CPU, to float32 rounding on CUDA (cuBLAS may pick other GEMM kernels: H200 run 8).
         "auto" (default): per layer, "per-call" when the layer's dequantized experts would take more than
         ``AUTO_FREE_SHARE`` of the memory free on the device (``choose_dequantize``, ``free_device_bytes``), else
         "load". Each layer's mode is logged once (``vllm.dsv41.experts``) and kept in ``modes``.
