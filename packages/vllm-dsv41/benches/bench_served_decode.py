@@ -28,8 +28,9 @@ What it does
    roofline of the same steps: per step, hit bytes / hbm + miss bytes / (cpu + pcie for ``auto``; cpu; pcie) +
    the ``none`` runtime's fastest run's step time at the same S (its median moves with the VM's clock), where
    hit and miss bytes are the distinct experts each layer read from VRAM / computed on the CPU tier / read over
-   PCIe in those steps (counted by the runtime's own split, not modelled). Ratio = roofline / measured (goal >= 0.85). The hit rate over distinct (layer, expert)
-   accesses of the decode steps next to Belady's MIN on the recorded trace at the cache's capacity.
+   PCIe in those steps (counted by the runtime's own split, not modelled). Ratio = roofline / measured (goal
+   >= 0.85). The hit rate over distinct (layer, expert) accesses of the decode steps next to Belady's MIN on the
+   recorded trace at the cache's capacity.
 6. Scaling: the per-layer figures to Flash's 40 layers on this GPU, and to the mission's machine (RTX 3090 936 GB/s,
    PCIe 4 ~25 GB/s, 24 Zen 3 cores: the CPU tier at ``--mission-cpu-gbps``), arithmetic printed.
 
