@@ -41,7 +41,8 @@ __all__ = ["FidelityResult", "Reference", "compare_logits", "main", "record_refe
 #: The diagnostic runtime ``--noise-floor`` compares with the oracle: the same dequantized experts, float64 sums.
 NOISE_FLOOR_RUNTIME = "all-in-vram-f64"
 #: The oracle with every layer dequantized per call (``AllInVramRuntime(dequantize="per-call")``): a check of that
-#: path, which must equal the oracle bit for bit (``--runtime all-in-vram-per-call --against all-in-vram``).
+#: path, which must equal the oracle (bit for bit on the CPU, to float32 rounding on CUDA, where cuBLAS may pick
+#: other GEMM kernels; ``--runtime all-in-vram-per-call --against all-in-vram``).
 PER_CALL_RUNTIME = "all-in-vram-per-call"
 #: The runtime a model is built with when one of these oracle variants is the one tested (not config values).
 _ORACLE_VARIANTS = {NOISE_FLOOR_RUNTIME: "all-in-vram", PER_CALL_RUNTIME: "all-in-vram"}
