@@ -285,7 +285,8 @@ def _use_runtime(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
     layers = list(home.layers())
     limits = _swiglu_limits(model)
     base = q.plugin_config()
-    cfg = dataclasses.replace(base, cpu=dataclasses.replace(base.cpu, threads=spec["cpu_threads"]))
+    cfg = dataclasses.replace(base, cpu=dataclasses.replace(base.cpu, **{**spec.get("cpu_config", {}),
+                                                                         "threads": spec["cpu_threads"]}))  # fmt: skip
     MeteredTiered, MeteredCpu = _metered_classes()
     kind = spec["kind"]
     r = spec.get("rates")
@@ -372,6 +373,63 @@ def step_period(stamps: list[tuple[float, int]], streams: int) -> float:
     return (t[-1] - t[1]) / (len(t) - 2)
 
 
+#: The tiered runtime's decode-size counters (``TierStats``) a run's parts come from.
+_PART_FIELDS = ("steps", "layer_seconds", "cpu_seconds", "cpu_run_seconds", "cpu_pred_seconds", "cpu_wait_seconds",
+                "wait_seconds", "pcie_enqueue_seconds", "begin_seconds", "bookkeeping_seconds", "submit_seconds",
+                "finish_seconds", "device_steps")  # fmt: skip
+
+
+def _decode_counters(model: Any) -> dict[str, float]:
+    """The runtime's decode-size counters now (empty for runtimes without them)."""
+    from vllm_dsv41.fidelity import _runtime_stats
+
+    d = _runtime_stats(model).get("decode") or {}
+    return {k: float(d.get(k, 0.0)) for k in _PART_FIELDS}
+
+
+def step_parts(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Milliseconds per decode step of a run, from the counters before and after it: the MoE layer calls' host
+    time and its parts (the CPU tier's job as run and as predicted at the startup rates, the host's wait for it,
+    the inputs' copy to the host, the PCIe share's queuing); empty when the run counted no decode step."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in _PART_FIELDS}
+    n = d.pop("steps")
+    if n <= 0:
+        return {}
+    out = {k.replace("_seconds", "_ms"): 1e3 * v / n for k, v in d.items() if k.endswith("_seconds")}
+    out["steps"] = n
+    out["device_share"] = d["device_steps"] / n
+    return out
+
+
+def parts_line(runs: list[dict[str, Any]], non_expert_ms: float | None) -> str:
+    """Where the median run's decode steps went: inside the MoE layer calls (the CPU tier's job as run against
+    its startup prediction, the host's wait for it, the rest of the host's work there) and outside them (against
+    the step with experts off)."""
+    with_parts = [r for r in runs if r.get("parts")]
+    if not with_parts:
+        return ""
+    run = sorted(with_parts, key=lambda r: r["step_s"])[len(with_parts) // 2]
+    p, step_ms = run["parts"], 1e3 * run["step_s"]
+    inside = []
+    if p["cpu_run_ms"] > 0:
+        pred = p["cpu_pred_ms"]
+        x = f": x{p['cpu_run_ms'] / pred:.2f}" if pred > 0 else ""
+        inside.append(f"the CPU tier's jobs ran {p['cpu_run_ms']:.2f}, predicted {pred:.2f}{x}; submit to end "
+                      f"{p['cpu_ms']:.2f}; the host waited {p['cpu_wait_ms']:.2f} for them")  # fmt: skip
+    between = p["layer_ms"] - p["begin_ms"] - p["cpu_wait_ms"] - p["finish_ms"]
+    inside.append(f"other host work {p['layer_ms'] - p['cpu_wait_ms']:.2f}: begin {p['begin_ms']:.2f} (the step's "
+                  f"bookkeeping {p['bookkeeping_ms']:.2f}, input wait {p['wait_ms']:.2f}, the CPU tier's submit "
+                  f"{p['submit_ms']:.2f}, PCIe queuing {p['pcie_enqueue_ms']:.2f}), between begin and finish (the "
+                  f"shared expert's launches) {between:.2f}, finish less its wait {p['finish_ms']:.2f}")  # fmt: skip
+    line = (f"parts per decode step: MoE layer calls {p['layer_ms']:.2f} ms ({'; '.join(inside)}); outside them "
+            f"{step_ms - p['layer_ms']:.2f} ms")  # fmt: skip
+    if non_expert_ms is not None:
+        line += f" (a step with experts off: {non_expert_ms:.2f} ms)"
+    if p["device_share"] > 0:
+        line += f"; {p['device_share']:.0%} of the steps on the device path"
+    return line
+
+
 def run_case(llm: Any, streams: int, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
     from vllm import SamplingParams
 
@@ -379,12 +437,14 @@ def run_case(llm: Any, streams: int, args: argparse.Namespace, vocab: int) -> di
     llm.generate(prompts_for(streams, 999, args.prompt_tokens, vocab), sp, use_tqdm=False)  # warm-up
     runs = []
     for run in range(args.runs):
+        before = llm.apply_model(_decode_counters)[0]
         llm.apply_model(functools.partial(_timing, on=True))
         t0 = time.perf_counter()
         outs = llm.generate(prompts_for(streams, run, args.prompt_tokens, vocab), sp, use_tqdm=False)
         wall = time.perf_counter() - t0
         stamps = llm.apply_model(functools.partial(_timing, on=False))[0]
         meter = llm.apply_model(_meter)[0]
+        parts = step_parts(before, llm.apply_model(_decode_counters)[0])
         n_out = [len(o.outputs[0].token_ids) for o in outs]
         if n_out != [args.gen_tokens] * streams:
             raise RuntimeError(f"generated {n_out} tokens, expected {args.gen_tokens} per stream")
@@ -396,6 +456,7 @@ def run_case(llm: Any, streams: int, args: argparse.Namespace, vocab: int) -> di
                 "wall_s": wall,
                 "e2e_tok_s": streams * args.gen_tokens / wall,
                 "meter": meter,
+                "parts": parts,
             }
         )
     return {"runs": runs}
@@ -475,6 +536,8 @@ def main() -> int:
         help="decode calls on a staged home take the split path (TieredConfig.device_stage off)",
     )
     ap.add_argument("--cpu-threads", type=int, default=8)
+    ap.add_argument("--cpu-config", type=json.loads, default={},
+                    help='more cpu-tier settings for every runtime, JSON (e.g. \'{"spin_us": 2000}\')')  # fmt: skip
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (default PIECEWISE)")
     ap.add_argument(
         "--mission-cpu-gbps",
@@ -497,6 +560,13 @@ def main() -> int:
         if c not in ("none", "cpu") and not (c.startswith("tiered:") and c[7:] in ("auto", "cpu", "pcie")):
             ap.error(f"--runtimes: unknown case {c!r} (none, cpu, tiered:auto|cpu|pcie)")
 
+    if a.cpu_config:
+        from vllm_dsv41.config import CpuTierConfig, _nested_config
+
+        try:
+            _nested_config(CpuTierConfig, a.cpu_config, "--cpu-config", "cpu-tier settings")
+        except ValueError as e:
+            ap.error(str(e))
     pack = a.pack or build_flash_pack(a.root, a.layers, small=a.small)
     if a.build_only:
         return 0
@@ -548,6 +618,7 @@ def main() -> int:
     budget = int(a.gpu_memory_gib * GiB) if cuda else None
     base_spec = {
         "cpu_threads": a.cpu_threads,
+        "cpu_config": a.cpu_config,
         "policy": a.policy,
         "hit_kernel": a.hit_kernel,
         "cache_bytes": cache_bytes,
@@ -610,6 +681,8 @@ def main() -> int:
                 # a slow `none` would lift every roofline (run 8: medians 3.42 and 5.31 ms at S=2 in two calls)
                 non_expert[s] = min(r["step_s"] for r in res["runs"])
             print(row["line"], flush=True)
+            if row["parts_line"]:
+                print(f"  {row['parts_line']}", flush=True)
             save()
         if kind != "none":
             from vllm_dsv41.fidelity import _runtime_stats
@@ -704,6 +777,8 @@ def summarize(
     elif case != "none":
         line += "; no roofline (run the none case first, at the same streams)"
     row["line"] = line
+    ne = non_expert.get(s)
+    row["parts_line"] = parts_line(runs, 1e3 * ne if ne is not None else None)
     return row
 
 

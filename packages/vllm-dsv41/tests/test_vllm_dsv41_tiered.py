@@ -131,6 +131,10 @@ def test_matches_the_reference_across_cache_sizes_and_splits(home: ExpertHome, r
             # the host's time per share is timed (run 3: auto slower than PCIe alone; these say where it goes)
             assert s.pcie_enqueue_seconds > 0 and s.cpu_wait_seconds > 0
             assert 0 < s.cpu_run_seconds <= s.cpu_seconds  # the pool's run time is within submit-to-wait
+            assert s.cpu_pred_seconds > 0  # (decode-size calls: the startup rates' prediction, beside the run time)
+            # the host's parts of the layer calls: within them, and the submit within begin
+            assert 0 < s.submit_seconds < s.begin_seconds and 0 <= s.bookkeeping_seconds < s.begin_seconds
+            assert 0 < s.begin_seconds + s.finish_seconds + s.cpu_wait_seconds <= s.layer_seconds
             assert "PCIe queuing" in s.describe() and "wait for the CPU tier" in s.describe()
         if split == "cpu":
             assert s.pcie_enqueue_seconds == 0

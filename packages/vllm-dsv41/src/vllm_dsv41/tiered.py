@@ -98,6 +98,12 @@ class TierStats:
     pcie_enqueue_seconds: float = 0.0  # host time queuing the PCIe share (after the CPU job is submitted)
     cpu_wait_seconds: float = 0.0  # host time blocked in finish() on the CPU tier's job (the GPU's share done before)
     cpu_run_seconds: float = 0.0  # the CPU tier's own run time of those jobs (cpu_seconds less queue and wake-up)
+    cpu_pred_seconds: float = 0.0  # what the startup rates predicted for those jobs (decode-size calls; else 0)
+    # the host's time in the layer calls by part (where a step's time outside the CPU tier's job goes):
+    begin_seconds: float = 0.0  # begin() whole: the step's bookkeeping, launches, input wait, split, submit
+    bookkeeping_seconds: float = 0.0  # of it, the step's bookkeeping at its first MoE layer (replans, trace)
+    submit_seconds: float = 0.0  # of it, the CPU tier's submit call
+    finish_seconds: float = 0.0  # finish() less its wait for the CPU tier (copies, combine, counters)
     device_steps: int = 0  # decode steps on the device path (every miss over PCIe, no host sync per layer)
     cpu_scale: float = 1.0  # the split's correction of the CPU tier's startup rate: measured / predicted seconds
     pcie_scale: float = 1.0  # the same for the PCIe share
@@ -117,9 +123,13 @@ class TierStats:
             f"{self.steps} steps, {self.picks} picks: hits {self.hit_picks / p:.1%}, CPU {self.cpu_picks / p:.1%}, "
             f"PCIe {self.pcie_picks / p:.1%}; deadline misses {self.deadline_misses} ({self.fallback_picks} picks "
             f"recomputed on the GPU); per step: layers {1e3 * self.layer_seconds / s:.2f} ms, CPU tier "
-            f"{1e3 * self.cpu_seconds / s:.2f} ms (running {1e3 * self.cpu_run_seconds / s:.2f} ms), input wait "
+            f"{1e3 * self.cpu_seconds / s:.2f} ms (running {1e3 * self.cpu_run_seconds / s:.2f} ms, predicted "
+            f"{1e3 * self.cpu_pred_seconds / s:.2f} ms), input wait "
             f"{1e3 * self.wait_seconds / s:.2f} ms, PCIe queuing {1e3 * self.pcie_enqueue_seconds / s:.2f} ms, wait "
-            f"for the CPU tier {1e3 * self.cpu_wait_seconds / s:.2f} ms; {self.device_steps} steps on the device "
+            f"for the CPU tier {1e3 * self.cpu_wait_seconds / s:.2f} ms, host work in begin "
+            f"{1e3 * self.begin_seconds / s:.2f} ms (the step's bookkeeping {1e3 * self.bookkeeping_seconds / s:.2f}, "
+            f"the CPU tier's submit {1e3 * self.submit_seconds / s:.2f}) and in finish "
+            f"{1e3 * self.finish_seconds / s:.2f} ms; {self.device_steps} steps on the device "
             f"path; split feedback: CPU tier "
             f"x{self.cpu_scale:.2f}, PCIe x{self.pcie_scale:.2f} of the startup prediction"
         )
@@ -149,6 +159,10 @@ class _Pending:
     pcie_enqueue_s: float = 0.0
     device_only: bool = False  # computed by ``_begin_device`` (no host sync)
     cpu_pred: float = 0.0  # the split's predicted seconds of the CPU share at the startup rates (split feedback)
+    begin_s: float = 0.0  # host seconds of begin(), its step bookkeeping, its submit, finish()'s wait (TierStats)
+    step_s: float = 0.0
+    submit_s: float = 0.0
+    cpu_wait_s: float = 0.0
 
 
 class _Buffers:
@@ -833,6 +847,7 @@ class TieredRuntime:
             return
         self._last_k = topk_ids.shape[1]
         self._begin_layer(layer, t)
+        step_s = time.perf_counter() - t0
         pf = self._prefill
         if pf is not None and t and pf.wants(t, topk_ids.shape[1]):  # the staged prefill (vllm_dsv41.prefill)
             if self._cache is not None:
@@ -854,9 +869,12 @@ class TieredRuntime:
                 else:
                     self._pending = self._begin(layer, x, topk_ids, topk_weights, t)
         self._pending.t0 = t0
+        self._pending.step_s = step_s
+        self._pending.begin_s = time.perf_counter() - t0
 
     def finish(self, layer: int, out: torch.Tensor) -> None:
         """Second half: wait for the CPU share (deadline, GPU fallback) and write ``out[:T]``."""
+        tf = time.perf_counter()
         p = self._pending
         if p is None or p.layer != layer:
             raise RuntimeError(f"MoE layer {layer}: finish() without its begin()")
@@ -880,10 +898,15 @@ class TieredRuntime:
         if self._step_probed and layer == max(self._layers) and self._step_start is not None:
             self._span_open = (self._step_tokens, self._step_path, self._step_start, self._span_mark())
             self._step_start = None
-        dt = time.perf_counter() - p.t0
+        now = time.perf_counter()
+        dt, finish_s = now - p.t0, now - tf - p.cpu_wait_s
         for st in sts:
             st.layer_calls += 1
             st.layer_seconds += dt
+            st.begin_seconds += p.begin_s
+            st.bookkeeping_seconds += p.step_s
+            st.submit_seconds += p.submit_s
+            st.finish_seconds += finish_s
             st.wait_seconds += p.wait_s
             st.pcie_enqueue_seconds += p.pcie_enqueue_s
 
@@ -974,6 +997,7 @@ class TieredRuntime:
             picks_obj = self._picks_cls(pr.arange, experts_c, r.np_w_flat[cpu_picks])
             p.submitted = time.perf_counter()
             p.job = self._tier.submit(layer, pr.np_xrows, picks_obj, out=pr.np_cpu)
+            p.submit_s = time.perf_counter() - p.submitted
             if ptrs is not None:  # (before the cache exists the GPU has no table to recompute missed picks from:
                 # the CPU tier's share is waited for whole; a deadline there raised under load, CI's tiered test)
                 assert cpu_raw is not None  # (with the table, the split or split "cpu" predicted the share above)
@@ -1134,6 +1158,7 @@ class TieredRuntime:
             else:
                 p.job.result()
             t_wait = time.perf_counter() - tw
+            p.cpu_wait_s = t_wait
             if done:  # the job's end: seen now when the host waited for it, else its own run time (no wake-up)
                 self._feedback("cpu", tw + t_wait - p.submitted if t_wait > 1e-4 else p.job.elapsed_s, p.cpu_pred)
             else:  # missed its deadline: what it took for the picks it did, scaled to all (a lower bound if none)
@@ -1143,6 +1168,7 @@ class TieredRuntime:
             for st in sts:
                 st.cpu_wait_seconds += t_wait
                 st.cpu_run_seconds += p.job.elapsed_s
+                st.cpu_pred_seconds += p.cpu_pred
                 st.cpu_seconds += dt
             self._m_cpu.forward(dt, picks=n - missing.size)
             pr = b.picks_at(n)
