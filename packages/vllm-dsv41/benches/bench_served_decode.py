@@ -497,6 +497,52 @@ def profile_generate(llm: Any, label: str, prompts: list[dict[str, list[int]]], 
         (out_dir / f"profile_{label}.txt").write_text(text + "\n")
 
 
+#: Where the host's Python time of a served step is ours (the plugin and the libraries it composes): a regex on
+#: pstats' "file:line(function)"; the packages' directories, not file names (tests are named after them).
+_OUR_CODE = r"/(vllm_dsv41|expert_cache|cpu_tier|dma_prefill|engram_mmap)/|/bench_served_decode\.py"
+
+
+def pstats_text(stats: Any, label: str, wall_s: float, rows: int = 40) -> str:
+    """A ``pstats.Stats``' tables as text: the functions by own time (any code) and ours by cumulative time."""
+    import io
+    import pstats
+
+    buf = io.StringIO()
+    st = pstats.Stats(stats, stream=buf) if not isinstance(stats, pstats.Stats) else stats
+    st.stream = buf  # type: ignore[attr-defined]
+    buf.write(f"cProfile {label}: wall {1e3 * wall_s:.1f} ms (profiled; cProfile slows Python calls)\n")
+    buf.write("\n== by own time, any code ==\n")
+    st.sort_stats("tottime").print_stats(rows)
+    buf.write("\n== ours, by cumulative time ==\n")
+    st.sort_stats("cumulative").print_stats(_OUR_CODE, rows)
+    return buf.getvalue()
+
+
+def cprofile_generate(llm: Any, label: str, prompts: list[dict[str, list[int]]], max_tokens: int,
+                      out_dir: Path | None, rows: int = 40) -> str:  # fmt: skip
+    """One greedy ``llm.generate`` of ``prompts`` under ``cProfile`` (the engine runs in this process, so the
+    model's forward, vLLM's step and our runtime's host work are all on this thread): where the host's Python
+    time goes, by function (``torch.profiler`` names only ops). Written to ``out_dir/cprofile_<label>.txt``."""
+    import cProfile
+
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    try:
+        llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        prof.disable()
+    text = pstats_text(prof, label, time.perf_counter() - t0, rows)
+    print("\n".join(text.splitlines()[: rows + 12]), flush=True)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"cprofile_{label}.txt").write_text(text)
+    return text
+
+
 def add_pack_arguments(ap: argparse.ArgumentParser) -> None:
     """The pack's arguments (the served benches share the flash-v41 pack): --layers, --root, --pack, --small."""
     ap.add_argument("--layers", type=int, default=4, help="real-size Flash layers of the pack (>= 3; default 4)")
@@ -551,6 +597,11 @@ def main() -> int:
         "--profile",
         default="",
         help="cases:streams to profile once after their timed runs, e.g. 'tiered:auto:1' (comma list)",
+    )
+    ap.add_argument(
+        "--cprofile",
+        default="",
+        help="cases:streams to run once under cProfile after their timed runs (Python time by function)",
     )
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
@@ -673,6 +724,9 @@ def main() -> int:
             if f"{case}:{s}" in a.profile.split(","):
                 profile_generate(llm, f"{case.replace(':', '_')}_S{s}", prompts_for(s, 7, a.prompt_tokens, vocab),
                                  a.gen_tokens, a.json.parent if a.json else None)  # fmt: skip
+            if f"{case}:{s}" in a.cprofile.split(","):
+                cprofile_generate(llm, f"{case.replace(':', '_')}_S{s}", prompts_for(s, 7, a.prompt_tokens, vocab),
+                                  a.gen_tokens, a.json.parent if a.json else None)  # fmt: skip
             row = summarize(case, s, res["runs"], rates, non_expert, eb, n_layers, full_layers, a)
             row["cache_slots"] = info.get("slots", 0)
             case_rows.append(row)

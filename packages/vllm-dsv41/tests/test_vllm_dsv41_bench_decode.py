@@ -4,6 +4,7 @@ step from the tiered runtime's counters, and the line that reports them."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -69,3 +70,27 @@ def test_parts_line_takes_the_median_run() -> None:
     assert "finish less its wait 3.00" in line
     assert "device path" not in line
     assert b.parts_line([{"step_s": 0.01, "parts": {}}], None) == ""  # runtimes without counters: no line
+
+
+def test_pstats_text_names_the_hot_functions() -> None:
+    """The cProfile tables: any code by own time, and ours by cumulative time (the filter names our packages)."""
+    import cProfile
+
+    b = _bench()
+
+    def busy() -> int:
+        return sum(i * i for i in range(20000))
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(5):
+        busy()
+    prof.disable()
+    text = b.pstats_text(prof, "unit", 0.0123, rows=10)
+    assert text.startswith("cProfile unit: wall 12.3 ms")
+    own, ours = text.split("== ours, by cumulative time ==")
+    assert "busy" in own and "by own time" in own
+    assert "busy" not in ours  # this test's code is not in our packages: the filter leaves it out
+    assert re.search(b._OUR_CODE, "/x/site-packages/vllm_dsv41/tiered.py:900(begin)")
+    assert re.search(b._OUR_CODE, "/work/packages/cpu-tier/src/cpu_tier/tier.py:10(submit)")
+    assert not re.search(b._OUR_CODE, "/work/packages/vllm-dsv41/tests/test_vllm_dsv41_tiered.py:5(_step)")

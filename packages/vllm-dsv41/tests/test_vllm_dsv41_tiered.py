@@ -477,6 +477,29 @@ def test_decode_with_every_miss_over_pcie_runs_without_a_host_sync(home: ExpertH
         assert np.array_equal(ta[f], tb[f]), f
 
 
+def test_the_routing_trace_holds_each_steps_own_routing(home: ExpertHome, tmp_path: Path) -> None:
+    """Each step's routing is recorded after the next step's first CPU job is submitted (off the CPU tier's
+    critical path) or before the device path rewrites its pinned copies: the trace still holds every step's own
+    ids, in order, on both decode paths and with prefill-size steps between them."""
+    from expert_cache import load_trace
+
+    for device_only in (True, False):
+        path = tmp_path / f"own_{device_only}.npz"
+        rt = _runtime(home, 5, "pcie" if device_only else "cpu", trace_path=str(path))
+        rng = np.random.default_rng(21)
+        given = []
+        try:
+            for step in range(7):
+                rows = _step(rt, rng, tokens=[1, 3, 16, 2, 1, 24, 4][step])
+                given.append(np.stack([ids for _, _, ids, _, _ in rows], axis=1))  # [T, L, K]
+            assert (rt.stats.device_steps > 0) == device_only
+        finally:
+            rt.close()
+        trace = load_trace(path)
+        assert trace.tokens_per_step.tolist() == [1, 3, 16, 2, 1, 24, 4]
+        assert np.array_equal(trace.ids, np.concatenate(given).astype(trace.ids.dtype)), device_only
+
+
 def _auto_on_a_virtual_clock(home: ExpertHome) -> tuple[TieredRuntime, _VirtualClock]:
     """A split "auto" runtime (2 probe steps a path, 3 slots) whose chooser reads a ``_VirtualClock``."""
     rt = _runtime(home, 3, "auto", split_probe=2, deadline_factor=0.0)

@@ -461,6 +461,9 @@ class TieredRuntime:
         self._m_cpu = metrics.tier("cpu")
         self._recorder: Any = None  # expert_cache.TraceRecorder, created at the first recorded step
         self._step_ids: dict[int, np.ndarray] = {}
+        # the last step's routing (ids per layer, its tokens, the device path's copy event), recorded into the trace
+        # once the next step's first CPU job is submitted (off the CPU tier's critical path)
+        self._trace_pending: tuple[dict[int, np.ndarray], int, Any] | None = None
         self._pending: _Pending | None = None
         self._closed = False
         self._limits: dict[int, float | None] = {}
@@ -774,17 +777,24 @@ class TieredRuntime:
             if (n := self._cache.fills_issued - before) > 0:
                 metrics.cache_fill(n, n * self._cache.config.expert_bytes)
         if self._step_ids:
-            self._record_step()
-        self._step_ids.clear()
+            self._flush_trace()  # (a step's recording waits at most one step)
+            self._trace_pending = (self._step_ids, self._step_tokens, self._trace_ready)
+            self._step_ids, self._trace_ready = {}, None
 
-    def _record_step(self) -> None:
+    def _flush_trace(self) -> None:
+        """Record the last step's routing into the trace, if one waits (called after the next step's first CPU
+        job is submitted, before the device path reuses its pinned copies, and at close)."""
+        pending, self._trace_pending = self._trace_pending, None
+        if pending is not None:
+            self._record_step(*pending)
+
+    def _record_step(self, step_ids: dict[int, np.ndarray], step_tokens: int, ready: Any) -> None:
         layers = sorted(self._layers)
-        if any(lid not in self._step_ids for lid in layers):
+        if any(lid not in step_ids for lid in layers):
             return  # a step that did not reach every MoE layer (cannot happen in a model forward)
-        if self._trace_ready is not None:  # the device-only path's copies of the routing
-            self._trace_ready.synchronize()
-            self._trace_ready = None
-        ids = np.stack([self._step_ids[lid] for lid in layers], axis=1)  # [T, L, K]
+        if ready is not None:  # the device-only path's copies of the routing
+            ready.synchronize()
+        ids = np.stack([step_ids[lid] for lid in layers], axis=1)  # [T, L, K]
         real = (ids >= 0).all(axis=(1, 2))  # not the rows vLLM pads a CUDA graph's batch with (ids -1)
         padded = int(ids.shape[0] - real.sum())
         ids = ids[real]
@@ -808,7 +818,7 @@ class TieredRuntime:
 
             self._recorder = TraceRecorder(len(layers), self._layers[layers[0]].num_experts, ids.shape[2],
                                            meta={"layers": layers, "runtime": self.name})  # fmt: skip
-        self._recorder.record_step(self._step_tokens - padded, ids)
+        self._recorder.record_step(step_tokens - padded, ids)
 
     # ------------------------------------------------------------------------------------------ forward
 
@@ -868,6 +878,8 @@ class TieredRuntime:
                     self._pending = self._begin_device(layer, x, topk_ids, topk_weights, t)
                 else:
                     self._pending = self._begin(layer, x, topk_ids, topk_weights, t)
+        if self._trace_pending is not None:  # (the routing trace: the last step's, while the CPU tier works)
+            self._flush_trace()
         self._pending.t0 = t0
         self._pending.step_s = step_s
         self._pending.begin_s = time.perf_counter() - t0
@@ -927,25 +939,19 @@ class TieredRuntime:
             w.copy_(topk_weights)
             hit.zero_()
             r.gpu_ids.fill_(-1)
-        # 1-2. inputs to the host (one event), then the hits on the GPU while the host waits for the copy.
+        # 1-2. inputs to the host (one event; the hits are queued after the CPU tier's submit, below).
         x32 = r.x32
         x32.copy_(x)
         r.h_x.copy_(x32, non_blocking=cuda)
         b.h_route.copy_(b.route, non_blocking=cuda)  # ids, weights and hit mask of every row: one copy
         if b.ready is not None:
             b.ready.record(torch.cuda.current_stream(self.device))
-        if ptrs is not None:
-            _hits_forward(kernel, ptrs, x32, r.gpu_ids, w, r.y)
-        else:
-            r.y.zero_()
         tw = time.perf_counter()
         if b.ready is not None:
             with _mark("dsv41.tiered.input_wait"):
                 b.ready.synchronize()
         wait_s = time.perf_counter() - tw
         flat_ids, h_hit = r.np_ids_flat, r.np_hit_flat
-        if self.tcfg.trace_path:
-            self._step_ids[layer] = r.np_ids.copy()
         n_hit = int(np.count_nonzero(h_hit))
         miss = np.flatnonzero(~h_hit & (flat_ids >= 0))  # flat pick indices t * k + j
         # 3. split the misses (per distinct expert) between the CPU tier and PCIe reads.
@@ -1002,6 +1008,14 @@ class TieredRuntime:
                 # the CPU tier's share is waited for whole; a deadline there raised under load, CI's tiered test)
                 assert cpu_raw is not None  # (with the table, the split or split "cpu" predicted the share above)
                 p.timeout = self._deadline(cpu_raw)
+        # the hits on the GPU, queued once the CPU tier has its share (its start is the critical path; the hits
+        # are a small part of the GPU's work), before the PCIe share adds into the same output
+        if ptrs is not None:
+            _hits_forward(kernel, ptrs, x32, r.gpu_ids, w, r.y)
+        else:
+            r.y.zero_()
+        if self.tcfg.trace_path:
+            self._step_ids[layer] = r.np_ids.copy()
         self._read_pcie_timings()  # the stream has passed the earlier layers' PCIe shares (this input follows them)
         # 5. the PCIe share queued after the CPU job is submitted: its copies' host-side queuing (per projection)
         # overlaps the CPU tier's work instead of delaying its start.
@@ -1098,6 +1112,7 @@ class TieredRuntime:
             for st in self._counters(t):
                 st.device_steps += 1
         if self.tcfg.trace_path:
+            self._flush_trace()  # (the last step's ids may be views of these pinned buffers)
             h = self._trace_h.get(layer)
             if h is None or h.shape[0] < t or h.shape[1] != k:
                 h = self._trace_h[layer] = torch.empty((b.rows, k), dtype=torch.int32,
@@ -1146,8 +1161,19 @@ class TieredRuntime:
         cuda = self.device.type == "cuda"
         b, t = p.b, p.t
         assert b is not None
+        # the call's counters first, while the CPU tier may still be working (after its wait is the critical path)
+        for st in sts:
+            st.hit_picks += p.n_hit
+            st.cpu_picks += int(p.cpu_picks.size)
+            st.pcie_picks += int(p.pcie_picks.size)
+        metrics.cache_lookups(p.n_hit, p.n_miss)
+        metrics.picks("gpu_cache", p.n_hit)
+        metrics.picks("pcie", int(p.pcie_picks.size))
         if p.job is not None:
             n = p.cpu_picks.size
+            pr = b.picks_at(n)
+            pr.np_index[:] = p.cpu_picks  # (the rows' places do not wait for the job: queued before its wait)
+            pr.cpu_index.copy_(pr.h_index, non_blocking=cuda)
             remaining = None if p.timeout is None else max(0.0, p.timeout - (time.perf_counter() - p.submitted))
             missing = np.empty(0, np.int64)
             tw = time.perf_counter()
@@ -1159,23 +1185,8 @@ class TieredRuntime:
                 p.job.result()
             t_wait = time.perf_counter() - tw
             p.cpu_wait_s = t_wait
-            if done:  # the job's end: seen now when the host waited for it, else its own run time (no wake-up)
-                self._feedback("cpu", tw + t_wait - p.submitted if t_wait > 1e-4 else p.job.elapsed_s, p.cpu_pred)
-            else:  # missed its deadline: what it took for the picks it did, scaled to all (a lower bound if none)
-                done_picks = max(n - missing.size, 1)
-                self._feedback("cpu", (tw + t_wait - p.submitted) * n / done_picks, p.cpu_pred)
-            dt = time.perf_counter() - p.submitted
-            for st in sts:
-                st.cpu_wait_seconds += t_wait
-                st.cpu_run_seconds += p.job.elapsed_s
-                st.cpu_pred_seconds += p.cpu_pred
-                st.cpu_seconds += dt
-            self._m_cpu.forward(dt, picks=n - missing.size)
-            pr = b.picks_at(n)
             if missing.size:  # their rows were never written (stale bytes): zeros, then the GPU's values added
                 pr.np_cpu[missing] = 0.0
-            pr.np_index[:] = p.cpu_picks
-            pr.cpu_index.copy_(pr.h_index, non_blocking=cuda)
             pr.cpu_rows.copy_(pr.h_cpu, non_blocking=cuda)
             b.at(t).y_flat.index_copy_(0, pr.cpu_index, pr.cpu_rows)
             if missing.size:
@@ -1188,14 +1199,21 @@ class TieredRuntime:
                                missing.size, n)  # fmt: skip
                 r = b.at(t)
                 self._gpu_picks(b, 1, p.kernel, p.ptrs, r.x32, r.w, t, p.cpu_picks[missing], p.layer)
+            _combine(b, t, out)  # queued first; the feedback and counters below run while the GPU combines
+            if done:  # the job's end: seen now when the host waited for it, else its own run time (no wake-up)
+                self._feedback("cpu", tw + t_wait - p.submitted if t_wait > 1e-4 else p.job.elapsed_s, p.cpu_pred)
+            else:  # missed its deadline: what it took for the picks it did, scaled to all (a lower bound if none)
+                done_picks = max(n - missing.size, 1)
+                self._feedback("cpu", (tw + t_wait - p.submitted) * n / done_picks, p.cpu_pred)
+            dt = tw + t_wait - p.submitted
+            for st in sts:
+                st.cpu_wait_seconds += t_wait
+                st.cpu_run_seconds += p.job.elapsed_s
+                st.cpu_pred_seconds += p.cpu_pred
+                st.cpu_seconds += dt
+            self._m_cpu.forward(dt, picks=n - missing.size)
+            return
         _combine(b, t, out)
-        for st in sts:
-            st.hit_picks += p.n_hit
-            st.cpu_picks += int(p.cpu_picks.size)
-            st.pcie_picks += int(p.pcie_picks.size)
-        metrics.cache_lookups(p.n_hit, p.n_miss)
-        metrics.picks("gpu_cache", p.n_hit)
-        metrics.picks("pcie", int(p.pcie_picks.size))
 
     def _gpu_picks(self, b: _Buffers, use: int, kernel: Any, ptrs: Any, x: torch.Tensor, w: torch.Tensor, t: int,
                    picks: np.ndarray, layer: int) -> None:  # fmt: skip
@@ -1372,6 +1390,7 @@ class TieredRuntime:
                 logger.info("dsv41 prefill: %s", self._prefill.stats.describe())
         if self._step_open:
             self._end_step(replan=False)
+        self._flush_trace()
         self._fold_device_counts()
         if self._recorder is not None:
             path = Path(self.tcfg.trace_path)
