@@ -71,14 +71,17 @@ class _DoneJob:
 
 
 class _InstantTier:
-    """The runtime's CPU tier with every job done at once; records when each submit came."""
+    """The runtime's CPU tier with every job done at once (``real``: the tier's own jobs); records when each
+    submit came."""
 
-    def __init__(self, tier: Any, clock: list[float], submits: list[float]) -> None:
-        self.tier, self.clock, self.submits = tier, clock, submits
+    def __init__(self, tier: Any, clock: list[float], submits: list[float], real: bool = False) -> None:
+        self.tier, self.clock, self.submits, self.real = tier, clock, submits, real
 
-    def submit(self, layer: int, x: Any, picks: Any, out: Any = None) -> _DoneJob:
-        self.tier._check_picks(picks, x.shape[0], self.tier._layers[layer], layer)  # the real tier's input checks
+    def submit(self, layer: int, x: Any, picks: Any, out: Any = None) -> Any:
         self.submits.append(time.perf_counter() - self.clock[0])
+        if self.real:
+            return self.tier.submit(layer, x, picks, out=out)
+        self.tier._check_picks(picks, x.shape[0], self.tier._layers[layer], layer)  # the real tier's input checks
         return _DoneJob()
 
     def __getattr__(self, name: str) -> Any:
@@ -134,6 +137,18 @@ def count_ops(fn: Any, verbose: bool = False) -> int:
     return sum(names.values())
 
 
+#: The runtime's counters (``TierStats``) whose per-call means each row reports (host microseconds by part).
+_HOST_PARTS = ("layer_calls", "begin_seconds", "bookkeeping_seconds", "submit_seconds", "finish_seconds",
+               "cpu_wait_seconds", "cpu_run_seconds")  # fmt: skip
+
+
+def parts_text(parts: dict[str, float]) -> str:
+    """A row's host microseconds per layer call by part, from the runtime's own counters."""
+    return (f"begin {parts['begin_seconds']:.1f} (step bookkeeping {parts['bookkeeping_seconds']:.1f}, submit "
+            f"{parts['submit_seconds']:.1f}), finish less its wait {parts['finish_seconds']:.1f}; the CPU job "
+            f"{parts['cpu_run_seconds']:.1f}, waited {parts['cpu_wait_seconds']:.1f}")  # fmt: skip
+
+
 def run_case(home: Any, path: str, streams: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from cpu_tier import CpuTierConfig
     from vllm_dsv41 import Dsv41PluginConfig
@@ -147,9 +162,11 @@ def run_case(home: Any, path: str, streams: int, args: argparse.Namespace, devic
     split = {"split-cpu": "cpu", "split-auto": "auto", "device": "pcie", "device-staged": "pcie"}[path]
     # device-staged: the device path on a home its hit kernel cannot read in place (dev_stage's plan and copies)
     read = "staged" if path == "device-staged" else "auto"
-    tcfg = TieredConfig(split=split, split_probe=0, hit_kernel="reference", prefill=False, deadline_factor=4.0,
-                        split_feedback=0.0, pcie_read=read)  # fmt: skip
-    cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=1), runtime="tiered", tiered=tcfg)
+    real = args.tier == "real"
+    # (a real job is timed against configured rates, not the machine's: its deadline must not cut it)
+    tcfg = TieredConfig(split=split, split_probe=0, hit_kernel="reference", prefill=False,
+                        deadline_factor=1000.0 if real else 4.0, split_feedback=0.0, pcie_read=read)  # fmt: skip
+    cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=args.cpu_threads if real else 1), runtime="tiered", tiered=tcfg)
     # rates that balance a decode call's misses about half and half (the split's work is what is timed)
     rates = Rates(cpu_bps=20e9, pcie_bps=20e9, gpu_bps=1e12, source="bench", cpu_fixed_s=1e-5, pcie_fixed_s=1e-5)
     cache_bytes = int(args.cache_share * lx0.num_experts * len(lids) * eb)
@@ -159,7 +176,7 @@ def run_case(home: Any, path: str, streams: int, args: argparse.Namespace, devic
         rt.add_layer(lx, swiglu_limit=None)
     rt.allow_cache()  # (a served model's runtime waits for vLLM's KV cache; here there is none)
     clock, submits = [0.0], []
-    rt._tier = _InstantTier(rt._tier, clock, submits)
+    rt._tier = _InstantTier(rt._tier, clock, submits, real=real)
     n_count = 32  # steps whose torch ops are counted (two replan periods of the default replan_every 16)
     # distinct steps throughout (a trace replayed in a loop would end up all hits)
     steps = decode_steps(len(lids), lx0.num_experts, streams, args.warmup + n_count + args.rounds * args.steps,
@@ -192,6 +209,7 @@ def run_case(home: Any, path: str, streams: int, args: argparse.Namespace, devic
             ops = count_ops(lambda: [step(args.warmup + i) for i in range(n_count)], args.verbose)
             ops /= n_count * len(lids)
             means = []
+            before = {k: getattr(rt.stats, k) for k in _HOST_PARTS}
             for r in range(args.rounds):
                 submits.clear()
                 t0 = time.perf_counter()
@@ -201,6 +219,8 @@ def run_case(home: Any, path: str, streams: int, args: argparse.Namespace, devic
                     torch.cuda.synchronize(device)
                 means.append((time.perf_counter() - t0) / (args.steps * len(lids)) * 1e6)
             st = rt.stats
+            calls = max(st.layer_calls - before["layer_calls"], 1)
+            parts = {k: 1e6 * (getattr(st, k) - before[k]) / calls for k in _HOST_PARTS if k != "layer_calls"}
             if path == "device-staged" and (rt._dstage is None or st.device_steps == 0):
                 raise RuntimeError("device-staged: the device path's staged read did not run")
     finally:
@@ -209,7 +229,8 @@ def run_case(home: Any, path: str, streams: int, args: argparse.Namespace, devic
         "path": path, "streams": streams, "us_min": min(means), "us_median": statistics.median(means),
         "us_max": max(means), "submit_us": 1e6 * statistics.median(submits) if submits else None,
         "ops_per_call": ops, "hit_rate": st.hit_rate, "cpu_share": st.cpu_picks / max(st.picks, 1),
-        "pcie_share": st.pcie_picks / max(st.picks, 1),
+        "pcie_share": st.pcie_picks / max(st.picks, 1), "tier": args.tier,
+        "parts_us": parts,
     }  # fmt: skip
 
 
@@ -230,6 +251,14 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--tier",
+        choices=("instant", "real"),
+        default="instant",
+        help="instant: every CPU job done at once (the host work alone); real: the CPU tier computes "
+        "them (does its work slow the host's? use --hidden 4096 --intermediate 2048 for Flash's sizes)",
+    )
+    ap.add_argument("--cpu-threads", type=int, default=8, help="the real CPU tier's threads")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--verbose", action="store_true", help="print the torch ops counted, by name")
     args = ap.parse_args()
@@ -240,7 +269,7 @@ def main() -> int:
     home = ExpertHome(combined_home_dir(args.root, args.layers, shape), register=device.type == "cuda")
     experts = next(iter(home.layers())).num_experts
     print(f"host work per MoE layer call ({args.device}; {args.layers} layers of {experts}"
-          f" experts, hit kernel no-op, CPU tier instant; {args.rounds} rounds x {args.steps} steps; budget "
+          f" experts, hit kernel no-op, CPU tier {args.tier}; {args.rounds} rounds x {args.steps} steps; budget "
           f"{BUDGET_US:.0f} us a layer at 40 tok/s over 40 layers)", flush=True)  # fmt: skip
     rows = []
     for s in [int(v) for v in args.streams.split(",")]:
@@ -258,6 +287,7 @@ def main() -> int:
                   f"(min/median/max), begin to CPU submit {sub} us, {r['ops_per_call']:5.1f} launches a call; "
                   f"ratio device path / this {fr}; {r['budget_share']:.2f} of the budget; picks: hits "
                   f"{r['hit_rate']:.2f}, CPU {r['cpu_share']:.2f}, PCIe {r['pcie_share']:.2f}", flush=True)  # fmt: skip
+            print(f"{'':>10}        host us a call by part: {parts_text(r['parts_us'])}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
     return 0

@@ -15,7 +15,8 @@
 #   tbench    benches/bench_tiered.py: decode through the tiered runtime at Flash layer sizes (TB_LAYERS real-size
 #             layers synthesized in /tmp, default 2) vs the roofline measured in the same run
 #   host      benches/bench_host_overhead.py --device cuda: the tiered runtime's own host time and launches per MoE
-#             layer call per decode path (no-op hit kernel, instant CPU tier; 40 small Flash-shaped layers)
+#             layer call per decode path (no-op hit kernel, instant CPU tier; 40 small Flash-shaped layers);
+#             HOST_ARGS adds arguments (--tier real: the CPU tier computes its jobs), HOST_TAG names the outputs
 #   bench     benches/bench_dense_exl3.py (exllamav3 vs ours, every V4.1 dense shape)
 #   serve     the server on the pack, driven by the openai client (scripts/gpu_serve_check.py)
 #   flash     load time and RSS of a Flash-shaped pack with real-size layers (scripts/gpu_flash_load.py)
@@ -118,8 +119,11 @@ if step tbench; then
 fi
 if step host; then
     log "host"
+    # shellcheck disable=SC2086  # HOST_ARGS is a list of arguments (e.g. the real CPU tier at Flash's sizes:
+    # --layers 3 --hidden 4096 --intermediate 2048 --paths split-cpu --tier real; HOST_TAG names the outputs)
     timeout "$(gpu_tmo 300)" python3 packages/vllm-dsv41/benches/bench_host_overhead.py --device cuda --rounds 3 --steps 50 \
-        --json "$OUT/bench_host_overhead.json" 2>&1 | tee "$OUT/bench_host_overhead.log" | grep -v "INFO\|DEBUG" | tail -12
+        --json "$OUT/bench_host_overhead${HOST_TAG:-}.json" ${HOST_ARGS:-} 2>&1 | tee "$OUT/bench_host_overhead${HOST_TAG:-}.log" \
+        | grep -v "INFO\|DEBUG" | tail -24
     r=${PIPESTATUS[0]}; log "host rc=$r"; rc=$((rc || r))
 fi
 if step bench; then
