@@ -988,9 +988,6 @@ class TieredRuntime:
                 to_pcie[experts[plan.pcie]] = True
                 on_pcie = to_pcie[miss_ids]
                 pcie_picks, cpu_picks = miss[on_pcie], miss[~on_pcie]
-        elif miss.size and ptrs is not None:  # split "cpu": the prediction, for its deadline and the feedback
-            cpu_raw = self._cpu_share_seconds(layer, flat_ids[miss])
-            cpu_pred = cpu_raw / self._scale["cpu"] if t <= HIT_CHUNK_TOKENS else 0.0
         p = _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, n_hit=n_hit, n_miss=int(miss.size),
                      pcie_picks=pcie_picks, cpu_picks=cpu_picks, wait_s=wait_s, cpu_pred=cpu_pred)  # fmt: skip
         # 4. the CPU share, submitted now (the workers start at once); waited for in finish(). Its deadline is
@@ -1004,9 +1001,13 @@ class TieredRuntime:
             p.submitted = time.perf_counter()
             p.job = self._tier.submit(layer, pr.np_xrows, picks_obj, out=pr.np_cpu)
             p.submit_s = time.perf_counter() - p.submitted
+            if ptrs is not None and cpu_raw is None:  # split "cpu": the share's prediction, for its deadline and
+                # the feedback, made once the job runs (the split itself needed none)
+                cpu_raw = self._cpu_share_seconds(layer, experts_c)
+                p.cpu_pred = cpu_raw / self._scale["cpu"] if t <= HIT_CHUNK_TOKENS else 0.0
             if ptrs is not None:  # (before the cache exists the GPU has no table to recompute missed picks from:
                 # the CPU tier's share is waited for whole; a deadline there raised under load, CI's tiered test)
-                assert cpu_raw is not None  # (with the table, the split or split "cpu" predicted the share above)
+                assert cpu_raw is not None  # (with the table, the split or the line above predicted the share)
                 p.timeout = self._deadline(cpu_raw)
         # the hits on the GPU, queued once the CPU tier has its share (its start is the critical path; the hits
         # are a small part of the GPU's work), before the PCIe share adds into the same output
