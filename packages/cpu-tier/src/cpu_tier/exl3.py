@@ -44,7 +44,6 @@ __all__ = [
     "decode",
     "decode_states",
     "hadamard_128",
-    "hadamard_128_matrix",
     "hadamard_matrix",
     "linear",
     "random_tensor",
@@ -300,12 +299,6 @@ def hadamard_matrix(size: int = 128) -> np.ndarray:
 
 
 _H128 = hadamard_matrix(128) * _HAD_SCALE
-
-
-def hadamard_128_matrix() -> np.ndarray:
-    """The orthonormal Hadamard-128 :func:`hadamard_128` multiplies each block by (``hadamard_matrix(128)`` times
-    ``1 / sqrt(128)``), float64 ``[128, 128]``, a copy: for implementations on other devices."""
-    return _H128.copy()
 
 
 def hadamard_128(x: np.ndarray, axis: int = -1) -> np.ndarray:

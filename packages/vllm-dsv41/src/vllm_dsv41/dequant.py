@@ -8,8 +8,8 @@
   ``cpu_tier.exl3.stream_windows`` in int64, the tile permutation ``tensor_core_perm``; each state's value looked
   up in ``codebook_table``: ``cpu_tier.exl3.codebook_values`` of all 65,536 states);
 * the reconstruction in the order of ``cpu_tier.exl3.reconstruct``: float64 from ``W_inner`` on, the Hadamard-128
-  along the rows then along the columns (``cpu_tier.exl3.hadamard_128_matrix``), times ``suh`` then ``svh``, one
-  rounding to float32.
+  along the rows then along the columns (``dma_prefill.ops_torch.hadamard_128_torch``), times ``suh`` then ``svh``,
+  one rounding to float32.
 
 The result equals ``reconstruct`` to float32 rounding, not bit for bit: the float64 sums of the Hadamard products
 run in the device BLAS's order, not numpy's, and where the float64 values straddle a float32 rounding boundary the
@@ -28,7 +28,7 @@ import functools
 import numpy as np
 import torch
 
-from cpu_tier.exl3 import Codebook, Exl3Tensor, hadamard_128_matrix
+from cpu_tier.exl3 import Codebook, Exl3Tensor
 
 __all__ = ["CHUNK_ELEMENTS", "DECODE_CHUNK_TILES", "host_tensor", "reconstruct_torch", "w_inner_torch"]
 
@@ -56,11 +56,6 @@ def _table(codebook: Codebook, device: torch.device) -> torch.Tensor:
     return codebook_table(codebook, device)
 
 
-@functools.cache
-def _hadamard(device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(hadamard_128_matrix()).to(device)
-
-
 def _resolve(device: torch.device | str) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -81,11 +76,12 @@ def w_inner_torch(tensor: Exl3Tensor, device: torch.device | str) -> torch.Tenso
 def reconstruct_torch(tensor: Exl3Tensor, device: torch.device | str) -> torch.Tensor:
     """``tensor``'s original-basis weight ``W`` on ``device`` (float32 ``(k, n)``, ``y = x @ W``), as
     ``cpu_tier.exl3.reconstruct`` computes it (to float32 rounding; see the module docstring)."""
+    from dma_prefill.ops_torch import hadamard_128_torch
+
     dev = _resolve(device)
     w_inner = w_inner_torch(tensor, dev)
     suh = host_tensor(tensor.suh).to(dev, torch.float64)
     svh = host_tensor(tensor.svh).to(dev, torch.float64)
-    h = _hadamard(dev)
     k, n = tensor.k, tensor.n
     out = torch.empty((k, n), dtype=torch.float32, device=dev)
     rows = max(128, CHUNK_ELEMENTS // n // 128 * 128)
@@ -93,8 +89,8 @@ def reconstruct_torch(tensor: Exl3Tensor, device: torch.device | str) -> torch.T
         m = min(rows, k - r)
         w = w_inner[r : r + m].to(torch.float64)
         # along the rows, block by block: out[128 b + j, c] = sum_i H[i, j] W[128 b + i, c]
-        w = torch.matmul(h.mT, w.view(m // 128, 128, n)).view(m, n)
+        w = hadamard_128_torch(w.mT).mT
         # along the columns: out[r, 128 b + j] = sum_i W[r, 128 b + i] H[i, j]
-        w = torch.matmul(w.view(m, n // 128, 128), h).view(m, n)
+        w = hadamard_128_torch(w)
         out[r : r + m] = (suh[r : r + m, None] * w * svh[None, :]).to(torch.float32)
     return out
