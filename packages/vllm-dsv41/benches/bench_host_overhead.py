@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -166,7 +167,13 @@ def run_case(home: Any, path: str, streams: int, args: argparse.Namespace, devic
     # (a real job is timed against configured rates, not the machine's: its deadline must not cut it)
     tcfg = TieredConfig(split=split, split_probe=0, hit_kernel="reference", prefill=False,
                         deadline_factor=1000.0 if real else 4.0, split_feedback=0.0, pcie_read=read)  # fmt: skip
-    cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=args.cpu_threads if real else 1), runtime="tiered", tiered=tcfg)
+    # --pin: this (the host's) thread on the first usable core, the CPU tier's workers on the others
+    cpus = tuple(sorted(os.sched_getaffinity(0)))
+    pinned = args.pin and real and len(cpus) > 1
+    ccfg = CpuTierConfig(threads=args.cpu_threads if real else 1, cpus=cpus[1:] if pinned else ())
+    if pinned:  # (after the config: it checks its cores against this thread's)
+        os.sched_setaffinity(0, {cpus[0]})
+    cfg = Dsv41PluginConfig(cpu=ccfg, runtime="tiered", tiered=tcfg)
     # rates that balance a decode call's misses about half and half (the split's work is what is timed)
     rates = Rates(cpu_bps=20e9, pcie_bps=20e9, gpu_bps=1e12, source="bench", cpu_fixed_s=1e-5, pcie_fixed_s=1e-5)
     cache_bytes = int(args.cache_share * lx0.num_experts * len(lids) * eb)
@@ -225,6 +232,8 @@ def run_case(home: Any, path: str, streams: int, args: argparse.Namespace, devic
                 raise RuntimeError("device-staged: the device path's staged read did not run")
     finally:
         rt.close()
+        if pinned:
+            os.sched_setaffinity(0, set(cpus))
     return {
         "path": path, "streams": streams, "us_min": min(means), "us_median": statistics.median(means),
         "us_max": max(means), "submit_us": 1e6 * statistics.median(submits) if submits else None,
@@ -259,6 +268,11 @@ def main() -> int:
         "them (does its work slow the host's? use --hidden 4096 --intermediate 2048 for Flash's sizes)",
     )
     ap.add_argument("--cpu-threads", type=int, default=8, help="the real CPU tier's threads")
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="with --tier real: this thread on the first usable core, the CPU tier's on the others",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument("--verbose", action="store_true", help="print the torch ops counted, by name")
     args = ap.parse_args()
