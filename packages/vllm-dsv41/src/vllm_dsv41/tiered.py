@@ -160,7 +160,7 @@ class _Pending:
     device_only: bool = False  # computed by ``_begin_device`` (no host sync)
     cpu_pred: float = 0.0  # the split's predicted seconds of the CPU share at the startup rates (split feedback)
     begin_s: float = 0.0  # host seconds of begin(), its step bookkeeping, its submit, finish()'s wait (TierStats)
-    step_s: float = 0.0
+    bookkeeping_s: float = 0.0
     submit_s: float = 0.0
     cpu_wait_s: float = 0.0
 
@@ -857,7 +857,7 @@ class TieredRuntime:
             return
         self._last_k = topk_ids.shape[1]
         self._begin_layer(layer, t)
-        step_s = time.perf_counter() - t0
+        bookkeeping_s = time.perf_counter() - t0
         pf = self._prefill
         if pf is not None and t and pf.wants(t, topk_ids.shape[1]):  # the staged prefill (vllm_dsv41.prefill)
             if self._cache is not None:
@@ -878,10 +878,9 @@ class TieredRuntime:
                     self._pending = self._begin_device(layer, x, topk_ids, topk_weights, t)
                 else:
                     self._pending = self._begin(layer, x, topk_ids, topk_weights, t)
-        if self._trace_pending is not None:  # (the routing trace: the last step's, while the CPU tier works)
-            self._flush_trace()
+        self._flush_trace()  # (the routing trace: the last step's, while the CPU tier works)
         self._pending.t0 = t0
-        self._pending.step_s = step_s
+        self._pending.bookkeeping_s = bookkeeping_s
         self._pending.begin_s = time.perf_counter() - t0
 
     def finish(self, layer: int, out: torch.Tensor) -> None:
@@ -916,7 +915,7 @@ class TieredRuntime:
             st.layer_calls += 1
             st.layer_seconds += dt
             st.begin_seconds += p.begin_s
-            st.bookkeeping_seconds += p.step_s
+            st.bookkeeping_seconds += p.bookkeeping_s
             st.submit_seconds += p.submit_s
             st.finish_seconds += finish_s
             st.wait_seconds += p.wait_s
