@@ -18,6 +18,7 @@
 #include "jobs.h"
 #include "kernel.h"
 #include "runtime.h"
+#include "stream_call.h"
 #include "tables.h"
 
 namespace cpu_tier {
@@ -70,6 +71,71 @@ class NativeJob {
             for (uint64_t v : job->phase_ns) r.push_back(double(v) * 1e-9);
         return r;
     }
+};
+
+
+using I32_2D_W = nb::ndarray<int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using I32_2D = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using F32_2D_R = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using U8_2D = nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+// The binding of stream_call.h: checks the buffers' shapes once; the Python object keeps the runtime and the
+// arrays alive (the caller keeps this object alive while its host functions may run).
+class NativeStreamCall {
+   public:
+    NativeStreamCall(Runtime& rt, NativeLayer& layer, F32_2D_R x, I32_2D ids, F32_2D_R weights, U8_2D hit, F32_2D xrows,
+                     F32_2D out, I32_2D_W missing, bool fast, int wave_chunks, int slab_blocks, double deadline_factor,
+                     double deadline_floor_s, double fixed_s, std::vector<double> expert_s)
+        : c_(std::make_unique<StreamCall>()) {
+        const int H = layer.layer_->H;
+        const size_t T = x.shape(0), K = ids.shape(1);
+        if (T == 0 || K == 0) throw std::invalid_argument("x, ids: need at least one row and one pick per row");
+        if (x.shape(1) != size_t(H)) throw std::invalid_argument("x: wrong hidden size");
+        if (ids.shape(0) != T || weights.shape(0) != T || weights.shape(1) != K || hit.shape(0) != T ||
+            hit.shape(1) != K || missing.shape(0) != T || missing.shape(1) != K)
+            throw std::invalid_argument("ids, weights, hit, missing: must all be [T, K] with x's T rows");
+        if (xrows.shape(0) != T * K || xrows.shape(1) != size_t(H) || out.shape(0) != T * K || out.shape(1) != size_t(H))
+            throw std::invalid_argument("xrows, out: must be [T * K, H]");
+        if (wave_chunks < 1 || slab_blocks < 0) throw std::invalid_argument("wave_chunks >= 1, slab_blocks >= 0");
+        if (!(deadline_factor >= 0) || !(deadline_floor_s >= 0) || !(fixed_s >= 0))
+            throw std::invalid_argument("deadline_factor, deadline_floor_s, fixed_s: must be >= 0");
+        if (expert_s.size() != size_t(MAXM))
+            throw std::invalid_argument("expert_s: one predicted time per token count 1.." + std::to_string(MAXM));
+        StreamCall& c = *c_;
+        c.layer = layer.layer_;
+        c.pool = &rt.pool();
+        c.T = int(T);
+        c.K = int(K);
+        c.H = H;
+        c.x = x.data();
+        c.ids = ids.data();
+        c.weights = weights.data();
+        c.hit = hit.data();
+        c.xrows = xrows.data();
+        c.out = out.data();
+        c.missing = missing.data();
+        c.fast = fast;
+        c.wave_chunks = wave_chunks;
+        c.slab_blocks = slab_blocks;
+        c.deadline_factor = deadline_factor;
+        c.deadline_floor_s = deadline_floor_s;
+        c.fixed_s = fixed_s;
+        for (int i = 0; i < MAXM; ++i) c.expert_s[i] = expert_s[size_t(i)];
+    }
+    uintptr_t address() const { return reinterpret_cast<uintptr_t>(c_.get()); }
+    void submit() { stream_call_submit(c_.get()); }
+    void wait() { stream_call_wait(c_.get()); }
+    std::vector<double> counters() const {
+        const StreamCall& c = *c_;
+        return {double(c.calls.load()), double(c.picks.load()), double(c.deadline_misses.load()),
+                double(c.missed_picks.load()), double(c.errors.load()), double(c.run_ns.load()) * 1e-9,
+                double(c.wait_ns.load()) * 1e-9, double(c.submit_ns.load()) * 1e-9, double(c.span_ns.load()) * 1e-9,
+                double(c.predicted_ns.load()) * 1e-9};
+    }
+    std::string last_error() const { return c_->last_error; }
+
+   private:
+    std::unique_ptr<StreamCall> c_;
 };
 
 }  // namespace CPU_TIER_NS
@@ -148,6 +214,24 @@ NB_MODULE(CPU_TIER_MODULE, m) {
              nb::arg("up_svh"), nb::arg("up_bias").none(), nb::arg("up_codebook"), nb::arg("down_trellis"),
              nb::arg("down_suh"), nb::arg("down_svh"), nb::arg("down_bias").none(), nb::arg("down_codebook"))
         .def_prop_ro("num_experts", &NativeLayer::num_experts);
+
+
+    nb::class_<NativeStreamCall>(m, "StreamCall")
+        .def(nb::init<Runtime&, NativeLayer&, F32_2D_R, I32_2D, F32_2D_R, U8_2D, F32_2D, F32_2D, I32_2D_W, bool, int, int,
+                      double, double, double, std::vector<double>>(),
+             nb::arg("runtime"), nb::arg("layer"), nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("hit"),
+             nb::arg("xrows"), nb::arg("out"), nb::arg("missing"), nb::arg("fast"), nb::arg("wave_chunks"),
+             nb::arg("slab_blocks"), nb::arg("deadline_factor"), nb::arg("deadline_floor_s"), nb::arg("fixed_s"),
+             nb::arg("expert_s"), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
+        .def_prop_ro("address", &NativeStreamCall::address)
+        .def("submit", &NativeStreamCall::submit, nb::call_guard<nb::gil_scoped_release>())
+        .def("wait", &NativeStreamCall::wait, nb::call_guard<nb::gil_scoped_release>())
+        .def("counters", &NativeStreamCall::counters)
+        .def("last_error", &NativeStreamCall::last_error);
+    m.def("stream_call_functions", [] {
+        return std::vector<uintptr_t>{reinterpret_cast<uintptr_t>(&stream_call_submit),
+                                      reinterpret_cast<uintptr_t>(&stream_call_wait)};
+    }, "the addresses of the CUDA host functions (void(void*)) that submit and wait for a StreamCall");
 
     nb::class_<NativeJob>(m, "Job")
         .def("done", &NativeJob::done)

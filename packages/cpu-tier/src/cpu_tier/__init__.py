@@ -11,7 +11,7 @@ from importlib.metadata import version as _version
 from . import exl3, geometry
 from .config import CpuTierConfig
 from .exl3 import Exl3Tensor, random_tensor
-from .tier import ExpertTier, Job, Picks, exl3_matmul, selected_isa
+from .tier import ExpertTier, Job, Picks, StreamCall, StreamCounters, exl3_matmul, selected_isa
 
 __version__ = _version("cpu-tier")
 
@@ -38,6 +38,8 @@ __all__ = [
     "ExpertTier",
     "Exl3Tensor",
     "Job",
+    "StreamCall",
+    "StreamCounters",
     "Picks",
     "__version__",
     "cpu_features",

@@ -18,7 +18,7 @@ from . import _loader
 from .config import CpuTierConfig
 from .exl3 import Exl3Tensor
 
-__all__ = ["ExpertTier", "Job", "Picks", "exl3_matmul", "selected_isa"]
+__all__ = ["ExpertTier", "Job", "Picks", "StreamCall", "StreamCounters", "exl3_matmul", "selected_isa"]
 
 _CODEBOOK_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
 _WAVE_CHUNKS = 64  # expert chunks (<= 8 tokens each) whose scratch is live at once
@@ -255,6 +255,56 @@ class Job:
         return self._out
 
 
+class StreamCounters(NamedTuple):
+    """A ``StreamCall``'s totals since it was made (seconds are wall time on the host)."""
+
+    calls: int  # submits
+    picks: int  # picks given to the CPU tier
+    deadline_misses: int  # jobs cancelled at their deadline
+    missed_picks: int  # picks listed in ``missing`` (deadline, error, closed tier)
+    errors: int  # failed submits or jobs (see ``StreamCall.last_error``)
+    run_s: float  # the pool's own run time of the jobs
+    wait_s: float  # time the stream's host thread spent in the waits
+    submit_s: float  # time in the submits (building the picks)
+    span_s: float  # submit's end to wait's end, summed
+    predicted_s: float  # the deadline model's predictions, summed
+
+
+class StreamCall:
+    """One MoE layer's call, driven by a device stream (``ExpertTier.stream_call``): queue, in stream order, the
+    copies of the inputs into its buffers, ``cuLaunchHostFunc(stream, submit_fn, address)``, other device work,
+    ``cuLaunchHostFunc(stream, wait_fn, address)``, then the copies of ``out`` and ``missing`` back. The host
+    functions never raise: failures are counted and their picks listed in ``missing``. ``submit()`` / ``wait()``
+    run them on the calling thread (a CPU device, tests). Keep this object alive while the stream may run them."""
+
+    def __init__(self, native: Any, functions: Sequence[int], keep: tuple[Any, ...]) -> None:
+        self._native = native
+        self.submit_fn, self.wait_fn = int(functions[0]), int(functions[1])
+        self._keep = keep
+
+    @property
+    def address(self) -> int:
+        """The host functions' argument (the native call's address)."""
+        return int(self._native.address)
+
+    def submit(self) -> None:
+        """Build the picks from the buffers and start the job (what ``submit_fn`` does)."""
+        self._native.submit()
+
+    def wait(self) -> None:
+        """Wait for the job up to its deadline; fill ``missing`` (what ``wait_fn`` does)."""
+        self._native.wait()
+
+    def counters(self) -> StreamCounters:
+        c = self._native.counters()
+        return StreamCounters(int(c[0]), int(c[1]), int(c[2]), int(c[3]), int(c[4]), *c[5:])
+
+    @property
+    def last_error(self) -> str:
+        """The last failure's message ("" if none)."""
+        return str(self._native.last_error())
+
+
 @dataclass
 class _Layer:
     native: Any
@@ -392,6 +442,83 @@ class ExpertTier:
         self._pending = [j for j in self._pending if not j.done()]
         self._pending.append(job)
         return job
+
+    def stream_call(
+        self,
+        layer: int,
+        x: Any,
+        ids: Any,
+        weights: Any,
+        hit: Any,
+        xrows: Any,
+        out: Any,
+        missing: Any,
+        *,
+        deadline_factor: float = 0.0,
+        deadline_floor_s: float = 0.0,
+        fixed_s: float = 0.0,
+        expert_s: Sequence[float] = (),
+    ) -> StreamCall:
+        """A call of ``layer`` that a device stream drives with no caller thread in the loop (see ``StreamCall``).
+
+        Buffers (numpy arrays or torch CPU tensors, C-contiguous; pinned memory when a GPU copies them; read and
+        written by the host functions, so keep their contents until the stream is past the call's wait):
+        ``x`` float32 ``[T, H]``, ``ids`` int32 ``[T, K]`` (< 0: no pick), ``weights`` float32 ``[T, K]``, ``hit``
+        bool/uint8 ``[T, K]`` (non-zero: not the CPU tier's pick), ``xrows`` float32 ``[T * K, H]`` (scratch),
+        ``out`` float32 ``[T * K, H]`` (row ``t * K + j``: pick ``(t, j)``'s weighted output if the CPU tier
+        computed it, else zeros), ``missing`` int32 ``[T, K]`` (the expert of each CPU pick not computed, -1
+        elsewhere).
+
+        Deadline: the wait gives the job ``deadline_factor * (fixed_s + sum over its distinct experts of
+        expert_s[min(m, 8) - 1]) + deadline_floor_s`` seconds from its submit (``m``: the expert's picks), then
+        cancels it; the picks it did not finish are listed in ``missing``. ``deadline_factor = 0``: no deadline.
+        """
+        self._check_open()
+        lay = self._layers.get(layer) if isinstance(layer, int) else None
+        if lay is None:
+            raise ValueError(f"layer {layer!r}: not added (added: {list(self.layers)})")
+        xa = _f32_matrix(x, "x", lay.hidden)
+        t = xa.shape[0]
+        ia = _as_numpy(ids, "ids")
+        if ia.dtype != np.int32 or ia.ndim != 2 or ia.shape[0] != t or not ia.flags.c_contiguous:
+            raise ValueError(f"ids: must be C-contiguous int32 [T={t}, K], got {ia.dtype} {tuple(ia.shape)}")
+        k = ia.shape[1]
+        wa = _as_numpy(weights, "weights")
+        if wa.dtype != np.float32 or wa.shape != (t, k) or not wa.flags.c_contiguous:
+            raise ValueError(f"weights: must be C-contiguous float32 [{t}, {k}], got {wa.dtype} {tuple(wa.shape)}")
+        ha = _as_numpy(hit, "hit")
+        if ha.dtype not in (np.bool_, np.uint8) or ha.shape != (t, k) or not ha.flags.c_contiguous:
+            raise ValueError(f"hit: must be C-contiguous bool or uint8 [{t}, {k}], got {ha.dtype} {tuple(ha.shape)}")
+        xr = _f32_matrix(xrows, "xrows", lay.hidden, rows=t * k, writable=True)
+        oa = _f32_matrix(out, "out", lay.hidden, rows=t * k, writable=True)
+        ma = _as_numpy(missing, "missing")
+        if ma.dtype != np.int32 or ma.shape != (t, k) or not ma.flags.c_contiguous or not ma.flags.writeable:
+            raise ValueError(
+                f"missing: must be writable C-contiguous int32 [{t}, {k}], got {ma.dtype} {tuple(ma.shape)}"
+            )
+        for name, a in (("xrows", xr), ("out", oa), ("missing", ma)):
+            for other_name, other in (("x", xa), ("ids", ia), ("weights", wa), ("hit", ha)):
+                if np.shares_memory(a, other):
+                    raise ValueError(f"{name}: must not overlap {other_name}")
+        if np.shares_memory(xr, oa):
+            raise ValueError("out: must not overlap xrows")
+        m = int(self._mod.max_tokens_per_chunk())  # tokens of one expert decoded once
+        es = [float(v) for v in expert_s] if len(expert_s) else [0.0] * m
+        if len(es) != m or not all(math.isfinite(v) and v >= 0 for v in es):
+            raise ValueError(f"expert_s: {m} finite seconds >= 0 (token counts 1..{m}), got {expert_s!r}")
+        for name, v in (
+            ("deadline_factor", deadline_factor),
+            ("deadline_floor_s", deadline_floor_s),
+            ("fixed_s", fixed_s),
+        ):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
+        native = self._mod.StreamCall(
+            self._rt, lay.native, xa, ia, wa, ha.view(np.uint8), xr, oa, ma,
+            self.config.precision == "fast", _WAVE_CHUNKS, self.config.slab_blocks,
+            float(deadline_factor), float(deadline_floor_s), float(fixed_s), es,
+        )  # fmt: skip
+        return StreamCall(native, self._mod.stream_call_functions(), (x, ids, weights, hit, xrows, out, missing))
 
     def forward(self, layer: int, x: Any, picks: Picks | tuple[Any, Any, Any], out: Any | None = None) -> np.ndarray:
         """Compute one layer's routed picks (blocking).
