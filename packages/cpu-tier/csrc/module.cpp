@@ -85,7 +85,7 @@ class NativeStreamCall {
    public:
     NativeStreamCall(Runtime& rt, NativeLayer& layer, F32_2D_R x, I32_2D ids, F32_2D_R weights, U8_2D hit, F32_2D xrows,
                      F32_2D out, I32_2D_W missing, bool fast, int wave_chunks, int slab_blocks, double deadline_factor,
-                     double deadline_floor_s, double fixed_s, std::vector<double> expert_s)
+                     double deadline_floor_s, double fixed_s, std::vector<double> expert_s, int cancel_after_chunks)
         : c_(std::make_unique<StreamCall>()) {
         const int H = layer.layer_->H;
         const size_t T = x.shape(0), K = ids.shape(1);
@@ -121,6 +121,7 @@ class NativeStreamCall {
         c.deadline_floor_s = deadline_floor_s;
         c.fixed_s = fixed_s;
         for (int i = 0; i < MAXM; ++i) c.expert_s[i] = expert_s[size_t(i)];
+        c.cancel_after_chunks = cancel_after_chunks;
     }
     uintptr_t address() const { return reinterpret_cast<uintptr_t>(c_.get()); }
     void submit() { stream_call_submit(c_.get()); }
@@ -218,11 +219,11 @@ NB_MODULE(CPU_TIER_MODULE, m) {
 
     nb::class_<NativeStreamCall>(m, "StreamCall")
         .def(nb::init<Runtime&, NativeLayer&, F32_2D_R, I32_2D, F32_2D_R, U8_2D, F32_2D, F32_2D, I32_2D_W, bool, int, int,
-                      double, double, double, std::vector<double>>(),
+                      double, double, double, std::vector<double>, int>(),
              nb::arg("runtime"), nb::arg("layer"), nb::arg("x"), nb::arg("ids"), nb::arg("weights"), nb::arg("hit"),
              nb::arg("xrows"), nb::arg("out"), nb::arg("missing"), nb::arg("fast"), nb::arg("wave_chunks"),
              nb::arg("slab_blocks"), nb::arg("deadline_factor"), nb::arg("deadline_floor_s"), nb::arg("fixed_s"),
-             nb::arg("expert_s"), nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
+             nb::arg("expert_s"), nb::arg("cancel_after_chunks") = -1, nb::keep_alive<1, 2>(), nb::keep_alive<1, 3>())
         .def_prop_ro("address", &NativeStreamCall::address)
         .def("submit", &NativeStreamCall::submit, nb::call_guard<nb::gil_scoped_release>())
         .def("wait", &NativeStreamCall::wait, nb::call_guard<nb::gil_scoped_release>())

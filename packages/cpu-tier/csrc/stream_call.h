@@ -44,6 +44,7 @@ struct StreamCall {
     int32_t* missing = nullptr;
     bool fast = false;
     int wave_chunks = 64, slab_blocks = 0;
+    int cancel_after_chunks = -1;  // test hook (MoeJob's): each job cancels itself after this many chunks
     // deadline = factor * (fixed_s + sum over distinct experts of expert_s[min(m, 8) - 1]) + floor_s; factor 0: none
     double deadline_factor = 0.0, deadline_floor_s = 0.0, fixed_s = 0.0;
     double expert_s[MAXM] = {};
@@ -114,6 +115,7 @@ struct StreamCall {
             j->fast = fast;
             j->wave_chunks = wave_chunks;
             j->slab_blocks = slab_blocks;
+            j->cancel_after_chunks = cancel_after_chunks;
             try {
                 pool->submit(j);
                 job = std::move(j);

@@ -113,6 +113,25 @@ def test_deadline_lists_the_picks_not_computed(small_experts) -> None:
         assert 0 < c.predicted_s < 1e-6
 
 
+def test_a_job_stopped_early_lists_the_rest(small_experts) -> None:
+    rng = np.random.default_rng(12)
+    t, k = 8, 3
+    b = _buffers(rng, t, k, 6)
+    b["ids"][:] = np.stack([rng.choice(6, size=k, replace=False) for _ in range(t)])
+    b["hit"][:] = False
+    with ExpertTier(CpuTierConfig(threads=1, isa=ISAS[0])) as tier:
+        tier.add_layer(0, *small_experts)
+        call = tier.stream_call(0, **b, _test_cancel_after_chunks=2)
+        call.submit()
+        call.wait()
+        c = call.counters()
+        miss = np.flatnonzero(b["missing"].reshape(-1) >= 0)
+        assert c.deadline_misses == 0 and 0 < c.missed_picks == miss.size < t * k
+        assert np.all(b["out"][miss] == 0.0)
+        done = np.setdiff1d(np.arange(t * k), miss)
+        assert (np.abs(b["out"][done]).sum(axis=1) > 0).all()
+
+
 def test_bad_expert_ids_and_a_closed_tier_go_to_missing(small_experts) -> None:
     rng = np.random.default_rng(9)
     b = _buffers(rng, 3, 2, 6)

@@ -63,6 +63,13 @@ GiB = 1 << 30
 H200_HBM_GBPS = 4800.0  # the H200's nominal HBM3e bandwidth (GB/s), for the bandwidth-bound scaling below
 RTX3090_HBM_GBPS = 936.0
 _T0 = time.perf_counter()
+#: the tiered cases: the split, and "+stream" for the CPU tier driven by the GPU stream (TieredConfig.cpu_drive)
+_TIERED_CASES = ("auto", "cpu", "pcie", "auto+stream", "cpu+stream")
+
+
+def _split_of(case: str) -> str:
+    """The miss split of a case ("tiered:cpu+stream" -> "cpu"; "cpu", the CPU runtime -> "cpu")."""
+    return case.partition(":")[2].partition("+")[0] or "cpu"
 
 
 def log(msg: str) -> None:
@@ -134,20 +141,22 @@ class Meter:
     tokens: list[int] = dataclasses.field(default_factory=list)
     # device-path calls (no host copy of their routing): (first layer, tokens, on, ids, hit) as device clones,
     # counted by ``flush`` after the run (reading them on the host inside the step would add a sync per layer)
-    pending: list[tuple[bool, int, bool, Any, Any]] = dataclasses.field(default_factory=list)
+    pending: list[tuple[bool, int, bool, Any, Any, str]] = dataclasses.field(default_factory=list)
 
-    def defer(self, first_layer: bool, t: int, ids: Any, hit: Any) -> None:
+    def defer(self, first_layer: bool, t: int, ids: Any, hit: Any, misses: str = "pcie") -> None:
         if t <= self.decode_max_tokens:
-            self.pending.append((first_layer, t, self.on, ids.clone(), hit.clone()))
+            self.pending.append((first_layer, t, self.on, ids.clone(), hit.clone(), misses))
 
     def flush(self) -> None:
-        """Count the deferred device-path calls: hits = distinct resident experts, PCIe = the distinct others
-        (negative ids are vLLM's padding rows, no pick)."""
+        """Count the deferred no-sync calls: hits = distinct resident experts, the distinct others to ``misses``
+        (PCIe on the device path, the CPU tier on the stream path; negative ids are vLLM's padding rows, no pick)."""
         pending, self.pending = self.pending, []
-        for first, t, on, ids_d, hit_d in pending:
+        for first, t, on, ids_d, hit_d, misses in pending:
             ids, hit = ids_d.cpu().numpy().reshape(-1), hit_d.cpu().numpy().reshape(-1)
             on0, self.on = self.on, on
-            self.add(first, t, np.unique(ids[hit]).size, 0, np.unique(ids[~hit & (ids >= 0)]).size)
+            n_miss = np.unique(ids[~hit & (ids >= 0)]).size
+            self.add(first, t, np.unique(ids[hit]).size, n_miss if misses == "cpu" else 0,
+                     n_miss if misses == "pcie" else 0)  # fmt: skip
             self.on = on0
 
     def add(self, first_layer: bool, t: int, hit: int, cpu: int, pcie: int) -> None:
@@ -221,7 +230,8 @@ def _metered_classes() -> tuple[type, type]:
 
     class MeteredTiered(TieredRuntime):  # type: ignore[misc]
         """The tiered runtime, counting each layer's distinct experts per path from its own host-side split (the
-        device path's from clones of its routing and hit mask, counted after the run: two small copies a call)."""
+        device and stream paths' from clones of their routing and hit mask, counted after the run: two small copies
+        a call)."""
 
         def _begin(self, layer: int, x: Any, topk_ids: Any, topk_weights: Any, t: int) -> Any:
             p = super()._begin(layer, x, topk_ids, topk_weights, t)
@@ -244,6 +254,14 @@ def _metered_classes() -> tuple[type, type]:
             if m is not None and p.b is not None:
                 r = p.b.at(t)
                 m.defer(layer == min(self._layers), t, r.ids, r.hit)
+            return p
+
+        def _begin_stream(self, layer: int, x: Any, topk_ids: Any, topk_weights: Any, t: int) -> Any:
+            p = super()._begin_stream(layer, x, topk_ids, topk_weights, t)
+            m = _W["meter"]
+            if m is not None and p.b is not None:
+                r = p.b.at(t)
+                m.defer(layer == min(self._layers), t, r.ids, r.hit, misses="cpu")
             return p
 
     class MeteredCpu(CpuExpertRuntime):  # type: ignore[misc]
@@ -299,6 +317,7 @@ def _use_runtime(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
         tcfg = dataclasses.replace(
             base.tiered,
             split=spec["split"],
+            cpu_drive=spec.get("cpu_drive", "host"),
             policy=spec["policy"],
             cache_gib=0.0,
             hit_kernel=spec["hit_kernel"],
@@ -559,7 +578,8 @@ def main() -> int:
     ap.add_argument(
         "--runtimes",
         default="none,tiered:auto,tiered:cpu,tiered:pcie,cpu",
-        help="cases, in order (none is needed for the roofline)",
+        help="cases, in order (none is needed for the roofline); '+stream' after a tiered split: cpu_drive stream "
+        "(e.g. tiered:cpu+stream)",
     )
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -608,8 +628,8 @@ def main() -> int:
     streams_list = [int(s) for s in a.streams.split(",")]
     cases = a.runtimes.split(",")
     for c in cases:
-        if c not in ("none", "cpu") and not (c.startswith("tiered:") and c[7:] in ("auto", "cpu", "pcie")):
-            ap.error(f"--runtimes: unknown case {c!r} (none, cpu, tiered:auto|cpu|pcie)")
+        if c not in ("none", "cpu") and not (c.startswith("tiered:") and c[7:] in _TIERED_CASES):
+            ap.error(f"--runtimes: unknown case {c!r} (none, cpu, tiered:{'|'.join(_TIERED_CASES)})")
 
     if a.cpu_config:
         from vllm_dsv41.config import CpuTierConfig, _nested_config
@@ -708,9 +728,10 @@ def main() -> int:
     non_expert: dict[int, float] = {}
     trace_dir = a.json.parent if a.json else a.root
     for case in cases:
-        kind, _, split = case.partition(":")
-        spec = {**base_spec, "kind": kind, "split": split or "auto", "rates": rates}
-        trace = trace_dir / f"trace_{split}.npz" if kind == "tiered" else None
+        kind, _, split_drive = case.partition(":")
+        split, _, drive = split_drive.partition("+")
+        spec = {**base_spec, "kind": kind, "split": split or "auto", "cpu_drive": drive or "host", "rates": rates}
+        trace = trace_dir / f"trace_{split_drive.replace('+', '_')}.npz" if kind == "tiered" else None
         if trace is not None:
             spec["trace_path"] = str(trace)
         if a.time_budget_s and time.perf_counter() - _T0 > a.time_budget_s:
@@ -791,7 +812,7 @@ def summarize(
         "e2e_tok_s_median": statistics.median(r["e2e_tok_s"] for r in runs),
     }
     line = (
-        f"{case:12s} S={s}: decode {row['tok_s_median']:.2f} tok/s (min {tok[0]:.2f}, max {tok[-1]:.2f}; "
+        f"{case:18s} S={s}: decode {row['tok_s_median']:.2f} tok/s (min {tok[0]:.2f}, max {tok[-1]:.2f}; "
         f"step {1e3 * med:.2f} ms)"
     )
     meters = [r["meter"] for r in runs if r["meter"]]
@@ -801,7 +822,7 @@ def summarize(
             raise RuntimeError(f"{case} S={s}: the runtime saw no decode step of <= {s} tokens")
         per_step = {k: sum(m[k] for m in meters) * eb / msteps for k in ("hit", "cpu", "pcie")}
         miss_rate = {"cpu": rates["cpu"], "pcie": rates["pcie"], "auto": rates["cpu"] + rates["pcie"]}
-        split = case.partition(":")[2] or "cpu"
+        split = _split_of(case)
         expert_s = per_step["hit"] / rates["hbm"] + (per_step["cpu"] + per_step["pcie"]) / miss_rate[split]
         roof = expert_s + non_expert[s]
         row.update(
@@ -891,7 +912,7 @@ def scale_lines(
         k = full / n
         step40 = step * k
         miss = b["cpu"] + b["pcie"]
-        split = case.partition(":")[2] or "cpu"
+        split = _split_of(case)
         mrate = {"cpu": m_cpu, "pcie": m_pcie, "auto": m_cpu + m_pcie}[split]
         ne_m = ne * H200_HBM_GBPS / RTX3090_HBM_GBPS
         roof_m = k * (b["hit"] / m_hbm * 1e3 + miss / mrate * 1e3 + ne_m)

@@ -477,6 +477,84 @@ def test_decode_with_every_miss_over_pcie_runs_without_a_host_sync(home: ExpertH
         assert np.array_equal(ta[f], tb[f]), f
 
 
+def test_the_stream_driven_cpu_tier_gives_the_host_driven_results_bit_for_bit(
+    home: ExpertHome, reference: ReferenceExperts, tmp_path: Path
+) -> None:
+    """cpu_drive "stream": the CPU tier's share submitted and waited for by the device stream's host functions (run
+    in order on a CPU device) gives the host-driven split path's outputs bit for bit (each pick computed once, by
+    the same kernel in the same chunks; zeros added where the other side computed it), the same counters and the
+    same routing trace; calls above the decode size keep the host path."""
+    runs = {}
+    for drive in ("stream", "host"):
+        rt = _runtime(home, 5, "cpu", cpu_drive=drive, trace_path=str(tmp_path / f"trace_{drive}.npz"))
+        rng = np.random.default_rng(21)
+        try:
+            outs = [
+                o for step in range(10) for o in _exact_steps(rt, rng, reference, 1, [1, 4, 16, 3, 24][step % 5], 7)
+            ]
+            s = rt.stats
+            if drive == "stream":
+                assert s.stream_steps == 8 and rt._stats_decode.stream_steps == 8  # the 8 decode-size steps
+                assert rt._stats_decode.wait_seconds == 0 < rt._stats.wait_seconds  # only the 24-token calls synced
+                assert 0 < s.cpu_run_seconds <= s.cpu_seconds and s.cpu_wait_seconds > 0
+                assert "with the CPU tier driven by the stream" in s.describe()
+            runs[drive] = (outs, s.hit_picks, s.cpu_picks, s.pcie_picks, rt.stats_decode.cpu_picks)
+        finally:
+            rt.close()
+    (a, *ca), (b, *cb) = runs["stream"], runs["host"]
+    for x, y in zip(a, b, strict=True):
+        assert np.array_equal(x, y)
+    assert ca == cb and ca[0] > 0 and ca[1] > 0 and ca[2] == 0
+    ta, tb = np.load(tmp_path / "trace_stream.npz"), np.load(tmp_path / "trace_host.npz")
+    for f in ta.files:
+        assert np.array_equal(ta[f], tb[f]), f
+
+
+def test_the_stream_driven_cpu_tier_leaves_what_it_misses_to_the_gpu(home: ExpertHome,
+                                                                      reference: ReferenceExperts) -> None:  # fmt: skip
+    """Jobs that stop early on the stream path (the test hook: each cancels itself after one expert chunk, as a
+    deadline's cancel does): the wait lists the picks they did not compute and the hit kernel computes those from
+    the host home; the outputs stay exact and the picks are counted, with the failure logged."""
+    rt = _runtime(home, 3, "cpu", cpu_drive="stream")
+    real = rt._tier.stream_call
+    rt._tier.stream_call = lambda *a, **k: real(*a, **k, _test_cancel_after_chunks=1)  # type: ignore[method-assign]
+    rng = np.random.default_rng(4)
+    try:
+        _exact_steps(rt, rng, reference, 6, 8)
+        s = rt.stats
+        assert s.stream_steps == 6 and s.fallback_picks > 0 and s.deadline_misses == 0
+        assert s.cpu_picks + s.hit_picks == 6 * LAYERS * 8 * TOP_K
+    finally:
+        rt.close()
+
+
+def test_auto_measures_the_stream_driven_split_against_the_device_path(
+    home: ExpertHome, reference: ReferenceExperts
+) -> None:
+    """split "auto" with cpu_drive "stream": the chooser's split side is the stream path (every miss to the CPU
+    tier, no host sync); both sides are measured and every output is exact."""
+    rt = _runtime(home, 4, "auto", cpu_drive="stream", split_probe=2)
+    rng = np.random.default_rng(6)
+    try:
+        _exact_steps(rt, rng, reference, 10, 2)
+        s = rt.stats
+        assert s.stream_steps > 0 and s.device_steps > 0 and s.stream_steps + s.device_steps == 10
+        assert s.cpu_picks > 0 and s.pcie_picks > 0
+    finally:
+        rt.close()
+
+
+def test_the_stream_path_needs_a_home_read_in_place(home: ExpertHome, reference: ReferenceExperts) -> None:
+    # staged reads (the GPU's fallback would need the host to stage the missed picks): the host-driven path
+    rt = _runtime(home, 3, "cpu", cpu_drive="stream", pcie_read="staged", device_stage=False)
+    rng = np.random.default_rng(8)
+    try:
+        _exact_steps(rt, rng, reference, 3, 2)
+        assert rt.stats.stream_steps == 0 and rt.stats.cpu_picks > 0
+    finally:
+        rt.close()
+
+
 def test_the_routing_trace_holds_each_steps_own_routing(home: ExpertHome, tmp_path: Path) -> None:
     """Each step's routing is recorded after the next step's first CPU job is submitted (off the CPU tier's
     critical path) or before the device path rewrites its pinned copies: the trace still holds every step's own
@@ -993,6 +1071,64 @@ def test_on_the_gpu_matches_the_reference(registered_home: ExpertHome, reference
             assert s.cpu_picks == 0 and (s.pcie_picks > 0 or slots == LAYERS * EXPERTS)
         if split == "cpu":
             assert s.pcie_picks == 0
+    finally:
+        rt.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots", [0, 5])
+def test_on_the_gpu_the_stream_driven_cpu_tier_matches_the_host_driven(registered_home: ExpertHome,
+                                                                        reference: ReferenceExperts,
+                                                                        slots: int) -> None:  # fmt: skip
+    """cpu_drive "stream" on CUDA: the CPU tier's share submitted and waited for by host functions on the compute
+    stream (cuLaunchHostFunc), no host sync at decode sizes; bit for bit the host-driven split path's outputs,
+    both against the float64 reference; then a job that stops early leaves its picks to the hit kernel."""
+    dev = torch.device("cuda")
+    runs = {}
+    for drive in ("stream", "host"):
+        rt = _gpu_runtime(registered_home, slots, "cpu", "triton", cpu_drive=drive)
+        rng = np.random.default_rng(17 + slots)
+        outs = []
+        try:
+            for step in range(8):
+                tokens = [1, 3, 17, 2][step % 4]
+                for layer in range(LAYERS):
+                    x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
+                    ids, w = _routing(rng, tokens, hot=5)
+                    out = torch.full((tokens + 2, HIDDEN), float("nan"), device=dev)
+                    rt.forward_into(layer, torch.from_numpy(x).to(dev), torch.from_numpy(ids).to(dev),
+                                    torch.from_numpy(w).to(dev), out)  # fmt: skip
+                    got = out.cpu()
+                    assert torch.isnan(got[tokens:]).all()
+                    expected = reference.forward(layer, x, ids, w)
+                    np.testing.assert_allclose(got[:tokens].numpy(), expected, rtol=0,
+                                               atol=3e-5 * np.abs(expected).max())  # fmt: skip
+                    outs.append(got[:tokens].numpy())
+            s, d = rt.stats, rt.stats_decode
+            if drive == "stream":
+                assert s.stream_steps == 6 and d.wait_seconds == 0 and d.cpu_run_seconds > 0
+            runs[drive] = (outs, s.hit_picks, s.cpu_picks)
+        finally:
+            rt.close()
+    (a, *ca), (b, *cb) = runs["stream"], runs["host"]
+    for x, y in zip(a, b, strict=True):
+        assert np.array_equal(x, y)
+    assert ca == cb
+    rt = _gpu_runtime(registered_home, slots, "cpu", "triton", cpu_drive="stream")
+    real = rt._tier.stream_call
+    rt._tier.stream_call = lambda *a, **k: real(*a, **k, _test_cancel_after_chunks=1)  # type: ignore[method-assign]
+    rng = np.random.default_rng(3)
+    try:
+        for _ in range(3):
+            for layer in range(LAYERS):
+                x = rng.standard_normal((4, HIDDEN)).astype(np.float32)
+                ids, w = _routing(rng, 4, hot=6)
+                out = torch.empty((4, HIDDEN), device=dev)
+                rt.forward_into(layer, torch.from_numpy(x).to(dev), torch.from_numpy(ids).to(dev),
+                                torch.from_numpy(w).to(dev), out)  # fmt: skip
+                expected = reference.forward(layer, x, ids, w)
+                np.testing.assert_allclose(out.cpu().numpy(), expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+        assert rt.stats.fallback_picks > 0
     finally:
         rt.close()
 

@@ -397,6 +397,11 @@ class ExpertTier:
     def layers(self) -> tuple[int, ...]:
         return tuple(sorted(self._layers))
 
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens of one expert the kernels decode its weights once for (a job's chunk; more take more chunks)."""
+        return int(self._mod.max_tokens_per_chunk())
+
     # -- compute
     def submit(
         self,
@@ -458,6 +463,7 @@ class ExpertTier:
         deadline_floor_s: float = 0.0,
         fixed_s: float = 0.0,
         expert_s: Sequence[float] = (),
+        _test_cancel_after_chunks: int = -1,
     ) -> StreamCall:
         """A call of ``layer`` that a device stream drives with no caller thread in the loop (see ``StreamCall``).
 
@@ -472,6 +478,7 @@ class ExpertTier:
         Deadline: the wait gives the job ``deadline_factor * (fixed_s + sum over its distinct experts of
         expert_s[min(m, 8) - 1]) + deadline_floor_s`` seconds from its submit (``m``: the expert's picks), then
         cancels it; the picks it did not finish are listed in ``missing``. ``deadline_factor = 0``: no deadline.
+        (``_test_cancel_after_chunks``: a test hook, as ``submit``'s: each job cancels itself after that many chunks.)
         """
         self._check_open()
         lay = self._layers.get(layer) if isinstance(layer, int) else None
@@ -502,7 +509,7 @@ class ExpertTier:
                     raise ValueError(f"{name}: must not overlap {other_name}")
         if np.shares_memory(xr, oa):
             raise ValueError("out: must not overlap xrows")
-        m = int(self._mod.max_tokens_per_chunk())  # tokens of one expert decoded once
+        m = self.chunk_tokens
         es = [float(v) for v in expert_s] if len(expert_s) else [0.0] * m
         if len(es) != m or not all(math.isfinite(v) and v >= 0 for v in es):
             raise ValueError(f"expert_s: {m} finite seconds >= 0 (token counts 1..{m}), got {expert_s!r}")
@@ -516,7 +523,7 @@ class ExpertTier:
         native = self._mod.StreamCall(
             self._rt, lay.native, xa, ia, wa, ha.view(np.uint8), xr, oa, ma,
             self.config.precision == "fast", _WAVE_CHUNKS, self.config.slab_blocks,
-            float(deadline_factor), float(deadline_floor_s), float(fixed_s), es,
+            float(deadline_factor), float(deadline_floor_s), float(fixed_s), es, int(_test_cancel_after_chunks),
         )  # fmt: skip
         return StreamCall(native, self._mod.stream_call_functions(), (x, ids, weights, hit, xrows, out, missing))
 

@@ -32,6 +32,7 @@ EngramMode = Literal["mmap", "upstream"]
 Split = Literal["auto", "cpu", "pcie"]
 HitKernelName = Literal["auto", "exllamav3", "triton", "reference"]
 PcieRead = Literal["auto", "mapped", "staged"]
+CpuDrive = Literal["host", "stream"]
 Attention = Literal["auto", "upstream", "triton"]
 KvRounding = Literal["fp8", "bf16"]
 RUNTIMES: tuple[str, ...] = ("cpu", "all-in-vram", "tiered")
@@ -39,6 +40,7 @@ DENSE_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton")
 SPLITS: tuple[str, ...] = ("auto", "cpu", "pcie")
 HIT_KERNELS: tuple[str, ...] = ("auto", "exllamav3", "triton", "reference")
 PCIE_READS: tuple[str, ...] = ("auto", "mapped", "staged")
+CPU_DRIVES: tuple[str, ...] = ("host", "stream")
 ENGRAM_MODES: tuple[str, ...] = ("mmap", "upstream")
 ATTENTIONS: tuple[str, ...] = ("auto", "upstream", "triton")
 KV_ROUNDINGS: tuple[str, ...] = ("fp8", "bf16")
@@ -51,6 +53,7 @@ DEFAULT_PREFILL_CHUNK_TOKENS = 8192
 __all__ = [
     "ATTENTIONS",
     "CONFIG_KEY",
+    "CPU_DRIVES",
     "DEFAULT_PREFILL_CHUNK_TOKENS",
     "DENSE_KERNELS",
     "ENGRAM_MODES",
@@ -121,6 +124,16 @@ class TieredConfig:
         that path's rate and fixed cost, so the split follows what the paths take while serving (the CPU tier
         beside vLLM's threads, the PCIe share with its launches) rather than what they took alone at startup.
         0: the startup rates only.
+    cpu_drive : who drives the CPU tier's share of a decode-size call. "host": the host thread copies the inputs
+        to the host, waits for them, splits the misses, submits the job and, in ``finish``, waits for it (a host
+        sync per MoE layer: vLLM's launches between the layers wait for the CPU tier). "stream": the GPU stream
+        does, through two CUDA host functions (``cpu_tier.StreamCall``): the inputs copied to pinned buffers, the
+        job submitted when the stream reaches it, the stream held until the job is done, the results copied back
+        and the picks the CPU tier missed at its deadline computed by the hit kernel from the host home; the host
+        thread never waits, so it queues a whole step ahead. Every miss goes to the CPU tier on that path (the
+        split needs the host to see the routing); with split "auto" it is the split side the chooser measures
+        against the device path. Needs a home the hit kernel reads in place (``pcie_read`` mapped, or "auto" on
+        such a home); elsewhere the calls run as "host".
     deadline_factor, deadline_floor_ms : the CPU tier's deadline per layer, ``factor * predicted + floor``; picks
         it has not computed by then are computed by the GPU from the host home (counted, never dropped).
         ``deadline_factor = 0``: no deadline.
@@ -155,6 +168,7 @@ class TieredConfig:
     cpu_gbps: float = 0.0
     pcie_gbps: float = 0.0
     device_stage: bool = True
+    cpu_drive: CpuDrive = "host"
     split_probe: int = 8
     split_feedback: float = 0.1
     deadline_factor: float = 4.0
@@ -189,6 +203,8 @@ class TieredConfig:
         _integer("pcie_stage_slots", self.pcie_stage_slots, 1)
         _number("cpu_gbps", self.cpu_gbps, 0.0)
         _number("pcie_gbps", self.pcie_gbps, 0.0)
+        if self.cpu_drive not in CPU_DRIVES:
+            raise ValueError(f"cpu_drive: expected one of {CPU_DRIVES}, got {self.cpu_drive!r}")
         _integer("split_probe", self.split_probe, 0)
         _number("split_feedback", self.split_feedback, 0.0, 1.0)
         _number("deadline_factor", self.deadline_factor, 0.0)

@@ -105,6 +105,7 @@ class TierStats:
     submit_seconds: float = 0.0  # of it, the CPU tier's submit call
     finish_seconds: float = 0.0  # finish() less its wait for the CPU tier (copies, combine, counters)
     device_steps: int = 0  # decode steps on the device path (every miss over PCIe, no host sync per layer)
+    stream_steps: int = 0  # decode steps whose CPU share the GPU stream drove (cpu_drive "stream": no host sync)
     cpu_scale: float = 1.0  # the split's correction of the CPU tier's startup rate: measured / predicted seconds
     pcie_scale: float = 1.0  # the same for the PCIe share
 
@@ -130,7 +131,7 @@ class TierStats:
             f"{1e3 * self.begin_seconds / s:.2f} ms (the step's bookkeeping {1e3 * self.bookkeeping_seconds / s:.2f}, "
             f"the CPU tier's submit {1e3 * self.submit_seconds / s:.2f}) and in finish "
             f"{1e3 * self.finish_seconds / s:.2f} ms; {self.device_steps} steps on the device "
-            f"path; split feedback: CPU tier "
+            f"path, {self.stream_steps} with the CPU tier driven by the stream; split feedback: CPU tier "
             f"x{self.cpu_scale:.2f}, PCIe x{self.pcie_scale:.2f} of the startup prediction"
         )
 
@@ -158,6 +159,7 @@ class _Pending:
     wait_s: float = 0.0  # this call's parts of TierStats' seconds, added to the counters once in ``finish``
     pcie_enqueue_s: float = 0.0
     device_only: bool = False  # computed by ``_begin_device`` (no host sync)
+    stream: Any = None  # the call's cpu_tier.StreamCall (``_begin_stream``: the stream drives the CPU tier)
     cpu_pred: float = 0.0  # the split's predicted seconds of the CPU share at the startup rates (split feedback)
     begin_s: float = 0.0  # host seconds of begin(), its step bookkeeping, its submit, finish()'s wait (TierStats)
     bookkeeping_s: float = 0.0
@@ -198,6 +200,9 @@ class _Buffers:
         self.h_xrows = host((picks, hidden), f32)
         self.h_cpu = host((picks, hidden), f32)
         self.h_index = host((picks,), torch.int64)
+        # cpu_drive "stream": the CPU tier's picks it did not compute (expert id, -1 elsewhere), for the GPU
+        self.h_missing = host((rows, topk), i32)
+        self.missing = dev((rows, topk), i32)
         # a prompt's GPU share in pick-major order (``_gpu_picks_sorted``), per staging use: the picks' flat
         # indices and their tokens (pinned, then on the device), and their weights in that order
         self.h_order = host((2, 2, picks), torch.int64)
@@ -446,6 +451,12 @@ class TieredRuntime:
         # the device-only decode path's pick counts (hits, all picks), on the device until the stats are read
         self._dev_counts: torch.Tensor | None = None
         self._trace_h: dict[int, torch.Tensor] = {}  # per MoE layer: its routing, pinned (device-only path)
+        # cpu_drive "stream": per (MoE layer, tokens) the cpu_tier.StreamCall over the buffers of that size, the
+        # stream path's hit counts on the device (hits, picks) and the calls' counters already folded
+        self._stream_calls: dict[tuple[int, int], Any] = {}
+        self._stream_counts: torch.Tensor | None = None
+        self._stream_seen: dict[tuple[int, int], Any] = {}
+        self._host_fn: Any = None  # vllm_dsv41.hostfn's launcher (CUDA), made at the first stream call
         # split "auto": per decode batch size, the split path or the device path, whichever measures faster
         self._chooser = (
             PathChooser(self.tcfg.split_probe) if self.tcfg.split == "auto" and self.tcfg.split_probe else None
@@ -519,14 +530,16 @@ class TieredRuntime:
 
     @property
     def stats(self) -> TierStats:
-        """Counters since start (the device-only path's pick counts folded in: a sync when it ran)."""
+        """Counters since start (the device-only and stream paths' counts folded in: a sync when they ran)."""
         self._fold_device_counts()
+        self._fold_stream_counts()
         return self._stats
 
     @property
     def stats_decode(self) -> TierStats:
         """The counters of decode-size calls only (at most ``HIT_CHUNK_TOKENS`` tokens)."""
         self._fold_device_counts()
+        self._fold_stream_counts()
         return self._stats_decode
 
     def _fold_device_counts(self) -> None:
@@ -542,6 +555,42 @@ class TieredRuntime:
         metrics.cache_lookups(hits, picks - hits)
         metrics.picks("gpu_cache", hits)
         metrics.picks("pcie", picks - hits)
+
+    def _fold_stream_counts(self) -> None:
+        """Fold the stream path's counters into ``TierStats``: its hits (on the device: a sync) and each
+        ``StreamCall``'s picks, jobs' times and deadline misses since the last fold."""
+        c = self._stream_counts
+        if c is None:
+            return
+        hits, picks = (int(v) for v in c.tolist())
+        with torch.inference_mode():  # (an inference tensor, as _dev_counts)
+            c.zero_()
+        d = dict.fromkeys(("picks", "deadline_misses", "missed_picks", "errors", "run_s", "wait_s", "span_s",
+                           "predicted_s"), 0.0)  # fmt: skip
+        for key, call in self._stream_calls.items():
+            now = call.counters()
+            before = self._stream_seen.get(key)
+            for f in d:
+                d[f] += getattr(now, f) - (getattr(before, f) if before is not None else 0)
+            self._stream_seen[key] = now
+        cpu, missed, misses = int(d["picks"]), int(d["missed_picks"]), int(d["deadline_misses"])
+        for st in (self._stats, self._stats_decode):
+            st.hit_picks += hits
+            st.cpu_picks += cpu
+            st.deadline_misses += misses
+            st.fallback_picks += missed
+            st.cpu_seconds += d["span_s"]
+            st.cpu_run_seconds += d["run_s"]
+            st.cpu_wait_seconds += d["wait_s"]
+            st.cpu_pred_seconds += d["predicted_s"]
+        metrics.cache_lookups(hits, picks - hits)
+        metrics.picks("gpu_cache", hits)
+        if missed or d["errors"]:
+            errors = [c.last_error for c in self._stream_calls.values() if c.last_error]
+            metrics.cpu_deadline_miss(missed)
+            logger.warning("dsv41 tiered: the stream-driven CPU tier left %d pick(s) to the GPU (%d deadline "
+                           "miss(es), %d failure(s)%s); computed from the host home", missed, misses,
+                           int(d["errors"]), f": {errors[-1]}" if errors else "")  # fmt: skip
 
     def _create_cache(self) -> None:
         from expert_cache import ExpertCache, ExpertCacheConfig, policy_config
@@ -752,8 +801,11 @@ class TieredRuntime:
             self._step_spans.append((*self._span_open, self._span_mark() if self._span_open[0] == tokens else None))
             self._span_open = None
         self._report_step_spans()
-        if self._dev_counts is not None and self._stats.steps % _FOLD_EVERY == 0:
-            self._fold_device_counts()  # (Prometheus' counters too; at a step's start the GPU has little queued)
+        if self._stats.steps % _FOLD_EVERY == 0:  # (Prometheus' counters too; at a step's start the GPU has little
+            if self._dev_counts is not None:  # queued)
+                self._fold_device_counts()
+            if self._stream_counts is not None:
+                self._fold_stream_counts()
         self._step_tokens = tokens
         self._step_path, self._step_probed = "split", False
         if self._chooser is not None and self._device_path_possible(tokens):
@@ -826,6 +878,10 @@ class TieredRuntime:
         key = (hidden, topk)
         b = self._buffers.get(key)
         if b is None or b.rows < t:
+            if b is not None and self._stream_calls:  # the stream's host functions may still read the old buffers:
+                self._fold_stream_counts()  # (a sync: the stream has passed them), then their calls go
+                self._stream_calls.clear()
+                self._stream_seen.clear()
             b = _Buffers(self.device, max(t, 2 * b.rows if b else 16), hidden, topk)
             self._buffers[key] = b
         return b
@@ -876,6 +932,8 @@ class TieredRuntime:
                     self._pending = _Pending(layer, 0, t0=t0)
                 elif self._device_only(t):
                     self._pending = self._begin_device(layer, x, topk_ids, topk_weights, t)
+                elif self._stream_path(t):
+                    self._pending = self._begin_stream(layer, x, topk_ids, topk_weights, t)
                 else:
                     self._pending = self._begin(layer, x, topk_ids, topk_weights, t)
         self._flush_trace()  # (the routing trace: the last step's, while the CPU tier works)
@@ -903,6 +961,8 @@ class TieredRuntime:
             elif p.device_only:
                 assert p.b is not None
                 _combine(p.b, p.t, out)
+            elif p.stream is not None:
+                self._finish_stream(p, out)
             else:
                 with _mark("dsv41.tiered.finish"):
                     self._finish(p, out, sts)
@@ -1075,6 +1135,111 @@ class TieredRuntime:
                             self._chooser.revisit)  # fmt: skip
         self._step_spans = left
 
+    def _trace_copy(self, layer: int, b: _Buffers, ids: torch.Tensor, t: int, k: int) -> None:
+        """A no-sync path's routing for the trace: copied to a pinned buffer of the layer, read when the step is
+        recorded (after the event recorded at the step's last MoE layer)."""
+        if not self.tcfg.trace_path:
+            return
+        self._flush_trace()  # (the last step's ids may be views of these pinned buffers)
+        h = self._trace_h.get(layer)
+        if h is None or h.shape[0] < t or h.shape[1] != k:
+            h = self._trace_h[layer] = torch.empty((b.rows, k), dtype=torch.int32,
+                                                   pin_memory=self.device.type == "cuda")  # fmt: skip
+        h[:t].copy_(ids, non_blocking=True)
+        self._step_ids[layer] = h[:t].numpy()
+        if self.device.type == "cuda" and layer == max(self._layers):  # the step's copies are done by then
+            self._trace_ready = torch.cuda.Event()
+            self._trace_ready.record(torch.cuda.current_stream(self.device))
+
+    def _stream_path(self, t: int) -> bool:
+        """A call of ``t`` tokens has the stream drive its CPU share (``cpu_drive`` "stream"; ``_begin_stream``):
+        decode-size, once the cache exists, split "cpu" or "auto" (its split side), on a home the hit kernel reads
+        in place (the GPU's fallback for the picks the CPU tier misses reads it with no staging)."""
+        return (self.tcfg.cpu_drive == "stream" and self._cache is not None and 0 < t <= HIT_CHUNK_TOKENS
+                and self._stager is None and self.tcfg.split in ("cpu", "auto"))  # fmt: skip
+
+    def _begin_stream(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      t: int) -> _Pending:  # fmt: skip
+        """A decode-size call whose CPU share the GPU stream drives, queued with no host sync: the routing (hit
+        mask from the cache's table, one launch) and the inputs copied to pinned buffers, a host function that
+        gives every miss to the CPU tier (``cpu_tier.StreamCall.submit_fn``), then the hits on the GPU while the
+        CPU tier works. ``finish`` queues the wait (the stream holds until the job is done or its deadline passed)
+        and the combine. The same per-pick values and fixed-order sums as the host-driven split path."""
+        cuda = self.device.type == "cuda"
+        k = topk_ids.shape[1]
+        b = self._buffers_for(x.shape[1], k, t)
+        r = b.at(t)
+        x32 = r.x32
+        x32.copy_(x)
+        if self._stream_counts is None:
+            self._stream_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
+        ptrs = self._prepare(layer, topk_ids, topk_weights, r, gpu_ids=True, dev_counts=self._stream_counts)
+        if layer == min(self._layers):
+            for st in self._counters(t):
+                st.stream_steps += 1
+        self._trace_copy(layer, b, r.ids, t, k)
+        r.h_x.copy_(x32, non_blocking=cuda)
+        b.h_route.copy_(b.route, non_blocking=cuda)
+        call = self._stream_call(layer, b, t, k)
+        ts = time.perf_counter()
+        self._run_host(call, submit=True)
+        submit_s = time.perf_counter() - ts
+        kernel = self._hits[layer]
+        _hits_forward(kernel, ptrs, x32, r.gpu_ids, r.w, r.y)
+        return _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, stream=call, submit_s=submit_s)
+
+    def _finish_stream(self, p: _Pending, out: torch.Tensor) -> None:
+        """The stream path's second half, queued: the wait for the CPU tier (a host function), its rows added to
+        the hits' (each pick's row is zero on the side that did not compute it), the picks it missed computed by the
+        hit kernel from the host home, the fixed-order combine."""
+        cuda = self.device.type == "cuda"
+        b, t, k = p.b, p.t, p.k
+        assert b is not None
+        r = b.at(t)
+        self._run_host(p.stream, submit=False)
+        pr = b.picks_at(t * k)
+        pr.cpu_rows.copy_(pr.h_cpu, non_blocking=cuda)
+        r.y_flat.add_(pr.cpu_rows)
+        miss = b.missing[:t]
+        miss.copy_(b.h_missing[:t], non_blocking=cuda)
+        _hits_forward(p.kernel, p.ptrs, r.x32, miss, r.w, r.y2)
+        r.y.add_(r.y2)
+        _combine(b, t, out)
+
+    def _stream_call(self, layer: int, b: _Buffers, t: int, k: int) -> Any:
+        """The ``cpu_tier.StreamCall`` of ``layer`` at ``t`` tokens over ``b``'s pinned buffers (made once; the
+        deadline model from the startup rates, as the host path's ``_deadline``)."""
+        key = (layer, t)
+        call = self._stream_calls.get(key)
+        if call is not None:
+            return call
+        rates, tc = self._rates, self.tcfg
+        factor = floor = fixed = 0.0
+        per_m: list[float] = []
+        if tc.deadline_factor > 0 and rates is not None and rates.cpu_bps > 0:
+            eb = self._expert_bytes[layer]
+            factor, floor, fixed = tc.deadline_factor, tc.deadline_floor_ms / 1e3, rates.cpu_fixed_s
+            per_m = [_cpu_expert_seconds(rates, eb, m) for m in range(1, self._tier.chunk_tokens + 1)]
+        call = self._tier.stream_call(
+            layer, b.h_x[:t], b.h_ids[:t], b.h_w[:t], b.h_hit[:t].view(torch.uint8), b.h_xrows[: t * k],
+            b.h_cpu[: t * k], b.h_missing[:t], deadline_factor=factor, deadline_floor_s=floor, fixed_s=fixed,
+            expert_s=per_m,
+        )  # fmt: skip
+        self._stream_calls[key] = call
+        return call
+
+    def _run_host(self, call: Any, submit: bool) -> None:
+        """Queue the call's submit or wait on the compute stream (a CUDA host function); on a CPU device, run it."""
+        if self.device.type != "cuda":
+            (call.submit if submit else call.wait)()
+            return
+        if self._host_fn is None:
+            from .hostfn import HostFunctions
+
+            self._host_fn = HostFunctions()
+        self._host_fn.launch(torch.cuda.current_stream(self.device), call.submit_fn if submit else call.wait_fn,
+                             call.address)  # fmt: skip
+
     def _device_path_possible(self, t: int) -> bool:
         """A call of ``t`` tokens can run on the device path: decode-size, the cache exists, the misses read in place
         (mapped) or staged by the device (``dev_stage``: at most ``MAX_PICKS`` picks of the top-k ``begin`` saw
@@ -1107,21 +1272,11 @@ class TieredRuntime:
         x32.copy_(x)
         if self._dev_counts is None:
             self._dev_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
-        ptrs = self._prepare(layer, topk_ids, topk_weights, r, dev_counts=True)
+        ptrs = self._prepare(layer, topk_ids, topk_weights, r, dev_counts=self._dev_counts)
         if layer == min(self._layers):  # a step that ran on the device path (not one the staged prefill took)
             for st in self._counters(t):
                 st.device_steps += 1
-        if self.tcfg.trace_path:
-            self._flush_trace()  # (the last step's ids may be views of these pinned buffers)
-            h = self._trace_h.get(layer)
-            if h is None or h.shape[0] < t or h.shape[1] != k:
-                h = self._trace_h[layer] = torch.empty((b.rows, k), dtype=torch.int32,
-                                                       pin_memory=self.device.type == "cuda")  # fmt: skip
-            h[:t].copy_(ids, non_blocking=True)
-            self._step_ids[layer] = h[:t].numpy()
-            if self.device.type == "cuda" and layer == max(self._layers):  # the step's copies are done by then
-                self._trace_ready = torch.cuda.Event()
-                self._trace_ready.record(torch.cuda.current_stream(self.device))
+        self._trace_copy(layer, b, ids, t, k)
         ds = self._dstage
         if ds is None:
             _hits_forward(self._hits[layer], ptrs, x32, ids, w, y)
@@ -1140,15 +1295,15 @@ class TieredRuntime:
         return _Pending(layer, t, k=k, b=b, device_only=True)
 
     def _prepare(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor, r: _Rows,
-                 gpu_ids: bool = False, dev_counts: bool = False) -> torch.Tensor:  # fmt: skip
+                 gpu_ids: bool = False, dev_counts: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """The call's routing into ``r``'s buffers (``ids``, ``w``; ``hit``: which picks are resident, a negative
         id, vLLM's padding rows, being no pick; ``gpu_ids`` if asked: the hits' ids, -1 elsewhere), the cache's
-        observation of it and, if asked, the device path's hit / pick counts: one launch on a GPU
+        observation of it and, if given, the call's hit / pick counts added to ``dev_counts``: one launch on a GPU
         (``route_prep``). Returns the layer's pointer table."""
         cache = self._cache
         li = self._index[layer]
         prepare_routing(topk_ids, topk_weights, cache.slot_of[li], cache.observe_counts(li, r.ids.shape[0]),
-                        self._dev_counts if dev_counts else None, r.ids, r.w, r.hit,
+                        dev_counts, r.ids, r.w, r.hit,
                         r.gpu_ids if gpu_ids else None)  # fmt: skip
         return cache.layer_pointers(li)
 
@@ -1392,6 +1547,7 @@ class TieredRuntime:
             self._end_step(replan=False)
         self._flush_trace()
         self._fold_device_counts()
+        self._fold_stream_counts()  # (a sync: no host function of the stream path runs after the tier closes)
         if self._recorder is not None:
             path = Path(self.tcfg.trace_path)
             self._recorder.trace().save(path)
