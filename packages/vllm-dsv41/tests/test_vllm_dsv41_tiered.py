@@ -486,7 +486,9 @@ def test_the_stream_driven_cpu_tier_gives_the_host_driven_results_bit_for_bit(
     same routing trace; calls above the decode size keep the host path."""
     runs = {}
     for drive in ("stream", "host"):
-        rt = _runtime(home, 5, "cpu", cpu_drive=drive, trace_path=str(tmp_path / f"trace_{drive}.npz"))
+        # (no deadline: a pick the GPU recomputed under load would differ in its last bits)
+        rt = _runtime(home, 5, "cpu", cpu_drive=drive, trace_path=str(tmp_path / f"trace_{drive}.npz"),
+                      deadline_factor=0.0)  # fmt: skip
         rng = np.random.default_rng(21)
         try:
             outs = [
@@ -515,7 +517,8 @@ def test_the_stream_driven_cpu_tier_leaves_what_it_misses_to_the_gpu(home: Exper
     """Jobs that stop early on the stream path (the test hook: each cancels itself after one expert chunk, as a
     deadline's cancel does): the wait lists the picks they did not compute and the hit kernel computes those from
     the host home; the outputs stay exact and the picks are counted, with the failure logged."""
-    rt = _runtime(home, 3, "cpu", cpu_drive="stream")
+    # a deadline the jobs always meet (a minute): only the hook stops them
+    rt = _runtime(home, 3, "cpu", cpu_drive="stream", deadline_factor=1.0, deadline_floor_ms=60_000.0)
     real = rt._tier.stream_call
     rt._tier.stream_call = lambda *a, **k: real(*a, **k, _test_cancel_after_chunks=1)  # type: ignore[method-assign]
     rng = np.random.default_rng(4)
@@ -1086,7 +1089,7 @@ def test_on_the_gpu_the_stream_driven_cpu_tier_matches_the_host_driven(registere
     dev = torch.device("cuda")
     runs = {}
     for drive in ("stream", "host"):
-        rt = _gpu_runtime(registered_home, slots, "cpu", "triton", cpu_drive=drive)
+        rt = _gpu_runtime(registered_home, slots, "cpu", "triton", cpu_drive=drive, deadline_factor=0.0)
         rng = np.random.default_rng(17 + slots)
         outs = []
         try:
@@ -1114,7 +1117,8 @@ def test_on_the_gpu_the_stream_driven_cpu_tier_matches_the_host_driven(registere
     for x, y in zip(a, b, strict=True):
         assert np.array_equal(x, y)
     assert ca == cb
-    rt = _gpu_runtime(registered_home, slots, "cpu", "triton", cpu_drive="stream")
+    rt = _gpu_runtime(registered_home, slots, "cpu", "triton", cpu_drive="stream", deadline_factor=1.0,
+                      deadline_floor_ms=60_000.0)  # fmt: skip
     real = rt._tier.stream_call
     rt._tier.stream_call = lambda *a, **k: real(*a, **k, _test_cancel_after_chunks=1)  # type: ignore[method-assign]
     rng = np.random.default_rng(3)
