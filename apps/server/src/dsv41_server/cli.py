@@ -13,6 +13,7 @@ from pathlib import Path
 
 from vllm_dsv41.config import (
     ATTENTIONS,
+    CPU_DRIVES,
     DENSE_KERNELS,
     HIT_KERNELS,
     KV_ROUNDINGS,
@@ -139,6 +140,13 @@ def _parser() -> argparse.ArgumentParser:
         f"weight in [0, 1]; 0: the startup rates only; default {_TIERED.split_feedback:g})",
     )
     t.add_argument(
+        "--cpu-drive",
+        choices=CPU_DRIVES,
+        help="who drives the CPU tier's share of a decode step: the host thread, waiting for it in every MoE layer "
+        "(host), or the GPU stream through CUDA host functions, the host queuing the whole step ahead (stream); "
+        f"stream sends every miss to the CPU tier (default {_TIERED.cpu_drive})",
+    )
+    t.add_argument(
         "--hit-kernel",
         choices=HIT_KERNELS,
         help="GPU kernel of the cached experts (default auto: the fastest available)",
@@ -263,7 +271,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
         plugin["attention_kv_rounding"] = a.attention_kv_rounding
     # flag -> field of the plugin's nested tiered-runtime config (TieredConfig)
     tiered_fields = {"cache_gib": "cache_gib", "cache_margin_gib": "cache_margin_gib", "cache_policy": "policy",
-                     "miss_split": "split", "split_probe": "split_probe", "split_feedback": "split_feedback", "hit_kernel": "hit_kernel", "pcie_read": "pcie_read",
+                     "miss_split": "split", "split_probe": "split_probe", "split_feedback": "split_feedback", "cpu_drive": "cpu_drive", "hit_kernel": "hit_kernel", "pcie_read": "pcie_read",
                      "device_stage": "device_stage",
                      "pcie_stage_slots": "pcie_stage_slots", "cpu_gbps": "cpu_gbps",
                      "pcie_gbps": "pcie_gbps", "record_routing": "trace_path",
