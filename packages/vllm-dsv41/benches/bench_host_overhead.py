@@ -145,8 +145,8 @@ _HOST_PARTS = ("layer_calls", "begin_seconds", "bookkeeping_seconds", "submit_se
 
 def parts_text(parts: dict[str, float]) -> str:
     """A row's host microseconds per layer call by part, from the runtime's own counters."""
-    return (f"begin {parts['begin_seconds']:.1f} (step bookkeeping {parts['bookkeeping_seconds']:.1f}, submit "
-            f"{parts['submit_seconds']:.1f}), finish less its wait {parts['finish_seconds']:.1f}; the CPU job "
+    return (f"begin {parts['begin_seconds']:.1f} (submit {parts['submit_seconds']:.1f}), step bookkeeping "
+            f"{parts['bookkeeping_seconds']:.1f}, finish less its wait {parts['finish_seconds']:.1f}; the CPU job "
             f"{parts['cpu_run_seconds']:.1f}, waited {parts['cpu_wait_seconds']:.1f}")  # fmt: skip
 
 

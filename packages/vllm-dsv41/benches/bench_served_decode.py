@@ -394,8 +394,8 @@ def step_period(stamps: list[tuple[float, int]], streams: int) -> float:
 
 #: The tiered runtime's decode-size counters (``TierStats``) a run's parts come from.
 _PART_FIELDS = ("steps", "layer_seconds", "cpu_seconds", "cpu_run_seconds", "cpu_pred_seconds", "cpu_wait_seconds",
-                "wait_seconds", "pcie_enqueue_seconds", "begin_seconds", "bookkeeping_seconds", "submit_seconds",
-                "finish_seconds", "device_steps")  # fmt: skip
+                "stream_wait_seconds", "wait_seconds", "pcie_enqueue_seconds", "begin_seconds", "bookkeeping_seconds",
+                "submit_seconds", "finish_seconds", "device_steps")  # fmt: skip
 
 
 def _decode_counters(model: Any) -> dict[str, float]:
@@ -435,11 +435,14 @@ def parts_line(runs: list[dict[str, Any]], non_expert_ms: float | None) -> str:
         x = f": x{p['cpu_run_ms'] / pred:.2f}" if pred > 0 else ""
         inside.append(f"the CPU tier's jobs ran {p['cpu_run_ms']:.2f}, predicted {pred:.2f}{x}; submit to end "
                       f"{p['cpu_ms']:.2f}; the host waited {p['cpu_wait_ms']:.2f} for them")  # fmt: skip
-    between = p["layer_ms"] - p["begin_ms"] - p["cpu_wait_ms"] - p["finish_ms"]
-    inside.append(f"other host work {p['layer_ms'] - p['cpu_wait_ms']:.2f}: begin {p['begin_ms']:.2f} (the step's "
-                  f"bookkeeping {p['bookkeeping_ms']:.2f}, input wait {p['wait_ms']:.2f}, the CPU tier's submit "
-                  f"{p['submit_ms']:.2f}, PCIe queuing {p['pcie_enqueue_ms']:.2f}), between begin and finish (the "
-                  f"shared expert's launches) {between:.2f}, finish less its wait {p['finish_ms']:.2f}")  # fmt: skip
+    if p.get("stream_wait_ms", 0.0) > 0:
+        inside.append(f"the stream held {p['stream_wait_ms']:.2f} for them (no host wait)")
+    between = p["layer_ms"] - p["begin_ms"] - p["cpu_wait_ms"] - p["finish_ms"] - p["bookkeeping_ms"]
+    inside.append(f"other host work {p['layer_ms'] - p['cpu_wait_ms']:.2f}: begin {p['begin_ms']:.2f} (input wait "
+                  f"{p['wait_ms']:.2f}, the CPU tier's submit {p['submit_ms']:.2f}, PCIe queuing "
+                  f"{p['pcie_enqueue_ms']:.2f}), between begin and finish (the shared expert's launches) "
+                  f"{between:.2f}, finish less its wait {p['finish_ms']:.2f}, the step's bookkeeping "
+                  f"{p['bookkeeping_ms']:.2f}")  # fmt: skip
     line = (f"parts per decode step: MoE layer calls {p['layer_ms']:.2f} ms ({'; '.join(inside)}); outside them "
             f"{step_ms - p['layer_ms']:.2f} ms")  # fmt: skip
     if non_expert_ms is not None:

@@ -64,9 +64,10 @@ def test_parts_line_takes_the_median_run() -> None:
     assert "MoE layer calls 36.00 ms" in line and "outside them 4.00 ms" in line
     assert "ran 25.00, predicted 20.00: x1.25" in line
     assert "other host work 11.00" in line and "experts off: 3.50 ms" in line
-    # begin 6, finish 3: 2 ms between them (36 - 25 - 6 - 3)
-    assert "begin 6.00 (the step's bookkeeping 2.00" in line and "submit 0.50" in line
-    assert "between begin and finish (the shared expert's launches) 2.00" in line
+    # begin 6, finish 3, bookkeeping 2: 0 ms between them (36 - 25 - 6 - 3 - 2)
+    assert "begin 6.00 (input wait" in line and "submit 0.50" in line and "the step's bookkeeping 2.00" in line
+    assert "between begin and finish (the shared expert's launches) 0.00" in line
+    assert "the stream held" not in line
     assert "finish less its wait 3.00" in line
     assert "device path" not in line
     assert b.parts_line([{"step_s": 0.01, "parts": {}}], None) == ""  # runtimes without counters: no line

@@ -97,11 +97,14 @@ class TierStats:
     trace_rows_dropped: int = 0  # token rows left out of the routing trace: they route an expert twice (below)
     pcie_enqueue_seconds: float = 0.0  # host time queuing the PCIe share (after the CPU job is submitted)
     cpu_wait_seconds: float = 0.0  # host time blocked in finish() on the CPU tier's job (the GPU's share done before)
+    stream_wait_seconds: float = 0.0  # cpu_drive "stream": the stream's host function blocked on the jobs
     cpu_run_seconds: float = 0.0  # the CPU tier's own run time of those jobs (cpu_seconds less queue and wake-up)
     cpu_pred_seconds: float = 0.0  # what the startup rates predicted for those jobs (decode-size calls; else 0)
     # the host's time in the layer calls by part (where a step's time outside the CPU tier's job goes):
-    begin_seconds: float = 0.0  # begin() whole: the step's bookkeeping, launches, input wait, split, submit
-    bookkeeping_seconds: float = 0.0  # of it, the step's bookkeeping at its first MoE layer (replans, trace)
+    begin_seconds: float = 0.0  # begin() less the step's bookkeeping: launches, input wait, split, submit
+    # the step's bookkeeping (the cache's after_step and replans, the trace): at its last MoE layer's finish, or at
+    # the next step's first begin when it did not close there; in neither begin_seconds nor finish_seconds
+    bookkeeping_seconds: float = 0.0
     submit_seconds: float = 0.0  # of it, the CPU tier's submit call
     finish_seconds: float = 0.0  # finish() less its wait for the CPU tier (copies, combine, counters)
     device_steps: int = 0  # decode steps on the device path (every miss over PCIe, no host sync per layer)
@@ -127,10 +130,11 @@ class TierStats:
             f"{1e3 * self.cpu_seconds / s:.2f} ms (running {1e3 * self.cpu_run_seconds / s:.2f} ms, predicted "
             f"{1e3 * self.cpu_pred_seconds / s:.2f} ms), input wait "
             f"{1e3 * self.wait_seconds / s:.2f} ms, PCIe queuing {1e3 * self.pcie_enqueue_seconds / s:.2f} ms, wait "
-            f"for the CPU tier {1e3 * self.cpu_wait_seconds / s:.2f} ms, host work in begin "
-            f"{1e3 * self.begin_seconds / s:.2f} ms (the step's bookkeeping {1e3 * self.bookkeeping_seconds / s:.2f}, "
-            f"the CPU tier's submit {1e3 * self.submit_seconds / s:.2f}) and in finish "
-            f"{1e3 * self.finish_seconds / s:.2f} ms; {self.device_steps} steps on the device "
+            f"for the CPU tier {1e3 * self.cpu_wait_seconds / s:.2f} ms (the stream's "
+            f"{1e3 * self.stream_wait_seconds / s:.2f} ms), host work in begin {1e3 * self.begin_seconds / s:.2f} ms "
+            f"(the CPU tier's submit {1e3 * self.submit_seconds / s:.2f}), in finish "
+            f"{1e3 * self.finish_seconds / s:.2f} ms and in the step's bookkeeping "
+            f"{1e3 * self.bookkeeping_seconds / s:.2f} ms; {self.device_steps} steps on the device "
             f"path, {self.stream_steps} with the CPU tier driven by the stream; split feedback: CPU tier "
             f"x{self.cpu_scale:.2f}, PCIe x{self.pcie_scale:.2f} of the startup prediction"
         )
@@ -581,7 +585,7 @@ class TieredRuntime:
             st.fallback_picks += missed
             st.cpu_seconds += d["span_s"]
             st.cpu_run_seconds += d["run_s"]
-            st.cpu_wait_seconds += d["wait_s"]
+            st.stream_wait_seconds += d["wait_s"]
             st.cpu_pred_seconds += d["predicted_s"]
         metrics.cache_lookups(hits, picks - hits)
         metrics.picks("gpu_cache", hits)
@@ -939,7 +943,7 @@ class TieredRuntime:
         self._flush_trace()  # (the routing trace: the last step's, while the CPU tier works)
         self._pending.t0 = t0
         self._pending.bookkeeping_s = bookkeeping_s
-        self._pending.begin_s = time.perf_counter() - t0
+        self._pending.begin_s = time.perf_counter() - t0 - bookkeeping_s
 
     def finish(self, layer: int, out: torch.Tensor) -> None:
         """Second half: wait for the CPU share (deadline, GPU fallback) and write ``out[:T]``."""
@@ -947,6 +951,7 @@ class TieredRuntime:
         p = self._pending
         if p is None or p.layer != layer:
             raise RuntimeError(f"MoE layer {layer}: finish() without its begin()")
+        bookkeeping_begin = p.bookkeeping_s
         self._pending = None
         sts = (self._stats,) if p.profile or p.staged is not None else self._counters(p.t)
         if p.t:
@@ -969,8 +974,16 @@ class TieredRuntime:
         if self._step_probed and layer == max(self._layers) and self._step_start is not None:
             self._span_open = (self._step_tokens, self._step_path, self._step_start, self._span_mark())
             self._step_start = None
+        if self._step_open and layer == max(self._layers) and not p.profile:
+            # the step's bookkeeping (the cache's after_step, a replan when due, the trace) at its last MoE layer
+            # rather than at the next step's first: with no host sync (the device and stream paths) the host does
+            # it while the GPU and the CPU tier still work through the queued layers, not while they wait for the
+            # next step's first launches
+            tb = time.perf_counter()
+            self._end_step()
+            p.bookkeeping_s += time.perf_counter() - tb
         now = time.perf_counter()
-        dt, finish_s = now - p.t0, now - tf - p.cpu_wait_s
+        dt, finish_s = now - p.t0, now - tf - p.cpu_wait_s - (p.bookkeeping_s - bookkeeping_begin)
         for st in sts:
             st.layer_calls += 1
             st.layer_seconds += dt
