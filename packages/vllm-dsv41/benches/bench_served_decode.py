@@ -141,22 +141,26 @@ class Meter:
     tokens: list[int] = dataclasses.field(default_factory=list)
     # device-path calls (no host copy of their routing): (first layer, tokens, on, ids, hit) as device clones,
     # counted by ``flush`` after the run (reading them on the host inside the step would add a sync per layer)
-    pending: list[tuple[bool, int, bool, Any, Any, str]] = dataclasses.field(default_factory=list)
+    pending: list[tuple[bool, int, bool, Any, Any, str, Any]] = dataclasses.field(default_factory=list)
 
-    def defer(self, first_layer: bool, t: int, ids: Any, hit: Any, misses: str = "pcie") -> None:
+    def defer(self, first_layer: bool, t: int, ids: Any, hit: Any, misses: str = "pcie", shared: Any = None) -> None:
         if t <= self.decode_max_tokens:
-            self.pending.append((first_layer, t, self.on, ids.clone(), hit.clone(), misses))
+            self.pending.append((first_layer, t, self.on, ids.clone(), hit.clone(), misses,
+                                 None if shared is None else shared.clone()))  # fmt: skip
 
     def flush(self) -> None:
         """Count the deferred no-sync calls: hits = distinct resident experts, the distinct others to ``misses``
-        (PCIe on the device path, the CPU tier on the stream path; negative ids are vLLM's padding rows, no pick)."""
+        (PCIe on the device path, the CPU tier on the stream path; negative ids are vLLM's padding rows, no pick),
+        except those in ``shared`` (the stream path's PCIe share), counted as PCIe."""
         pending, self.pending = self.pending, []
-        for first, t, on, ids_d, hit_d, misses in pending:
+        for first, t, on, ids_d, hit_d, misses, shared_d in pending:
             ids, hit = ids_d.cpu().numpy().reshape(-1), hit_d.cpu().numpy().reshape(-1)
+            shared = np.zeros_like(hit) if shared_d is None else shared_d.cpu().numpy().reshape(-1)
             on0, self.on = self.on, on
-            n_miss = np.unique(ids[~hit & (ids >= 0)]).size
+            n_miss = np.unique(ids[~hit & ~shared & (ids >= 0)]).size
+            n_shared = np.unique(ids[shared]).size
             self.add(first, t, np.unique(ids[hit]).size, n_miss if misses == "cpu" else 0,
-                     n_miss if misses == "pcie" else 0)  # fmt: skip
+                     (n_miss if misses == "pcie" else 0) + n_shared)  # fmt: skip
             self.on = on0
 
     def add(self, first_layer: bool, t: int, hit: int, cpu: int, pcie: int) -> None:
@@ -261,7 +265,9 @@ def _metered_classes() -> tuple[type, type]:
             m = _W["meter"]
             if m is not None and p.b is not None:
                 r = p.b.at(t)
-                m.defer(layer == min(self._layers), t, r.ids, r.hit, misses="cpu")
+                # the resident picks from the cache's table (the hit mask now also marks the PCIe share)
+                resident = (self._cache.slot_of[self._index[layer]][r.ids.clamp(min=0).long()] >= 0) & (r.ids >= 0)
+                m.defer(layer == min(self._layers), t, r.ids, resident, misses="cpu", shared=r.hit & ~resident)
             return p
 
     class MeteredCpu(CpuExpertRuntime):  # type: ignore[misc]
@@ -328,6 +334,8 @@ def _use_runtime(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
             # decode only unless asked (the staged prefill's calibration times two layers per case)
             prefill=bool(spec.get("prefill", False)),
         )
+        if spec.get("tiered_config"):  # --tiered-config: more settings, for every tiered case
+            tcfg = dataclasses.replace(tcfg, **spec["tiered_config"])
         assert isinstance(tcfg, TieredConfig)
         if r:
             rates = _model_rates(r)
@@ -607,6 +615,8 @@ def main() -> int:
     ap.add_argument("--cpu-threads", type=int, default=8)
     ap.add_argument("--cpu-config", type=json.loads, default={},
                     help='more cpu-tier settings for every runtime, JSON (e.g. \'{"spin_us": 2000}\')')  # fmt: skip
+    ap.add_argument("--tiered-config", type=json.loads, default={},
+                    help='TieredConfig settings for the tiered cases, JSON (e.g. \'{"split_probe": 0}\')')  # fmt: skip
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (default PIECEWISE)")
     ap.add_argument(
         "--mission-cpu-gbps",
@@ -639,6 +649,13 @@ def main() -> int:
 
         try:
             _nested_config(CpuTierConfig, a.cpu_config, "--cpu-config", "cpu-tier settings")
+        except ValueError as e:
+            ap.error(str(e))
+    if a.tiered_config:
+        from vllm_dsv41.config import TieredConfig, _nested_config
+
+        try:
+            _nested_config(TieredConfig, a.tiered_config, "--tiered-config", "tiered settings")
         except ValueError as e:
             ap.error(str(e))
     pack = a.pack or build_flash_pack(a.root, a.layers, small=a.small)
@@ -693,6 +710,7 @@ def main() -> int:
     base_spec = {
         "cpu_threads": a.cpu_threads,
         "cpu_config": a.cpu_config,
+        "tiered_config": a.tiered_config,
         "policy": a.policy,
         "hit_kernel": a.hit_kernel,
         "cache_bytes": cache_bytes,

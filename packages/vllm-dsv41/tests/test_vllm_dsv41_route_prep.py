@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_dsv41.route_prep import prepare_routing, prepare_routing_reference
+from vllm_dsv41.route_prep import prepare_routing, prepare_routing_reference, share_misses, share_misses_reference
 
 
 def case(rng: np.random.Generator, t: int, k: int, e: int, ids_dtype: torch.dtype, w_dtype: torch.dtype) -> tuple:
@@ -64,6 +64,59 @@ def test_optional_outputs_are_left_alone() -> None:
     assert torch.equal(ids, want["ids"]) and torch.equal(hit, want["hit"]) and torch.equal(w, want["w"])
 
 
+def share_case(rng: np.random.Generator, t: int, k: int, e: int) -> tuple[torch.Tensor, ...]:
+    """A call's prepared routing (ids with padding and experts shared by tokens, a hit mask, the hits' ids) and a
+    quota table of random shares."""
+    ids = rng.integers(0, e, (t, k))
+    ids[rng.random((t, k)) < 0.1] = -1
+    hit = (ids >= 0) & (rng.random((t, k)) < 0.3)
+    hit_e = rng.random(e) < 0.2  # some experts resident: all their picks hit
+    hit |= (ids >= 0) & hit_e[np.maximum(ids, 0)]
+    gpu_ids = np.where(hit, ids, -1)
+    quota = np.array([rng.integers(0, n + 1) for n in range(t * k + 1)], np.int32)
+    if rng.random() < 0.3:
+        quota = quota[: max(1, t * k // 2)]  # a short table: its last entry for more misses
+    return (torch.from_numpy(ids.astype(np.int32)), torch.from_numpy(hit), torch.from_numpy(gpu_ids.astype(np.int32)),
+            torch.from_numpy(quota), torch.tensor([9], dtype=torch.int64))  # fmt: skip
+
+
+def share_definition(ids: np.ndarray, hit: np.ndarray, quota: np.ndarray) -> np.ndarray:
+    """Which picks go to the GPU: those of the ``quota[n]`` lowest-id distinct missed experts."""
+    miss = (ids >= 0) & ~hit
+    experts = np.unique(ids[miss])  # sorted
+    q = int(quota[min(experts.size, quota.size - 1)])
+    return miss & np.isin(ids, experts[:q])
+
+
+def test_share_reference_matches_its_definition_on_fresh_routings() -> None:
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    for t, k, e in ((1, 6, 384), (4, 6, 384), (4, 6, 12), (16, 8, 64), (16, 6, 20)):
+        for _ in range(5):
+            ids, hit, gpu_ids, quota, count = share_case(rng, t, k, e)
+            pcie = share_definition(ids.numpy(), hit.numpy(), quota.numpy())
+            h0, g0 = hit.numpy().copy(), gpu_ids.numpy().copy()
+            share_misses_reference(ids, hit, gpu_ids, quota, count)
+            assert np.array_equal(hit.numpy(), h0 | pcie)
+            assert np.array_equal(gpu_ids.numpy(), np.where(pcie, ids.numpy(), g0))
+            assert count.tolist() == [9 + int(pcie.sum())]
+            # every pick of a shared expert goes the same way
+            moved = set(ids.numpy()[pcie].tolist())
+            assert not (moved & set(ids.numpy()[(ids.numpy() >= 0) & ~hit.numpy()].tolist()))
+
+
+def test_share_of_nothing_and_of_everything() -> None:
+    ids = torch.tensor([[3, 1, 3, -1], [5, 1, 2, 7]], dtype=torch.int32)
+    hit = torch.tensor([[False, False, False, False], [False, False, True, False]])
+    gpu_ids = torch.where(hit, ids, -1).to(torch.int32)
+    count = torch.zeros(1, dtype=torch.int64)
+    share_misses(ids, hit.clone(), gpu_ids.clone(), torch.zeros(9, dtype=torch.int32), count)
+    assert count.item() == 0
+    h, g = hit.clone(), gpu_ids.clone()
+    share_misses(ids, h, g, torch.tensor([0, 0, 0, 0, 2], dtype=torch.int32), count)  # 4 distinct misses: 1, 3, 5, 7
+    assert g.tolist() == [[3, 1, 3, -1], [-1, 1, 2, -1]] and count.item() == 4  # experts 1 and 3: 4 picks
+    assert h.tolist() == [[True, True, True, False], [False, True, True, False]]
+
+
 INTERPRETED = textwrap.dedent(
     """
     import os, sys
@@ -98,10 +151,74 @@ INTERPRETED = textwrap.dedent(
     """
 )
 
+SHARE_INTERPRETED = textwrap.dedent(
+    """
+    import os, sys
+    assert os.environ["TRITON_INTERPRET"] == "1"
+    import numpy as np, torch
+    sys.path.insert(0, os.environ["TESTS_DIR"])
+    from test_vllm_dsv41_route_prep import share_case
+    from vllm_dsv41.route_prep import share_misses, share_misses_reference
+
+    rng = np.random.default_rng(int(os.environ["SEED"]))
+    for t, k, e in ((1, 6, 384), (4, 6, 20), (16, 6, 384), (16, 8, 40)):  # the last: 128 picks, the widest block
+        for _ in range(4):
+            ids, hit, gpu_ids, quota, count = share_case(rng, t, k, e)
+            want = [hit.clone(), gpu_ids.clone(), count.clone()]
+            share_misses_reference(ids, want[0], want[1], quota, want[2])
+            got = [hit.clone(), gpu_ids.clone(), count.clone()]
+            share_misses(ids, got[0], got[1], quota, got[2], use_triton=True)
+            for a, b in zip(got, want):
+                assert torch.equal(a, b), (t, k, a, b)
+        print("ok", t, k)
+    """
+)
+
 
 @pytest.mark.slow
 def test_the_kernel_equals_the_torch_ops_in_the_interpreter(interpreted: Callable[[str, int, float], None]) -> None:
     interpreted(INTERPRETED, 4, 600)
+
+
+@pytest.mark.slow
+def test_the_share_kernel_equals_the_torch_ops_in_the_interpreter(
+    interpreted: Callable[[str, int, float], None],
+) -> None:
+    interpreted(SHARE_INTERPRETED, 4, 600)
+
+
+@pytest.mark.parametrize("arch", [80, 86, 90])
+def test_the_share_kernel_compiles_for_ampere_and_hopper(arch: int) -> None:
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from vllm_dsv41.route_prep import _share
+
+    for block in (16, 128):
+        sig = dict(IDS="*i32", HIT="*u8", GPU_IDS="*i32", QUOTA="*i32", COUNT="*i64", N="i32", QMAX="i32",
+                   BLOCK="constexpr")  # fmt: skip
+        k = triton.compile(ASTSource(_share, sig, constexprs=dict(BLOCK=block)), target=GPUTarget("cuda", arch, 32),
+                           options=dict(num_warps=4))  # fmt: skip
+        assert k.asm["cubin"], "ptxas built no cubin"
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_share_kernel_equals_the_torch_ops() -> None:
+    """Device machine: the stream-driven split's share kernel on CUDA tensors against the torch ops."""
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tests need a CUDA device")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    for t, k, e in ((1, 6, 384), (4, 6, 20), (16, 6, 384), (16, 8, 40)):
+        for _ in range(8):
+            args = share_case(rng, t, k, e)
+            want = [a.clone() for a in args]
+            share_misses_reference(*want)
+            got = [a.to(dev) for a in args]
+            share_misses(*got)  # CUDA: the kernel
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a.cpu(), b), (t, k)
 
 
 @pytest.mark.parametrize("arch", [80, 86, 90])

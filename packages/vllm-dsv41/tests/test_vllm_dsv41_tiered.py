@@ -35,6 +35,7 @@ def _slot_bytes(home: ExpertHome) -> int:
 def _runtime(home: ExpertHome, slots: int, split: str = "auto", rates: Rates = RATES,
              **tiered: object) -> TieredRuntime:  # fmt: skip
     tiered.setdefault("prefill", False)  # the decode composition (the staged prefill: test_vllm_dsv41_prefill.py)
+    tiered.setdefault("cpu_drive", "host")  # the host-driven split (its CPU/PCIe shares); the stream's tests ask for it
     t = TieredConfig(split=split, hit_kernel="reference", replan_every=2, **tiered)  # type: ignore[arg-type]
     cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact"), runtime="tiered", tiered=t)
     rt = TieredRuntime(cfg, home, "cpu", rates=rates, cache_bytes=max(slots * _slot_bytes(home), 1))
@@ -263,6 +264,7 @@ def _wide_runtime(home: ExpertHome, **tiered: object) -> TieredRuntime:
         return k
 
     tiered.setdefault("prefill", False)
+    tiered.setdefault("cpu_drive", "host")
     t = TieredConfig(hit_kernel="reference", replan_every=2, **tiered)  # type: ignore[arg-type]
     cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact"), runtime="tiered", tiered=t)
     # a cache of 5 slots once the transient slots (taken from the budget when the read is staged) are out
@@ -535,8 +537,9 @@ def test_the_stream_driven_cpu_tier_leaves_what_it_misses_to_the_gpu(home: Exper
 def test_auto_measures_the_stream_driven_split_against_the_device_path(
     home: ExpertHome, reference: ReferenceExperts
 ) -> None:
-    """split "auto" with cpu_drive "stream": the chooser's split side is the stream path (every miss to the CPU
-    tier, no host sync); both sides are measured and every output is exact."""
+    """split "auto" with cpu_drive "stream": the chooser's split side is the stream path (the misses shared between
+    the CPU tier and the GPU's reads of the home, no host sync); both sides are measured and every output is
+    exact."""
     rt = _runtime(home, 4, "auto", cpu_drive="stream", split_probe=2)
     rng = np.random.default_rng(6)
     try:
@@ -546,6 +549,38 @@ def test_auto_measures_the_stream_driven_split_against_the_device_path(
         assert s.cpu_picks > 0 and s.pcie_picks > 0
     finally:
         rt.close()
+
+
+def test_the_stream_driven_split_shares_the_misses_by_the_rates(home: ExpertHome,
+                                                               reference: ReferenceExperts) -> None:  # fmt: skip
+    """split "auto", cpu_drive "stream", the split side only (no probes): per call the GPU reads the quota of the
+    distinct missed experts (``split_misses`` at the rates: equal rates, about half) from the host home while the
+    CPU tier computes the rest; every output exact, every pick counted once (hit, CPU or PCIe); with split "cpu"
+    no share."""
+    from vllm_dsv41.split import split_misses
+
+    for split, share in (("auto", True), ("cpu", False)):
+        rt = _runtime(home, 3, split, cpu_drive="stream", split_probe=0, deadline_factor=0.0)
+        rng = np.random.default_rng(12)
+        try:
+            for tokens in (1, 3, 8):
+                _exact_steps(rt, rng, reference, 3, tokens)
+            s = rt.stats
+            assert s.stream_steps == 9 and s.device_steps == 0
+            assert s.hit_picks + s.cpu_picks + s.pcie_picks == 3 * LAYERS * (1 + 3 + 8) * TOP_K
+            assert s.cpu_picks > 0 and (s.pcie_picks > 0) == share, s.describe()
+            quota = rt._stream_quota[(0, 8)]
+            if share:
+                assert quota is not None
+                eb = rt._expert_bytes[0]
+                want = [int(split_misses(np.arange(n), np.ones(n, np.int64), eb, RATES, "auto").pcie.sum())
+                        for n in range(8 * TOP_K + 1)]  # fmt: skip
+                assert quota.tolist() == want and 0 < want[8] < 8
+                assert s.pcie_picks < s.cpu_picks + s.pcie_picks
+            else:
+                assert quota is None
+        finally:
+            rt.close()
 
 
 def test_the_stream_path_needs_a_home_read_in_place(home: ExpertHome, reference: ReferenceExperts) -> None:
@@ -1028,6 +1063,7 @@ def registered_home(demo_pack: Path) -> Iterator[ExpertHome]:
 
 def _gpu_runtime(home: ExpertHome, slots: int, split: str, kernel: str, **tiered: object) -> TieredRuntime:
     tiered.setdefault("prefill", False)
+    tiered.setdefault("cpu_drive", "host")  # the stream-driven path: its own GPU test
     t = TieredConfig(split=split, hit_kernel=kernel, replan_every=2, **tiered)  # type: ignore[arg-type]
     cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact"), runtime="tiered", tiered=t)
     rt = TieredRuntime(cfg, home, "cuda", rates=RATES, cache_bytes=max(slots * _slot_bytes(home), 1))
@@ -1134,6 +1170,35 @@ def test_on_the_gpu_the_stream_driven_cpu_tier_matches_the_host_driven(registere
                 expected = reference.forward(layer, x, ids, w)
                 np.testing.assert_allclose(out.cpu().numpy(), expected, rtol=0, atol=3e-5 * np.abs(expected).max())
         assert rt.stats.fallback_picks > 0
+    finally:
+        rt.close()
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_stream_driven_split_shares_the_misses(registered_home: ExpertHome,
+                                                              reference: ReferenceExperts) -> None:  # fmt: skip
+    """cpu_drive "stream" with split "auto" on CUDA (the split side only): the share kernel gives part of each
+    call's misses to the hit kernel reading the host home, the CPU tier computes the rest; exact against the
+    float64 reference, every pick counted once."""
+    dev = torch.device("cuda")
+    rt = _gpu_runtime(registered_home, 5, "auto", "triton", cpu_drive="stream", split_probe=0, deadline_factor=0.0)
+    rng = np.random.default_rng(29)
+    total = 0
+    try:
+        for step in range(8):
+            tokens = [1, 4, 16, 2][step % 4]
+            for layer in range(LAYERS):
+                x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
+                ids, w = _routing(rng, tokens)
+                out = torch.empty((tokens, HIDDEN), device=dev)
+                rt.forward_into(layer, torch.from_numpy(x).to(dev), torch.from_numpy(ids).to(dev),
+                                torch.from_numpy(w).to(dev), out)  # fmt: skip
+                expected = reference.forward(layer, x, ids, w)
+                np.testing.assert_allclose(out.cpu().numpy(), expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+                total += tokens * TOP_K
+        s = rt.stats
+        assert s.stream_steps == 8 and s.device_steps == 0
+        assert s.hit_picks + s.cpu_picks + s.pcie_picks == total and s.cpu_picks > 0 and s.pcie_picks > 0, s.describe()
     finally:
         rt.close()
 

@@ -144,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=CPU_DRIVES,
         help="who drives the CPU tier's share of a decode step: the host thread, waiting for it in every MoE layer "
         "(host), or the GPU stream through CUDA host functions, the host queuing the whole step ahead (stream); "
-        f"stream sends every miss to the CPU tier (default {_TIERED.cpu_drive})",
+        f"with --miss-split auto the stream shares the misses with PCIe by the startup rates (default {_TIERED.cpu_drive})",
     )
     t.add_argument(
         "--hit-kernel",

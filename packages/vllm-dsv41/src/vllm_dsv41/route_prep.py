@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["prepare_routing", "prepare_routing_reference"]
+__all__ = ["prepare_routing", "prepare_routing_reference", "share_misses", "share_misses_reference"]
 
 #: Picks one program of the kernel handles (a decode call has at most 16 x top-k; a larger call has a grid).
 BLOCK = 128
@@ -74,6 +74,50 @@ def prepare_routing(topk_ids: torch.Tensor, topk_weights: torch.Tensor, slot_row
     )  # fmt: skip
 
 
+def share_misses_reference(ids: torch.Tensor, hit: torch.Tensor, gpu_ids: torch.Tensor, quota: torch.Tensor,
+                           count: torch.Tensor) -> None:  # fmt: skip
+    """The stream-driven split's PCIe share of a call, as torch ops (the definition). Of the call's distinct missed
+    experts (real picks, ``ids >= 0``, not ``hit``), ``quota[n]`` go to the GPU, which reads them from the host home
+    (``n``: how many there are; ``n`` past the table's end reads its last entry): those with the lowest ids. Their
+    picks become ``hit`` (so the CPU tier skips them) and their ids are written to ``gpu_ids`` (so the hit kernel
+    computes them); their pick count is added to ``count`` (int64 ``[1]``). No host sync: the quota is looked up
+    on the device. ``ids`` int32 ``[t, k]``, ``hit`` bool, ``gpu_ids`` int32, ``quota`` int32 ``[>= 1]``."""
+    e = ids.reshape(-1).to(torch.int64)
+    n = e.numel()
+    miss = (e >= 0) & ~hit.reshape(-1)
+    idx = torch.arange(n, device=ids.device)
+    dup_before = (e[:, None] == e[None, :]) & miss[:, None] & miss[None, :] & (idx[None, :] < idx[:, None])
+    first = miss & ~dup_before.any(dim=1)  # each distinct missed expert once, at its first pick
+    rank = ((e[None, :] < e[:, None]) & first[None, :]).sum(dim=1)  # distinct missed experts of lower id
+    q = quota[first.sum().clamp(max=quota.numel() - 1)]
+    pcie = (miss & (rank < q)).view_as(hit)
+    hit |= pcie
+    torch.where(pcie, ids, gpu_ids, out=gpu_ids)
+    count.add_(pcie.sum())
+
+
+def share_misses(ids: torch.Tensor, hit: torch.Tensor, gpu_ids: torch.Tensor, quota: torch.Tensor,
+                 count: torch.Tensor, use_triton: bool | None = None) -> None:  # fmt: skip
+    """``share_misses_reference``'s effect: one Triton program on a CUDA device (``use_triton`` None; the call's
+    picks in one block, pairwise), the torch ops elsewhere; ``use_triton=True`` forces the kernel (Triton's
+    interpreter on the CPU, tests)."""
+    if use_triton is None:
+        use_triton = ids.device.type == "cuda"
+    if not use_triton:
+        share_misses_reference(ids, hit, gpu_ids, quota, count)
+        return
+    n = ids.numel()
+    if n == 0:
+        return
+    for name, tns in (("ids", ids), ("hit", hit), ("gpu_ids", gpu_ids), ("quota", quota)):
+        if not tns.is_contiguous():
+            raise ValueError(f"share_misses: {name} must be contiguous")
+    if _share is None:
+        raise RuntimeError("share_misses: the kernel needs Triton, which is not installed")
+    block = max(16, 1 << (n - 1).bit_length())
+    _share[(1,)](ids, hit.view(torch.uint8), gpu_ids, quota, count, n, quota.numel() - 1, BLOCK=block)
+
+
 def _kernel() -> Any:
     if _route_prep is None:
         raise RuntimeError("prepare_routing: the fused kernel needs Triton, which is not installed")
@@ -85,7 +129,26 @@ try:
     import triton.language as tl
 except ImportError:  # (torch without CUDA may come without Triton: the torch ops serve there)
     _route_prep = None
+    _share = None
 else:
+
+    @triton.jit
+    def _share(IDS, HIT, GPU_IDS, QUOTA, COUNT, N, QMAX, BLOCK: tl.constexpr):  # fmt: skip
+        offs = tl.arange(0, BLOCK)
+        m = offs < N
+        e = tl.load(IDS + offs, mask=m, other=-1).to(tl.int32)
+        h = tl.load(HIT + offs, mask=m, other=1)
+        miss = m & (e >= 0) & (h == 0)
+        dup_before = ((e[:, None] == e[None, :]) & miss[:, None] & miss[None, :]
+                      & (offs[None, :] < offs[:, None]))  # fmt: skip
+        first = miss & (tl.sum(dup_before.to(tl.int32), axis=1) == 0)
+        rank = tl.sum(((e[None, :] < e[:, None]) & first[None, :]).to(tl.int32), axis=1)
+        q = tl.load(QUOTA + tl.minimum(tl.sum(first.to(tl.int32), axis=0), QMAX))
+        pcie = miss & (rank < q)
+        tl.store(HIT + offs, ((h != 0) | pcie).to(tl.uint8), mask=m)
+        g = tl.load(GPU_IDS + offs, mask=m, other=-1)
+        tl.store(GPU_IDS + offs, tl.where(pcie, e, g), mask=m)
+        tl.atomic_add(COUNT, tl.sum(pcie.to(tl.int64), axis=0))
 
     @triton.jit
     def _route_prep(TOPK_IDS, TOPK_W, SLOT_ROW, COUNTS, DEV, IDS, W, HIT, GPU_IDS, N,

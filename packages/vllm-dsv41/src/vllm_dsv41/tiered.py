@@ -57,7 +57,7 @@ from .config import Dsv41PluginConfig, TieredConfig
 from .dev_stage import MAX_PICKS, DeviceStaging
 from .experts import _check_args, _refuse_capture, in_profile_run
 from .home import ExpertHome, LayerExperts
-from .route_prep import prepare_routing
+from .route_prep import prepare_routing, share_misses
 from .split import PathChooser, Rates, cpu_share_seconds, split_misses
 
 __all__ = ["TierStats", "TieredRuntime", "hit_seconds"]
@@ -456,9 +456,11 @@ class TieredRuntime:
         self._dev_counts: torch.Tensor | None = None
         self._trace_h: dict[int, torch.Tensor] = {}  # per MoE layer: its routing, pinned (device-only path)
         # cpu_drive "stream": per (MoE layer, tokens) the cpu_tier.StreamCall over the buffers of that size, the
-        # stream path's hit counts on the device (hits, picks) and the calls' counters already folded
+        # stream path's pick counts on the device (hits, picks, picks given to the GPU's PCIe reads), the calls'
+        # counters already folded, and per (MoE layer, tokens) the PCIe share's quota table (None: no share)
         self._stream_calls: dict[tuple[int, int], Any] = {}
         self._stream_counts: torch.Tensor | None = None
+        self._stream_quota: dict[tuple[int, int], torch.Tensor | None] = {}
         self._stream_seen: dict[tuple[int, int], Any] = {}
         self._host_fn: Any = None  # vllm_dsv41.hostfn's launcher (CUDA), made at the first stream call
         # split "auto": per decode batch size, the split path or the device path, whichever measures faster
@@ -566,7 +568,7 @@ class TieredRuntime:
         c = self._stream_counts
         if c is None:
             return
-        hits, picks = (int(v) for v in c.tolist())
+        hits, picks, pcie = (int(v) for v in c.tolist())
         with torch.inference_mode():  # (an inference tensor, as _dev_counts)
             c.zero_()
         d = dict.fromkeys(("picks", "deadline_misses", "missed_picks", "errors", "run_s", "wait_s", "span_s",
@@ -581,6 +583,7 @@ class TieredRuntime:
         for st in (self._stats, self._stats_decode):
             st.hit_picks += hits
             st.cpu_picks += cpu
+            st.pcie_picks += pcie
             st.deadline_misses += misses
             st.fallback_picks += missed
             st.cpu_seconds += d["span_s"]
@@ -589,6 +592,7 @@ class TieredRuntime:
             st.cpu_pred_seconds += d["predicted_s"]
         metrics.cache_lookups(hits, picks - hits)
         metrics.picks("gpu_cache", hits)
+        metrics.picks("pcie", pcie)
         if missed or d["errors"]:
             errors = [c.last_error for c in self._stream_calls.values() if c.last_error]
             metrics.cpu_deadline_miss(missed)
@@ -1166,16 +1170,18 @@ class TieredRuntime:
 
     def _stream_path(self, t: int) -> bool:
         """A call of ``t`` tokens has the stream drive its CPU share (``cpu_drive`` "stream"; ``_begin_stream``):
-        decode-size, once the cache exists, split "cpu" or "auto" (its split side), on a home the hit kernel reads
-        in place (the GPU's fallback for the picks the CPU tier misses reads it with no staging)."""
+        decode-size, once the cache exists, split "cpu" or "auto" (its split side, with the PCIe share of
+        ``_share_quota``), on a home the hit kernel reads in place (the GPU's fallback for the picks the CPU tier
+        misses, and the PCIe share, read it with no staging)."""
         return (self.tcfg.cpu_drive == "stream" and self._cache is not None and 0 < t <= HIT_CHUNK_TOKENS
                 and self._stager is None and self.tcfg.split in ("cpu", "auto"))  # fmt: skip
 
     def _begin_stream(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                       t: int) -> _Pending:  # fmt: skip
         """A decode-size call whose CPU share the GPU stream drives, queued with no host sync: the routing (hit
-        mask from the cache's table, one launch) and the inputs copied to pinned buffers, a host function that
-        gives every miss to the CPU tier (``cpu_tier.StreamCall.submit_fn``), then the hits on the GPU while the
+        mask from the cache's table, one launch; under split "auto" the PCIe share marked hit: ``share_misses``) and
+        the inputs copied to pinned buffers, a host function that gives the other misses to the CPU tier
+        (``cpu_tier.StreamCall.submit_fn``), then the hits (and the share, from the host home) on the GPU while the
         CPU tier works. ``finish`` queues the wait (the stream holds until the job is done or its deadline passed)
         and the combine. The same per-pick values and fixed-order sums as the host-driven split path."""
         cuda = self.device.type == "cuda"
@@ -1185,8 +1191,11 @@ class TieredRuntime:
         x32 = r.x32
         x32.copy_(x)
         if self._stream_counts is None:
-            self._stream_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
-        ptrs = self._prepare(layer, topk_ids, topk_weights, r, gpu_ids=True, dev_counts=self._stream_counts)
+            self._stream_counts = torch.zeros(3, dtype=torch.int64, device=self.device)
+        ptrs = self._prepare(layer, topk_ids, topk_weights, r, gpu_ids=True, dev_counts=self._stream_counts[:2])
+        quota = self._share_quota(layer, t, k)
+        if quota is not None:  # the PCIe share: picks the hit kernel reads from the host home, the CPU tier skips
+            share_misses(r.ids, r.hit, r.gpu_ids, quota, self._stream_counts[2:])
         if layer == min(self._layers):
             for st in self._counters(t):
                 st.stream_steps += 1
@@ -1218,6 +1227,29 @@ class TieredRuntime:
         _hits_forward(p.kernel, p.ptrs, r.x32, miss, r.w, r.y2)
         r.y.add_(r.y2)
         _combine(b, t, out)
+
+    def _share_quota(self, layer: int, t: int, k: int) -> torch.Tensor | None:
+        """The stream path's PCIe share at ``t`` tokens of ``layer`` (split "auto" only): per count ``n`` of the
+        call's distinct missed experts, how many of them the GPU reads from the host home while the CPU tier
+        computes the rest, from ``split_misses`` at the startup rates (one token each: a decode step's common case),
+        on the device so that ``share_misses`` picks them with no host sync (the lowest ids). None: no share (split
+        "cpu", no PCIe rate, or the model gives every count's misses to the CPU tier)."""
+        key = (layer, t)
+        if key in self._stream_quota:
+            return self._stream_quota[key]
+        rates, quota = self._rates, None
+        if self.tcfg.split == "auto" and rates is not None and rates.pcie_bps > 0 and rates.cpu_bps > 0:
+            eb = self._expert_bytes[layer]
+            q = [int(split_misses(np.arange(n), np.ones(n, np.int64), eb, rates, "auto").pcie.sum())
+                 for n in range(t * k + 1)]  # fmt: skip
+            if any(q):
+                quota = torch.tensor(q, dtype=torch.int32, device=self.device)
+                if layer == min(self._layers):
+                    logger.info("dsv41 tiered: stream-driven split, %d-token calls: of n distinct missed experts the "
+                                "GPU reads %s from the host home (n = 1..%d), the CPU tier the rest", t,
+                                q[1:], t * k)  # fmt: skip
+        self._stream_quota[key] = quota
+        return quota
 
     def _stream_call(self, layer: int, b: _Buffers, t: int, k: int) -> Any:
         """The ``cpu_tier.StreamCall`` of ``layer`` at ``t`` tokens over ``b``'s pinned buffers (made once; the
