@@ -1073,6 +1073,29 @@ def _gpu_runtime(home: ExpertHome, slots: int, split: str, kernel: str, **tiered
     return rt
 
 
+def _gpu_steps(rt: TieredRuntime, rng: np.random.Generator, reference: ReferenceExperts, tol: float,
+               tokens: tuple[int, ...] = (1, 3, 17, 2), hot: int = 5, steps: int = 8) -> list[np.ndarray]:  # fmt: skip
+    """``steps`` model steps on CUDA (token counts cycling through ``tokens``), each layer's output written into a
+    buffer two rows longer (left NaN: nothing written past the call's rows) and checked against the float64
+    reference within ``tol`` of its largest value; returns the outputs."""
+    dev = torch.device("cuda")
+    outs = []
+    for step in range(steps):
+        t = tokens[step % len(tokens)]
+        for layer in range(LAYERS):
+            x = rng.standard_normal((t, HIDDEN)).astype(np.float32)
+            ids, w = _routing(rng, t, hot=hot)
+            out = torch.full((t + 2, HIDDEN), float("nan"), device=dev)
+            rt.forward_into(layer, torch.from_numpy(x).to(dev), torch.from_numpy(ids).to(dev),
+                            torch.from_numpy(w).to(dev), out)  # fmt: skip
+            got = out.cpu()
+            assert torch.isnan(got[t:]).all()
+            expected = reference.forward(layer, x, ids, w)
+            np.testing.assert_allclose(got[:t].numpy(), expected, rtol=0, atol=tol * np.abs(expected).max())
+            outs.append(got[:t].numpy())
+    return outs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["triton", "exllamav3"])
 @pytest.mark.parametrize("slots", [0, 5, LAYERS * EXPERTS])
@@ -1090,20 +1113,8 @@ def test_on_the_gpu_matches_the_reference(registered_home: ExpertHome, reference
     tol = 3e-3 if kernel == "exllamav3" else 3e-5
     rt = _gpu_runtime(registered_home, slots, split, kernel)
     rng = np.random.default_rng(slots * 10 + len(split))
-    dev = torch.device("cuda")
     try:
-        for step in range(8):
-            tokens = [1, 3, 17, 2][step % 4]
-            for layer in range(LAYERS):
-                x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
-                ids, w = _routing(rng, tokens, hot=5)
-                out = torch.full((tokens + 2, HIDDEN), float("nan"), device=dev)
-                rt.forward_into(layer, torch.from_numpy(x).to(dev), torch.from_numpy(ids).to(dev),
-                                torch.from_numpy(w).to(dev), out)  # fmt: skip
-                got = out.cpu()
-                assert torch.isnan(got[tokens:]).all()
-                expected = reference.forward(layer, x, ids, w)
-                np.testing.assert_allclose(got[:tokens].numpy(), expected, rtol=0, atol=tol * np.abs(expected).max())
+        _gpu_steps(rt, rng, reference, tol)
         s = rt.stats
         assert rt.cache is not None and rt.cache.num_slots == slots
         assert (s.hit_picks > 0) == (slots > 0)
@@ -1128,22 +1139,8 @@ def test_on_the_gpu_the_stream_driven_cpu_tier_matches_the_host_driven(registere
     for drive in ("stream", "host"):
         rt = _gpu_runtime(registered_home, slots, "cpu", "triton", cpu_drive=drive, deadline_factor=0.0)
         rng = np.random.default_rng(17 + slots)
-        outs = []
         try:
-            for step in range(8):
-                tokens = [1, 3, 17, 2][step % 4]
-                for layer in range(LAYERS):
-                    x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
-                    ids, w = _routing(rng, tokens, hot=5)
-                    out = torch.full((tokens + 2, HIDDEN), float("nan"), device=dev)
-                    rt.forward_into(layer, torch.from_numpy(x).to(dev), torch.from_numpy(ids).to(dev),
-                                    torch.from_numpy(w).to(dev), out)  # fmt: skip
-                    got = out.cpu()
-                    assert torch.isnan(got[tokens:]).all()
-                    expected = reference.forward(layer, x, ids, w)
-                    np.testing.assert_allclose(got[:tokens].numpy(), expected, rtol=0,
-                                               atol=3e-5 * np.abs(expected).max())  # fmt: skip
-                    outs.append(got[:tokens].numpy())
+            outs = _gpu_steps(rt, rng, reference, 3e-5)
             s, d = rt.stats, rt.stats_decode
             if drive == "stream":
                 assert s.stream_steps == 6 and d.wait_seconds == 0 and d.cpu_run_seconds > 0
@@ -1180,22 +1177,12 @@ def test_on_the_gpu_the_stream_driven_split_shares_the_misses(registered_home: E
     """cpu_drive "stream" with split "auto" on CUDA (the split side only): the share kernel gives part of each
     call's misses to the hit kernel reading the host home, the CPU tier computes the rest; exact against the
     float64 reference, every pick counted once."""
-    dev = torch.device("cuda")
     rt = _gpu_runtime(registered_home, 5, "auto", "triton", cpu_drive="stream", split_probe=0, deadline_factor=0.0)
     rng = np.random.default_rng(29)
-    total = 0
+    tokens = (1, 4, 16, 2)
+    total = 2 * sum(tokens) * LAYERS * TOP_K
     try:
-        for step in range(8):
-            tokens = [1, 4, 16, 2][step % 4]
-            for layer in range(LAYERS):
-                x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
-                ids, w = _routing(rng, tokens)
-                out = torch.empty((tokens, HIDDEN), device=dev)
-                rt.forward_into(layer, torch.from_numpy(x).to(dev), torch.from_numpy(ids).to(dev),
-                                torch.from_numpy(w).to(dev), out)  # fmt: skip
-                expected = reference.forward(layer, x, ids, w)
-                np.testing.assert_allclose(out.cpu().numpy(), expected, rtol=0, atol=3e-5 * np.abs(expected).max())
-                total += tokens * TOP_K
+        _gpu_steps(rt, rng, reference, 3e-5, tokens=tokens, hot=EXPERTS)
         s = rt.stats
         assert s.stream_steps == 8 and s.device_steps == 0
         assert s.hit_picks + s.cpu_picks + s.pcie_picks == total and s.cpu_picks > 0 and s.pcie_picks > 0, s.describe()

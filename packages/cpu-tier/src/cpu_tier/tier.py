@@ -418,10 +418,7 @@ class ExpertTier:
         unchanged and do not read ``out`` until ``done()``. Jobs run in submission order.
         (``_test_cancel_after_chunks`` is a test hook: cancel once that many expert chunks are complete.)
         """
-        self._check_open()
-        lay = self._layers.get(layer) if isinstance(layer, int) else None
-        if lay is None:
-            raise ValueError(f"layer {layer!r}: not added (added: {list(self.layers)})")
+        lay = self._open_layer(layer)
         xa = _f32_matrix(x, "x", lay.hidden)
         t = xa.shape[0]
         if out is None:
@@ -480,10 +477,7 @@ class ExpertTier:
         cancels it; the picks it did not finish are listed in ``missing``. ``deadline_factor = 0``: no deadline.
         (``_test_cancel_after_chunks``: a test hook, as ``submit``'s: each job cancels itself after that many chunks.)
         """
-        self._check_open()
-        lay = self._layers.get(layer) if isinstance(layer, int) else None
-        if lay is None:
-            raise ValueError(f"layer {layer!r}: not added (added: {list(self.layers)})")
+        lay = self._open_layer(layer)
         xa = _f32_matrix(x, "x", lay.hidden)
         t = xa.shape[0]
         ia = _as_numpy(ids, "ids")
@@ -584,6 +578,14 @@ class ExpertTier:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("ExpertTier is closed")
+
+    def _open_layer(self, layer: int) -> _Layer:
+        """The added layer ``layer`` of an open tier; the error names the layers added."""
+        self._check_open()
+        lay = self._layers.get(layer) if isinstance(layer, int) else None
+        if lay is None:
+            raise ValueError(f"layer {layer!r}: not added (added: {list(self.layers)})")
+        return lay
 
     def close(self) -> None:
         """Cancel unfinished jobs, wait for them to stop, and stop the worker threads."""
