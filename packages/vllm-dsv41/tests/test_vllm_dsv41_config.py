@@ -56,6 +56,8 @@ def test_defaults_and_frozen() -> None:
         ({"tiered": {"admit_limit": 1.5}}, "admit_limit"),
         ({"tiered": {"deadline_factor": True}}, "deadline_factor"),
         ({"tiered": {"trace_path": 3}}, "trace_path"),
+        ({"tiered": {"cpu_drive": "gpu"}}, "cpu_drive"),
+        ({"tiered": {"stream_share": "yes"}}, "stream_share"),
         ({"tiered": {"bogus": 1}}, "bogus"),
         ({"tiered": 3}, "tiered"),
     ],

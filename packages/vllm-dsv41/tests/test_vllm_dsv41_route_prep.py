@@ -81,11 +81,13 @@ def share_case(rng: np.random.Generator, t: int, k: int, e: int) -> tuple[torch.
 
 
 def share_definition(ids: np.ndarray, hit: np.ndarray, quota: np.ndarray) -> np.ndarray:
-    """Which picks go to the GPU: those of the ``quota[n]`` lowest-id distinct missed experts."""
+    """Which picks go to the GPU: those of the first ``quota[n]`` distinct missed experts, most picks first, then by
+    id."""
     miss = (ids >= 0) & ~hit
-    experts = np.unique(ids[miss])  # sorted
+    experts, picks = np.unique(ids[miss], return_counts=True)  # sorted by id
+    order = experts[np.argsort(-picks, kind="stable")]
     q = int(quota[min(experts.size, quota.size - 1)])
-    return miss & np.isin(ids, experts[:q])
+    return miss & np.isin(ids, order[:q])
 
 
 def test_share_reference_matches_its_definition_on_fresh_routings() -> None:
@@ -112,9 +114,13 @@ def test_share_of_nothing_and_of_everything() -> None:
     share_misses(ids, hit.clone(), gpu_ids.clone(), torch.zeros(9, dtype=torch.int32), count)
     assert count.item() == 0
     h, g = hit.clone(), gpu_ids.clone()
-    share_misses(ids, h, g, torch.tensor([0, 0, 0, 0, 2], dtype=torch.int32), count)  # 4 distinct misses: 1, 3, 5, 7
+    # 4 distinct misses: 1 and 3 twice each, 5 and 7 once
+    share_misses(ids, h, g, torch.tensor([0, 0, 0, 0, 2], dtype=torch.int32), count)
     assert g.tolist() == [[3, 1, 3, -1], [-1, 1, 2, -1]] and count.item() == 4  # experts 1 and 3: 4 picks
     assert h.tolist() == [[True, True, True, False], [False, True, True, False]]
+    h, g, count = hit.clone(), gpu_ids.clone(), torch.zeros(1, dtype=torch.int64)
+    share_misses(ids, h, g, torch.tensor([0, 0, 0, 3], dtype=torch.int32), count)  # 4 misses: the table's last, 3
+    assert g.tolist() == [[3, 1, 3, -1], [5, 1, 2, -1]] and count.item() == 5  # the most picked, then the lowest id
 
 
 INTERPRETED = textwrap.dedent(
@@ -195,7 +201,7 @@ def test_the_share_kernel_compiles_for_ampere_and_hopper(arch: int) -> None:
 
     from vllm_dsv41.route_prep import _share
 
-    for block in (16, 128):
+    for block in (128, 256):
         sig = dict(IDS="*i32", HIT="*u8", GPU_IDS="*i32", QUOTA="*i32", COUNT="*i64", N="i32", QMAX="i32",
                    BLOCK="constexpr")  # fmt: skip
         k = triton.compile(ASTSource(_share, sig, constexprs=dict(BLOCK=block)), target=GPUTarget("cuda", arch, 32),

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
 import numpy as np
 import pytest
 
-from vllm_dsv41.split import Rates, split_misses
+from vllm_dsv41.split import Rates, share_quota_table, split_misses
 
 MB = 1_000_000
 
@@ -165,3 +166,27 @@ def test_cpu_share_seconds_is_what_the_split_predicts_for_the_cpu_share() -> Non
         plan = split_misses(np.arange(n), tokens, 13_000_000, rates, "cpu")
         assert cpu_share_seconds(tokens, 13_000_000, rates) == plan.cpu_seconds
         assert (cpu_share_seconds(tokens, 13_000_000, rates) > 0) == (n > 0)
+
+
+def test_share_quota_table_is_the_split_of_one_token_experts_after_the_hits() -> None:
+    """``q[t, n]``: ``split_misses`` "auto" of n one-token experts with the GPU first busy with the call's at most
+    t x top-k - n hits; 0 where a call cannot have n misses, and everywhere without a PCIe or CPU rate."""
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    eb, k = 13_000_000, 6
+    rates = Rates(cpu_bps=float(rng.uniform(5e9, 80e9)), pcie_bps=float(rng.uniform(5e9, 50e9)),
+                  gpu_bps=float(rng.uniform(100e9, 900e9)), cpu_fixed_s=float(rng.uniform(0, 3e-4)),
+                  pcie_fixed_s=float(rng.uniform(0, 2e-4)))  # fmt: skip
+    q = share_quota_table(eb, rates, 16, k)
+    assert q.shape == (17, 16 * k + 1) and q.dtype == np.int32
+    assert not q[0].any() and not q[:, 0].any()
+    for t in (1, 2, 5, 16):
+        assert not q[t, t * k + 1 :].any()
+        for n in rng.integers(1, t * k + 1, 4).tolist():
+            plan = split_misses(np.arange(n), np.ones(n, np.int64), eb, rates, "auto",
+                                gpu_busy_seconds=(t * k - n) * eb / rates.gpu_bps)  # fmt: skip
+            assert q[t, n] == plan.pcie.sum() and 0 <= q[t, n] <= n
+    assert not share_quota_table(eb, Rates(cpu_bps=1e9, pcie_bps=0.0), 4, k).any()
+    assert not share_quota_table(eb, Rates(cpu_bps=0.0, pcie_bps=1e9), 4, k).any()
+    # a faster PCIe read never gets a smaller share
+    fast = share_quota_table(eb, dataclasses.replace(rates, pcie_bps=2 * rates.pcie_bps), 16, k)
+    assert (fast >= q).all()

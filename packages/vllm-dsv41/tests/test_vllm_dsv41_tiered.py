@@ -537,9 +537,8 @@ def test_the_stream_driven_cpu_tier_leaves_what_it_misses_to_the_gpu(home: Exper
 def test_auto_measures_the_stream_driven_split_against_the_device_path(
     home: ExpertHome, reference: ReferenceExperts
 ) -> None:
-    """split "auto" with cpu_drive "stream": the chooser's split side is the stream path (the misses shared between
-    the CPU tier and the GPU's reads of the home, no host sync); both sides are measured and every output is
-    exact."""
+    """split "auto" with cpu_drive "stream": the chooser's split side is the stream path (every miss to the CPU
+    tier, no host sync); both sides are measured and every output is exact."""
     rt = _runtime(home, 4, "auto", cpu_drive="stream", split_probe=2)
     rng = np.random.default_rng(6)
     try:
@@ -553,14 +552,14 @@ def test_auto_measures_the_stream_driven_split_against_the_device_path(
 
 def test_the_stream_driven_split_shares_the_misses_by_the_rates(home: ExpertHome,
                                                                reference: ReferenceExperts) -> None:  # fmt: skip
-    """split "auto", cpu_drive "stream", the split side only (no probes): per call the GPU reads the quota of the
-    distinct missed experts (``split_misses`` at the rates: equal rates, about half) from the host home while the
-    CPU tier computes the rest; every output exact, every pick counted once (hit, CPU or PCIe); with split "cpu"
-    no share."""
-    from vllm_dsv41.split import split_misses
+    """stream_share with split "auto", cpu_drive "stream", the split side only (no probes): per call the GPU reads
+    the quota of the distinct missed experts (``share_quota_table`` at the rates: equal rates, about half) from
+    the host home while the CPU tier computes the rest; every output exact, every pick counted once (hit, CPU or
+    PCIe); with split "cpu", or without stream_share, no share."""
+    from vllm_dsv41.split import share_quota_table
 
-    for split, share in (("auto", True), ("cpu", False)):
-        rt = _runtime(home, 3, split, cpu_drive="stream", split_probe=0, deadline_factor=0.0)
+    for split, asked, share in (("auto", True, True), ("cpu", True, False), ("auto", False, False)):
+        rt = _runtime(home, 3, split, cpu_drive="stream", stream_share=asked, split_probe=0, deadline_factor=0.0)
         rng = np.random.default_rng(12)
         try:
             for tokens in (1, 3, 8):
@@ -569,16 +568,13 @@ def test_the_stream_driven_split_shares_the_misses_by_the_rates(home: ExpertHome
             assert s.stream_steps == 9 and s.device_steps == 0
             assert s.hit_picks + s.cpu_picks + s.pcie_picks == 3 * LAYERS * (1 + 3 + 8) * TOP_K
             assert s.cpu_picks > 0 and (s.pcie_picks > 0) == share, s.describe()
-            quota = rt._stream_quota[(0, 8)]
+            eb = rt._expert_bytes[0]
             if share:
-                assert quota is not None
-                eb = rt._expert_bytes[0]
-                want = [int(split_misses(np.arange(n), np.ones(n, np.int64), eb, RATES, "auto").pcie.sum())
-                        for n in range(8 * TOP_K + 1)]  # fmt: skip
-                assert quota.tolist() == want and 0 < want[8] < 8
-                assert s.pcie_picks < s.cpu_picks + s.pcie_picks
+                dev, _, q = rt._stream_quota[(eb, TOP_K)]
+                assert np.array_equal(q, share_quota_table(eb, RATES, 16, TOP_K)) and np.array_equal(dev.numpy(), q)
+                assert 0 < q[8, 8] < 8 and rt._share_quota(0, 8, TOP_K) is not None
             else:
-                assert quota is None
+                assert not rt._stream_quota
         finally:
             rt.close()
 
@@ -1174,10 +1170,11 @@ def test_on_the_gpu_the_stream_driven_cpu_tier_matches_the_host_driven(registere
 @pytest.mark.gpu
 def test_on_the_gpu_the_stream_driven_split_shares_the_misses(registered_home: ExpertHome,
                                                               reference: ReferenceExperts) -> None:  # fmt: skip
-    """cpu_drive "stream" with split "auto" on CUDA (the split side only): the share kernel gives part of each
+    """stream_share on CUDA (split "auto", the split side only): the share kernel gives part of each
     call's misses to the hit kernel reading the host home, the CPU tier computes the rest; exact against the
     float64 reference, every pick counted once."""
-    rt = _gpu_runtime(registered_home, 5, "auto", "triton", cpu_drive="stream", split_probe=0, deadline_factor=0.0)
+    rt = _gpu_runtime(registered_home, 5, "auto", "triton", cpu_drive="stream", stream_share=True, split_probe=0,
+                      deadline_factor=0.0)  # fmt: skip
     rng = np.random.default_rng(29)
     tokens = (1, 4, 16, 2)
     total = 2 * sum(tokens) * LAYERS * TOP_K

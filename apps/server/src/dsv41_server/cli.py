@@ -143,8 +143,16 @@ def _parser() -> argparse.ArgumentParser:
         "--cpu-drive",
         choices=CPU_DRIVES,
         help="who drives the CPU tier's share of a decode step: the host thread, waiting for it in every MoE layer "
-        "(host), or the GPU stream through CUDA host functions, the host queuing the whole step ahead (stream); "
-        f"with --miss-split auto the stream shares the misses with PCIe by the startup rates (default {_TIERED.cpu_drive})",
+        "(host), or the GPU stream through CUDA host functions, the host queuing the whole step ahead (stream: "
+        f"every miss to the CPU tier unless --stream-share) (default {_TIERED.cpu_drive})",
+    )
+    t.add_argument(
+        "--stream-share",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="with --cpu-drive stream and --miss-split auto, read a share of each decode call's misses over PCIe "
+        "(quota from the startup rates, chosen on the GPU, no host sync; not yet measured on a GPU) "
+        f"(default {'on' if _TIERED.stream_share else 'off'})",
     )
     t.add_argument(
         "--hit-kernel",
@@ -271,7 +279,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
         plugin["attention_kv_rounding"] = a.attention_kv_rounding
     # flag -> field of the plugin's nested tiered-runtime config (TieredConfig)
     tiered_fields = {"cache_gib": "cache_gib", "cache_margin_gib": "cache_margin_gib", "cache_policy": "policy",
-                     "miss_split": "split", "split_probe": "split_probe", "split_feedback": "split_feedback", "cpu_drive": "cpu_drive", "hit_kernel": "hit_kernel", "pcie_read": "pcie_read",
+                     "miss_split": "split", "split_probe": "split_probe", "split_feedback": "split_feedback", "cpu_drive": "cpu_drive",
+                     "stream_share": "stream_share", "hit_kernel": "hit_kernel", "pcie_read": "pcie_read",
                      "device_stage": "device_stage",
                      "pcie_stage_slots": "pcie_stage_slots", "cpu_gbps": "cpu_gbps",
                      "pcie_gbps": "pcie_gbps", "record_routing": "trace_path",

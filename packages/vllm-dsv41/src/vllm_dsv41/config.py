@@ -130,14 +130,16 @@ class TieredConfig:
         does, through two CUDA host functions (``cpu_tier.StreamCall``): the inputs copied to pinned buffers, the
         job submitted when the stream reaches it, the stream held until the job is done, the results copied back
         and the picks the CPU tier missed at its deadline computed by the hit kernel from the host home; the host
-        thread never waits, so it queues a whole step ahead. With split "cpu" every miss goes to the CPU tier; with
-        "auto" a share of each call's distinct missed experts (per count, from ``split_misses`` at the startup
-        rates; chosen on the device: ``route_prep.share_misses``) is read from the host home by the hit kernel
-        while the CPU tier computes the rest, and that is the split side the chooser measures against the device
-        path. Needs a home the hit kernel reads in place (``pcie_read`` mapped, or "auto" on
+        thread never waits, so it queues a whole step ahead. Every miss goes to the CPU tier unless
+        ``stream_share``; with split "auto" it is the split side the chooser measures against the device path.
+        Needs a home the hit kernel reads in place (``pcie_read`` mapped, or "auto" on
         such a home); elsewhere the calls run as "host". Default "stream": on the H200 host it decoded 1.01-1.36x
         the host drive's tok/s in the same run (every miss on the CPU tier; vllm-dsv41 README, run 10); "host"
         splits per expert with the host's view of the routing (token counts, feedback from measured times).
+    stream_share : with ``cpu_drive`` "stream" and split "auto", share each decode call's misses between the CPU
+        tier and the hit kernel reading the host home, with no host sync: a quota per (tokens, distinct misses)
+        from ``split.share_quota_table`` at the startup rates, applied on the device (``route_prep.share_misses``:
+        the most-picked missed experts to the GPU). Off by default until measured on a GPU (CPU-tested only).
     deadline_factor, deadline_floor_ms : the CPU tier's deadline per layer, ``factor * predicted + floor``; picks
         it has not computed by then are computed by the GPU from the host home (counted, never dropped).
         ``deadline_factor = 0``: no deadline.
@@ -173,6 +175,7 @@ class TieredConfig:
     pcie_gbps: float = 0.0
     device_stage: bool = True
     cpu_drive: CpuDrive = "stream"
+    stream_share: bool = False
     split_probe: int = 8
     split_feedback: float = 0.1
     deadline_factor: float = 4.0
@@ -209,6 +212,8 @@ class TieredConfig:
         _number("pcie_gbps", self.pcie_gbps, 0.0)
         if self.cpu_drive not in CPU_DRIVES:
             raise ValueError(f"cpu_drive: expected one of {CPU_DRIVES}, got {self.cpu_drive!r}")
+        if not isinstance(self.stream_share, bool):
+            raise ValueError(f"stream_share: expected true or false, got {self.stream_share!r}")
         _integer("split_probe", self.split_probe, 0)
         _number("split_feedback", self.split_feedback, 0.0, 1.0)
         _number("deadline_factor", self.deadline_factor, 0.0)

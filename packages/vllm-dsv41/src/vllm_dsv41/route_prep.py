@@ -78,17 +78,21 @@ def share_misses_reference(ids: torch.Tensor, hit: torch.Tensor, gpu_ids: torch.
                            count: torch.Tensor) -> None:  # fmt: skip
     """The stream-driven split's PCIe share of a call, as torch ops (the definition). Of the call's distinct missed
     experts (real picks, ``ids >= 0``, not ``hit``), ``quota[n]`` go to the GPU, which reads them from the host home
-    (``n``: how many there are; ``n`` past the table's end reads its last entry): those with the lowest ids. Their
-    picks become ``hit`` (so the CPU tier skips them) and their ids are written to ``gpu_ids`` (so the hit kernel
-    computes them); their pick count is added to ``count`` (int64 ``[1]``). No host sync: the quota is looked up
-    on the device. ``ids`` int32 ``[t, k]``, ``hit`` bool, ``gpu_ids`` int32, ``quota`` int32 ``[>= 1]``."""
+    (``n``: how many there are; ``n`` past the table's end reads its last entry): the most-picked first (a read
+    over PCIe costs the same for any number of tokens, the CPU tier's time grows with them), then the lowest ids.
+    Their picks become ``hit`` (so the CPU tier skips them) and their ids are written to ``gpu_ids`` (so the hit
+    kernel computes them); their pick count is added to ``count`` (int64 ``[1]``). No host sync: the quota is
+    looked up on the device. ``ids`` int32 ``[t, k]``, ``hit`` bool, ``gpu_ids`` int32, ``quota`` int32
+    ``[>= 1]`` (``split.share_quota_table``'s row for the call's token count)."""
     e = ids.reshape(-1).to(torch.int64)
     n = e.numel()
     miss = (e >= 0) & ~hit.reshape(-1)
     idx = torch.arange(n, device=ids.device)
-    dup_before = (e[:, None] == e[None, :]) & miss[:, None] & miss[None, :] & (idx[None, :] < idx[:, None])
-    first = miss & ~dup_before.any(dim=1)  # each distinct missed expert once, at its first pick
-    rank = ((e[None, :] < e[:, None]) & first[None, :]).sum(dim=1)  # distinct missed experts of lower id
+    same = (e[:, None] == e[None, :]) & miss[:, None] & miss[None, :]
+    first = miss & ~(same & (idx[None, :] < idx[:, None])).any(dim=1)  # each distinct missed expert once
+    picks = same.sum(dim=1)  # the picks of each pick's expert
+    ahead = (picks[None, :] > picks[:, None]) | ((picks[None, :] == picks[:, None]) & (e[None, :] < e[:, None]))
+    rank = (ahead & first[None, :]).sum(dim=1)  # distinct missed experts before this pick's
     q = quota[first.sum().clamp(max=quota.numel() - 1)]
     pcie = (miss & (rank < q)).view_as(hit)
     hit |= pcie
@@ -114,7 +118,7 @@ def share_misses(ids: torch.Tensor, hit: torch.Tensor, gpu_ids: torch.Tensor, qu
             raise ValueError(f"share_misses: {name} must be contiguous")
     if _share is None:
         raise RuntimeError("share_misses: the kernel needs Triton, which is not installed")
-    block = max(16, 1 << (n - 1).bit_length())
+    block = max(BLOCK, 1 << (n - 1).bit_length())  # one size for every decode call (16 x top-k <= 128): one compile
     _share[(1,)](ids, hit.view(torch.uint8), gpu_ids, quota, count, n, quota.numel() - 1, BLOCK=block)
 
 
@@ -139,10 +143,11 @@ else:
         e = tl.load(IDS + offs, mask=m, other=-1).to(tl.int32)
         h = tl.load(HIT + offs, mask=m, other=1)
         miss = m & (e >= 0) & (h == 0)
-        dup_before = ((e[:, None] == e[None, :]) & miss[:, None] & miss[None, :]
-                      & (offs[None, :] < offs[:, None]))  # fmt: skip
-        first = miss & (tl.sum(dup_before.to(tl.int32), axis=1) == 0)
-        rank = tl.sum(((e[None, :] < e[:, None]) & first[None, :]).to(tl.int32), axis=1)
+        same = (e[:, None] == e[None, :]) & miss[:, None] & miss[None, :]
+        first = miss & (tl.sum((same & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1) == 0)
+        picks = tl.sum(same.to(tl.int32), axis=1)
+        ahead = (picks[None, :] > picks[:, None]) | ((picks[None, :] == picks[:, None]) & (e[None, :] < e[:, None]))
+        rank = tl.sum((ahead & first[None, :]).to(tl.int32), axis=1)
         q = tl.load(QUOTA + tl.minimum(tl.sum(first.to(tl.int32), axis=0), QMAX))
         pcie = miss & (rank < q)
         tl.store(HIT + offs, ((h != 0) | pcie).to(tl.uint8), mask=m)

@@ -23,7 +23,7 @@ import numpy as np
 
 from dma_prefill import chunked_expert_seconds
 
-__all__ = ["PathChooser", "Rates", "SplitPlan", "cpu_share_seconds", "split_misses"]
+__all__ = ["PathChooser", "Rates", "SplitPlan", "cpu_share_seconds", "share_quota_table", "split_misses"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -166,6 +166,26 @@ def split_misses(experts: np.ndarray, tokens: np.ndarray, expert_bytes: int, rat
     balanced = SplitPlan(experts, pcie, cpu_t, pcie_t)
     # the fixed costs can make one path alone faster than any balance (ties: the balanced split, then the CPU)
     return min((balanced, all_cpu, all_pcie), key=lambda plan: plan.predicted_seconds)
+
+
+def share_quota_table(expert_bytes: int, rates: Rates, max_tokens: int, topk: int) -> np.ndarray:
+    """The no-sync split's quota table (``route_prep.share_misses``): ``q[t, n]``, for a call of ``t`` tokens
+    (``1..max_tokens``) whose picks miss ``n`` distinct experts (``0..max_tokens * topk``), how many of those the
+    GPU reads from the host home; the CPU tier computes the rest. ``split_misses`` "auto" with one token per missed
+    expert (a decode step's common case; the kernel gives the GPU the most-picked first) and the GPU busy first
+    with the call's hits: at most ``t * topk - n`` distinct resident experts read from VRAM (an upper bound: tokens
+    may share them). Row 0 and the counts a call of ``t`` tokens cannot have (``n > t * topk``) are 0."""
+    q = np.zeros((max_tokens + 1, max_tokens * topk + 1), np.int32)
+    if rates.pcie_bps <= 0 or rates.cpu_bps <= 0:
+        return q
+    per_hit = expert_bytes / max(rates.gpu_bps, 1.0)
+    cpu_time_of = functools.partial(rates.cpu_expert_seconds, expert_bytes)
+    for t in range(1, max_tokens + 1):
+        for n in range(1, t * topk + 1):
+            plan = split_misses(np.arange(n), np.ones(n, np.int64), expert_bytes, rates, "auto",
+                                gpu_busy_seconds=(t * topk - n) * per_hit, cpu_time_of=cpu_time_of)  # fmt: skip
+            q[t, n] = int(plan.pcie.sum())
+    return q
 
 
 def cpu_share_seconds(tokens: np.ndarray, expert_bytes: int, rates: Rates,

@@ -58,7 +58,7 @@ from .dev_stage import MAX_PICKS, DeviceStaging
 from .experts import _check_args, _refuse_capture, in_profile_run
 from .home import ExpertHome, LayerExperts
 from .route_prep import prepare_routing, share_misses
-from .split import PathChooser, Rates, cpu_share_seconds, split_misses
+from .split import PathChooser, Rates, cpu_share_seconds, share_quota_table, split_misses
 
 __all__ = ["TierStats", "TieredRuntime", "hit_seconds"]
 
@@ -457,10 +457,11 @@ class TieredRuntime:
         self._trace_h: dict[int, torch.Tensor] = {}  # per MoE layer: its routing, pinned (device-only path)
         # cpu_drive "stream": per (MoE layer, tokens) the cpu_tier.StreamCall over the buffers of that size, the
         # stream path's pick counts on the device (hits, picks, picks given to the GPU's PCIe reads), the calls'
-        # counters already folded, and per (MoE layer, tokens) the PCIe share's quota table (None: no share)
+        # counters already folded, and per (expert bytes, top-k) the PCIe share's quota tables (stream_share:
+        # the device's [tokens, distinct misses] table, its pinned source, and the host copy)
         self._stream_calls: dict[tuple[int, int], Any] = {}
         self._stream_counts: torch.Tensor | None = None
-        self._stream_quota: dict[tuple[int, int], torch.Tensor | None] = {}
+        self._stream_quota: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
         self._stream_seen: dict[tuple[int, int], Any] = {}
         self._host_fn: Any = None  # vllm_dsv41.hostfn's launcher (CUDA), made at the first stream call
         # split "auto": per decode batch size, the split path or the device path, whichever measures faster
@@ -1229,27 +1230,26 @@ class TieredRuntime:
         _combine(b, t, out)
 
     def _share_quota(self, layer: int, t: int, k: int) -> torch.Tensor | None:
-        """The stream path's PCIe share at ``t`` tokens of ``layer`` (split "auto" only): per count ``n`` of the
-        call's distinct missed experts, how many of them the GPU reads from the host home while the CPU tier
-        computes the rest, from ``split_misses`` at the startup rates (one token each: a decode step's common case),
-        on the device so that ``share_misses`` picks them with no host sync (the lowest ids). None: no share (split
-        "cpu", no PCIe rate, or the model gives every count's misses to the CPU tier)."""
-        key = (layer, t)
-        if key in self._stream_quota:
-            return self._stream_quota[key]
-        rates, quota = self._rates, None
-        if self.tcfg.split == "auto" and rates is not None and rates.pcie_bps > 0 and rates.cpu_bps > 0:
-            eb = self._expert_bytes[layer]
-            q = [int(split_misses(np.arange(n), np.ones(n, np.int64), eb, rates, "auto").pcie.sum())
-                 for n in range(t * k + 1)]  # fmt: skip
-            if any(q):
-                quota = torch.tensor(q, dtype=torch.int32, device=self.device)
-                if layer == min(self._layers):
-                    logger.info("dsv41 tiered: stream-driven split, %d-token calls: of n distinct missed experts the "
-                                "GPU reads %s from the host home (n = 1..%d), the CPU tier the rest", t,
-                                q[1:], t * k)  # fmt: skip
-        self._stream_quota[key] = quota
-        return quota
+        """The stream path's PCIe share at ``t`` tokens of ``layer`` (``stream_share`` with split "auto"): the row
+        of ``split.share_quota_table`` for ``t`` (per count of the call's distinct missed experts, how many the GPU
+        reads from the host home while the CPU tier computes the rest), on the device so that ``share_misses``
+        applies it with no host sync. One table per (expert bytes, top-k), built at the first call and copied from
+        pinned memory without a sync. None: no share (not asked, no rates, or none for ``t``)."""
+        rates = self._rates
+        if not (self.tcfg.stream_share and self.tcfg.split == "auto" and rates is not None):
+            return None
+        key = (self._expert_bytes[layer], k)
+        tables = self._stream_quota.get(key)
+        if tables is None:
+            q = share_quota_table(key[0], rates, HIT_CHUNK_TOKENS, k)
+            pinned = torch.from_numpy(q).pin_memory() if self.device.type == "cuda" else torch.from_numpy(q)
+            tables = self._stream_quota[key] = (pinned.to(self.device, non_blocking=True), pinned, q)
+            logger.info("dsv41 tiered: stream-driven split (%.2f MB experts, top-%d): of n distinct missed experts the "
+                        "GPU reads %s from the host home at 1 token (n = 1..%d), %s at 4 (n = 1..%d); the CPU tier "
+                        "the rest", key[0] / 1e6, k, q[1, 1 : k + 1].tolist(), k, q[4, 1 : 4 * k + 1].tolist(),
+                        4 * k)  # fmt: skip
+        dev, _, q = tables
+        return dev[t] if q[t].any() else None
 
     def _stream_call(self, layer: int, b: _Buffers, t: int, k: int) -> Any:
         """The ``cpu_tier.StreamCall`` of ``layer`` at ``t`` tokens over ``b``'s pinned buffers (made once; the
