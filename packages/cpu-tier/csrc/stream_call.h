@@ -102,6 +102,7 @@ struct StreamCall {
         }
         job.reset();
         bool started = false;
+        uint64_t handed = 0;  // when the job went to the workers: its span and deadline count from there
         if (!experts.empty() && !pool->stopping()) {
             auto j = std::make_shared<MoeJob>();
             j->layer = layer;
@@ -117,6 +118,7 @@ struct StreamCall {
             j->slab_blocks = slab_blocks;
             j->cancel_after_chunks = cancel_after_chunks;
             try {
+                handed = now_ns();
                 pool->submit(j);
                 job = std::move(j);
                 started = true;
@@ -136,8 +138,9 @@ struct StreamCall {
         calls.fetch_add(1);
         picks.fetch_add(experts.size());
         predicted_ns.fetch_add(uint64_t(predicted_s * 1e9));
-        submitted_ns = now_ns();
-        submit_ns.fetch_add(submitted_ns - t0);
+        const uint64_t t1 = now_ns();
+        submitted_ns = started ? handed : t1;  // (the workers may finish before this thread gets here)
+        submit_ns.fetch_add(t1 - t0);
     }
 
     // What a failure inside submit leaves: every CPU pick listed for the GPU, zeros in out.

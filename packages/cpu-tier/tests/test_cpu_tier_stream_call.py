@@ -66,7 +66,7 @@ def test_rows_equal_forward_of_the_same_picks(small_experts, isa: str, precision
             assert rel_rms(b["out"], ref) <= (1e-5 if precision == "exact" else 5e-3)
         c = call.counters()
         assert c.calls == 2 and c.picks == 2 * cpu.size and c.errors == 0 and c.missed_picks == 0
-        assert c.run_s > 0 and c.span_s >= c.run_s * 0.5 and c.predicted_s == 0.0
+        assert c.run_s > 0 and c.span_s >= c.run_s and c.predicted_s == 0.0
 
 
 def test_host_function_addresses_run_the_call(small_experts) -> None:

@@ -266,7 +266,7 @@ class StreamCounters(NamedTuple):
     run_s: float  # the pool's own run time of the jobs
     wait_s: float  # time the stream's host thread spent in the waits
     submit_s: float  # time in the submits (building the picks)
-    span_s: float  # submit's end to wait's end, summed
+    span_s: float  # the job's hand-off to the workers to the wait's end, summed (>= run_s)
     predicted_s: float  # the deadline model's predictions, summed
 
 
