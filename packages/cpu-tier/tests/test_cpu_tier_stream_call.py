@@ -33,6 +33,14 @@ def _buffers(rng: np.random.Generator, t: int, k: int, e: int) -> dict[str, np.n
     }
 
 
+def _all_cpu_buffers(rng: np.random.Generator, t: int, k: int, e: int) -> dict[str, np.ndarray]:
+    """``_buffers`` with every pick real and on the CPU tier (no padding, no hits)."""
+    b = _buffers(rng, t, k, e)
+    b["ids"][:] = np.stack([rng.choice(e, size=k, replace=False) for _ in range(t)])
+    b["hit"][:] = False
+    return b
+
+
 def _cpu_picks(b: dict[str, np.ndarray]) -> np.ndarray:
     return np.flatnonzero((b["ids"].reshape(-1) >= 0) & ~b["hit"].reshape(-1))
 
@@ -88,9 +96,7 @@ def test_host_function_addresses_run_the_call(small_experts) -> None:
 def test_deadline_lists_the_picks_not_computed(small_experts) -> None:
     rng = np.random.default_rng(5)
     t, k = 8, 3
-    b = _buffers(rng, t, k, 6)
-    b["ids"][:] = np.stack([rng.choice(6, size=k, replace=False) for _ in range(t)])
-    b["hit"][:] = False
+    b = _all_cpu_buffers(rng, t, k, 6)
     with ExpertTier(CpuTierConfig(threads=1, isa=ISAS[0], precision="exact")) as tier:
         tier.add_layer(0, *small_experts)
         full = tier.stream_call(0, **{**b, "out": np.empty_like(b["out"]), "missing": np.empty_like(b["missing"])})
@@ -116,9 +122,7 @@ def test_deadline_lists_the_picks_not_computed(small_experts) -> None:
 def test_a_job_stopped_early_lists_the_rest(small_experts) -> None:
     rng = np.random.default_rng(12)
     t, k = 8, 3
-    b = _buffers(rng, t, k, 6)
-    b["ids"][:] = np.stack([rng.choice(6, size=k, replace=False) for _ in range(t)])
-    b["hit"][:] = False
+    b = _all_cpu_buffers(rng, t, k, 6)
     with ExpertTier(CpuTierConfig(threads=1, isa=ISAS[0])) as tier:
         tier.add_layer(0, *small_experts)
         call = tier.stream_call(0, **b, _test_cancel_after_chunks=2)
