@@ -197,6 +197,9 @@ struct BandWalk {
 // y: [m][128] (row stride 128), the band's outputs in the Hadamard basis, before the output transform.
 using IntBandFn = void (*)(const MatRef& A, int band, const Acts& X, float* y);
 using FloatBandFn = void (*)(const MatRef& A, int band, const Acts& X, bool round, float* y);
+// The float path's exact codebook values of n states (n a multiple of 16), as its band kernels decode them: a test
+// hook, so each variant's fp16 rounding is checked against the reference on every state.
+using DecodeFn = void (*)(int codebook, const uint16_t* states, size_t n, float* out);
 
 // One ISA variant's kernels (defined by its arch/ sources: kernel_table()).
 struct KernelTable {
@@ -206,6 +209,7 @@ struct KernelTable {
     IntBandFn int_band;       // MUL1 integer path ("fast"), any m in 1..MAXM
     FloatBandFn float_band[3];  // float path per codebook (CB_3INST, CB_MCG, CB_MUL1), m in {1, 2, 4, 8};
                                 // round = exact fp16 codebook values (MUL1's float path always rounds)
+    DecodeFn decode_exact;    // the float path's exact codebook values (test hook)
 };
 
 const KernelTable& kernel_table();

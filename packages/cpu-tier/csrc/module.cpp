@@ -253,5 +253,14 @@ NB_MODULE(CPU_TIER_MODULE, m) {
         return nb::ndarray<nb::numpy, uint16_t, nb::ndim<1>>(data->data(), {data->size()}, owner);
     });
 
+    m.def("decode_exact", [](nb::ndarray<const uint16_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> states, int codebook) {
+        if (codebook < 0 || codebook > 2) throw std::invalid_argument("codebook: must be 0 (3inst), 1 (mcg) or 2 (mul1)");
+        if (states.shape(0) % 16) throw std::invalid_argument("states: length must be a multiple of 16");
+        auto* data = new std::vector<float>(states.shape(0));
+        kernel_table().decode_exact(codebook, states.data(), states.shape(0), data->data());
+        nb::capsule owner(data, [](void* p) noexcept { delete static_cast<std::vector<float>*>(p); });
+        return nb::ndarray<nb::numpy, float, nb::ndim<1>>(data->data(), {data->size()}, owner);
+    }, "test hook: the float path's exact codebook values of states, as this variant's kernels decode them");
+
     bind_bench_probes(m);
 }

@@ -183,3 +183,24 @@ def test_fast_path_int32_sums_do_not_overflow(isa: str) -> None:
         out = exl3_matmul(x, t, precision="fast", config=CpuTierConfig(threads=1, isa=isa))  # type: ignore[arg-type]
     for i in range(2):
         assert rel_rms(out[i : i + 1], ref[i : i + 1]) <= 5e-3, (isa, i)
+
+
+@pytest.mark.parametrize("isa", ISAS + ["avx512emu"])
+def test_exact_codebook_values_bit_for_bit(isa: str) -> None:
+    # Each variant's float path rounds its decoded values to fp16 its own way (AVX2: Veltkamp's split, AVX-512: the
+    # F16C conversion, scalar: integer rounding): every one of the 65,536 states, every codebook, bit for bit.
+    from cpu_tier import _loader
+
+    mod = _loader.load_emulated() if isa == "avx512emu" else _loader.load(isa)
+    if mod is None:
+        pytest.skip("_native_avx512emu not built (or no AVX2 on this host)")
+    states = np.arange(65536, dtype=np.uint16)
+    for index, cb in enumerate(exl3.CODEBOOKS):
+        want = exl3.codebook_values(states, cb).astype(np.float32)
+        got = mod.decode_exact(states, index)
+        bad = np.flatnonzero(got.view(np.uint32) != want.view(np.uint32))
+        assert bad.size == 0, (cb, [(int(s), float(got[s]), float(want[s])) for s in bad[:5]])
+    with pytest.raises(ValueError, match="codebook"):
+        mod.decode_exact(states[:16], 3)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        mod.decode_exact(states[:15], 0)

@@ -56,8 +56,24 @@ void gemv_int(const MatRef& A, int band, const Acts& X, float* y) {
     with_tokens(X.m, [&](auto MM) { pair_dispatch<decltype(MM)::value>(A, band, X, y); });
 }
 
+template <int CB>
+static void decode_exact_cb(const uint16_t* states, size_t n, float* out) {
+    alignas(32) int32_t s[8];
+    for (size_t i = 0; i < n; i += 8) {
+        for (int l = 0; l < 8; ++l) s[l] = states[i + size_t(l)];
+        _mm256_storeu_ps(out + i, decode_values<CB, true>(_mm256_load_si256(reinterpret_cast<const __m256i*>(s))));
+    }
+}
+
+static void decode_exact(int codebook, const uint16_t* states, size_t n, float* out) {
+    if (codebook == CB_MUL1) return decode_exact_cb<CB_MUL1>(states, n, out);
+    if (codebook == CB_MCG) return decode_exact_cb<CB_MCG>(states, n, out);
+    decode_exact_cb<CB_3INST>(states, n, out);
+}
+
 const KernelTable& kernel_table() {
-    static const KernelTable t{"avx2", false, false, gemv_int, {gemv_float_3inst, gemv_float_mcg, gemv_float_mul1}};
+    static const KernelTable t{"avx2", false, false, gemv_int, {gemv_float_3inst, gemv_float_mcg, gemv_float_mul1},
+                               decode_exact};
     return t;
 }
 

@@ -51,6 +51,23 @@ void gemv_int(const MatRef& A, int band, const Acts& X, float* y) {
     }
 }
 
+template <int CB>
+static void decode_exact_cb(const uint16_t* states, size_t n, float* out) {
+    alignas(64) int32_t s[16];
+    alignas(64) float v[16];
+    for (size_t i = 0; i < n; i += 16) {
+        for (int l = 0; l < 16; ++l) s[l] = states[i + size_t(l)];
+        _mm512_store_ps(v, decode_values16<CB, true>(_mm512_load_si512(s)));
+        for (int l = 0; l < 16; ++l) out[i + size_t(l)] = v[l];
+    }
+}
+
+static void decode_exact(int codebook, const uint16_t* states, size_t n, float* out) {
+    if (codebook == CB_MUL1) return decode_exact_cb<CB_MUL1>(states, n, out);
+    if (codebook == CB_MCG) return decode_exact_cb<CB_MCG>(states, n, out);
+    decode_exact_cb<CB_3INST>(states, n, out);
+}
+
 const KernelTable& kernel_table() {
 #if defined(CT_EMU512)
     constexpr const char* name = "avx512emu";
@@ -64,7 +81,8 @@ const KernelTable& kernel_table() {
 #else
     constexpr bool amx = false;
 #endif
-    static const KernelTable t{name, amx, emulated, gemv_int, {gemv_float_3inst, gemv_float_mcg, gemv_float_mul1}};
+    static const KernelTable t{name, amx, emulated, gemv_int, {gemv_float_3inst, gemv_float_mcg, gemv_float_mul1},
+                               decode_exact};
     return t;
 }
 

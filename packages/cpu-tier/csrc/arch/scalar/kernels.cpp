@@ -67,10 +67,14 @@ void float_band(const MatRef& A, int band, const Acts& X, bool round, float* y) 
     band_scalar(A, band, X, round || A.codebook == CB_MUL1 ? GemvMode::Exact : GemvMode::Fast, y);
 }
 
+void decode_exact(int codebook, const uint16_t* states, size_t n, float* out) {
+    for (size_t i = 0; i < n; ++i) out[i] = codebook_value(states[i], codebook, true);
+}
+
 }  // namespace
 
 const KernelTable& kernel_table() {
-    static const KernelTable t{"scalar", false, false, int_band, {float_band, float_band, float_band}};
+    static const KernelTable t{"scalar", false, false, int_band, {float_band, float_band, float_band}, decode_exact};
     return t;
 }
 
