@@ -63,8 +63,17 @@ GiB = 1 << 30
 H200_HBM_GBPS = 4800.0  # the H200's nominal HBM3e bandwidth (GB/s), for the bandwidth-bound scaling below
 RTX3090_HBM_GBPS = 936.0
 _T0 = time.perf_counter()
-#: the tiered cases: the split, and "+stream" for the CPU tier driven by the GPU stream (TieredConfig.cpu_drive)
-_TIERED_CASES = ("auto", "cpu", "pcie", "auto+stream", "cpu+stream")
+#: the tiered cases: the split, then "+stream" for the CPU tier driven by the GPU stream (TieredConfig.cpu_drive)
+#: and "+graphs" for the device path's layer calls as CUDA graphs (TieredConfig.device_graphs), in that order
+_TIERED_SPLITS = ("auto", "cpu", "pcie")
+_TIERED_FLAGS = ("stream", "graphs")
+
+
+def _tiered_case(c: str) -> tuple[str, tuple[str, ...]] | None:
+    """A tiered case's split and flags ("auto+stream+graphs" -> ("auto", ("stream", "graphs"))), None if not one."""
+    split, *flags = c.split("+")
+    ok = split in _TIERED_SPLITS and flags == [f for f in _TIERED_FLAGS if f in flags]
+    return (split, tuple(flags)) if ok else None
 
 
 def _split_of(case: str) -> str:
@@ -324,6 +333,7 @@ def _use_runtime(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
             base.tiered,
             split=spec["split"],
             cpu_drive=spec.get("cpu_drive", "host"),
+            device_graphs=bool(spec.get("device_graphs", False)),
             policy=spec["policy"],
             cache_gib=0.0,
             hit_kernel=spec["hit_kernel"],
@@ -589,8 +599,8 @@ def main() -> int:
     ap.add_argument(
         "--runtimes",
         default="none,tiered:auto,tiered:cpu,tiered:pcie,cpu",
-        help="cases, in order (none is needed for the roofline); '+stream' after a tiered split: cpu_drive stream "
-        "(e.g. tiered:cpu+stream)",
+        help="cases, in order (none is needed for the roofline); after a tiered split '+stream': cpu_drive stream, "
+        "'+graphs': device_graphs (e.g. tiered:cpu+stream, tiered:auto+stream+graphs)",
     )
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -641,8 +651,9 @@ def main() -> int:
     streams_list = [int(s) for s in a.streams.split(",")]
     cases = a.runtimes.split(",")
     for c in cases:
-        if c not in ("none", "cpu") and not (c.startswith("tiered:") and c[7:] in _TIERED_CASES):
-            ap.error(f"--runtimes: unknown case {c!r} (none, cpu, tiered:{'|'.join(_TIERED_CASES)})")
+        if c not in ("none", "cpu") and not (c.startswith("tiered:") and _tiered_case(c[7:]) is not None):
+            flags = "".join(f"[+{f}]" for f in _TIERED_FLAGS)
+            ap.error(f"--runtimes: unknown case {c!r} (none, cpu, tiered:{'|'.join(_TIERED_SPLITS)}{flags})")
 
     if a.cpu_config:
         from vllm_dsv41.config import CpuTierConfig, _nested_config
@@ -750,8 +761,9 @@ def main() -> int:
     trace_dir = a.json.parent if a.json else a.root
     for case in cases:
         kind, _, split_drive = case.partition(":")
-        split, _, drive = split_drive.partition("+")
-        spec = {**base_spec, "kind": kind, "split": split or "auto", "cpu_drive": drive or "host", "rates": rates}
+        split, flags = _tiered_case(split_drive) or ("", ())
+        spec = {**base_spec, "kind": kind, "split": split or "auto", "cpu_drive": "stream" if "stream" in flags
+                else "host", "device_graphs": "graphs" in flags, "rates": rates}  # fmt: skip
         trace = trace_dir / f"trace_{split_drive.replace('+', '_')}.npz" if kind == "tiered" else None
         if trace is not None:
             spec["trace_path"] = str(trace)

@@ -95,3 +95,13 @@ def test_pstats_text_names_the_hot_functions() -> None:
     assert re.search(b._OUR_CODE, "/x/site-packages/vllm_dsv41/tiered.py:900(begin)")
     assert re.search(b._OUR_CODE, "/work/packages/cpu-tier/src/cpu_tier/tier.py:10(submit)")
     assert not re.search(b._OUR_CODE, "/work/packages/vllm-dsv41/tests/test_vllm_dsv41_tiered.py:5(_step)")
+
+
+def test_tiered_cases_name_a_split_then_their_flags_in_order() -> None:
+    b = _bench()
+    assert b._tiered_case("auto") == ("auto", ())
+    assert b._tiered_case("cpu+stream") == ("cpu", ("stream",))
+    assert b._tiered_case("auto+stream+graphs") == ("auto", ("stream", "graphs"))
+    assert b._tiered_case("pcie+graphs") == ("pcie", ("graphs",))
+    for bad in ("gpu", "auto+graphs+stream", "auto+stream+stream", "auto+", "cpu+fast"):
+        assert b._tiered_case(bad) is None, bad

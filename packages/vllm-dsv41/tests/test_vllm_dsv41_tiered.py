@@ -33,12 +33,13 @@ def _slot_bytes(home: ExpertHome) -> int:
 
 
 def _runtime(home: ExpertHome, slots: int, split: str = "auto", rates: Rates = RATES,
-             **tiered: object) -> TieredRuntime:  # fmt: skip
+             graph_factory: Callable[[], object] | None = None, **tiered: object) -> TieredRuntime:  # fmt: skip
     tiered.setdefault("prefill", False)  # the decode composition (the staged prefill: test_vllm_dsv41_prefill.py)
     tiered.setdefault("cpu_drive", "host")  # the host-driven split (its CPU/PCIe shares); the stream's tests ask for it
     t = TieredConfig(split=split, hit_kernel="reference", replan_every=2, **tiered)  # type: ignore[arg-type]
     cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact"), runtime="tiered", tiered=t)
-    rt = TieredRuntime(cfg, home, "cpu", rates=rates, cache_bytes=max(slots * _slot_bytes(home), 1))
+    rt = TieredRuntime(cfg, home, "cpu", rates=rates, cache_bytes=max(slots * _slot_bytes(home), 1),
+                       graph_factory=graph_factory)  # fmt: skip
     for lx in home.layers():
         rt.add_layer(lx, swiglu_limit=None)
     return rt
@@ -250,7 +251,8 @@ def test_a_cache_created_inside_a_step(home: ExpertHome, reference: ReferenceExp
         rt.close()
 
 
-def _wide_runtime(home: ExpertHome, **tiered: object) -> TieredRuntime:
+def _wide_runtime(home: ExpertHome, graph_factory: Callable[[], object] | None = None,
+                  **tiered: object) -> TieredRuntime:  # fmt: skip
     """A runtime whose hit kernel needs wider loads than this home's tensors give (a checkpoint's safetensors files
     align tensors to 8 bytes; exllamav3's kernel loads 16): the reference kernel with its alignment raised."""
     from vllm_dsv41.hits import ReferenceHits, make_hits
@@ -269,7 +271,8 @@ def _wide_runtime(home: ExpertHome, **tiered: object) -> TieredRuntime:
     cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact"), runtime="tiered", tiered=t)
     # a cache of 5 slots once the transient slots (taken from the budget when the read is staged) are out
     budget = (6 + int(tiered.get("pcie_stage_slots", TieredConfig().pcie_stage_slots))) * _slot_bytes(home)  # type: ignore[call-overload]
-    rt = TieredRuntime(cfg, home, "cpu", rates=RATES, cache_bytes=budget, hits_factory=factory)
+    rt = TieredRuntime(cfg, home, "cpu", rates=RATES, cache_bytes=budget, hits_factory=factory,
+                       graph_factory=graph_factory)  # fmt: skip
     for lx in home.layers():
         rt.add_layer(lx, swiglu_limit=None)
     return rt
@@ -728,6 +731,69 @@ def test_path_chooser_alternates_keeps_the_faster_and_measures_again() -> None:
         PathChooser(probe=0)
     with pytest.raises(ValueError, match="path"):
         c.record(1, "cpu", 0.1)
+
+
+class _RerunGraph:
+    """A stand-in for a CUDA graph on the CPU: a replay runs the captured work again."""
+
+    def __init__(self) -> None:
+        self.work: Callable[[], None] | None = None
+
+    def capture(self, work: Callable[[], None]) -> None:
+        self.work = work
+
+    def replay(self) -> None:
+        assert self.work is not None
+        self.work()
+
+
+@pytest.mark.parametrize("read", ["mapped", "staged"])
+def test_device_graphs_replay_the_device_path_with_the_same_results(home: ExpertHome, read: str) -> None:
+    """device_graphs: a decode-size call on the device path runs its inputs' copies eagerly and the rest as one
+    graph (here a stand-in that runs the captured work again), captured on its shape's second call; the same
+    outputs bit for bit, the same counters and cache as the eager device path, in place and staged (rounds of
+    transient slots); a larger call that grows the buffers drops the graphs, which are captured again."""
+    runs = {}
+    for graphs in (False, True):
+        factory = _RerunGraph if graphs else None
+        if read == "mapped":
+            rt = _runtime(home, 5, "pcie", graph_factory=factory, device_graphs=graphs)
+        else:
+            rt = _wide_runtime(home, graph_factory=factory, split="pcie", pcie_read="auto", pcie_stage_slots=3,
+                               device_graphs=graphs)  # fmt: skip
+        rng = np.random.default_rng(21)
+        try:
+            outs = []
+            for step, t in enumerate([1, 3, 1, 3, 1, 3, 24, 1, 3, 1, 3, 1, 3]):
+                if graphs and step == 6:
+                    assert rt._graphs is not None and len(rt._graphs) == 2 * LAYERS  # (1 and 3 tokens, each layer)
+                outs += [o for *_, o in _step(rt, rng, tokens=t, hot=7)]
+                if graphs and step == 6:
+                    assert len(rt._graphs) == 0  # the 24-token call grew the buffers: the graphs read the old ones
+            s = rt.stats
+            assert s.device_steps == 12 and s.pcie_picks > 0 and s.hit_picks > 0
+            if read == "staged":
+                assert rt._dstage is not None and rt._dstage.bytes_copied > 0
+            if graphs:
+                g = rt._graphs
+                assert g is not None and g.enabled and len(g) == 2 * LAYERS
+                assert g.captures == 4 * LAYERS and g.replays == 4 * LAYERS and g.eager == 8 * LAYERS
+            runs[graphs] = (outs, s.hit_picks, s.pcie_picks, s.cpu_picks, rt.cache.slot_of.clone())
+        finally:
+            rt.close()
+    (eager, *c_eager, slots_eager), (graphed, *c_graphed, slots_graphed) = runs[False], runs[True]
+    assert len(eager) == len(graphed) and all(np.array_equal(a, b) for a, b in zip(eager, graphed, strict=True))
+    assert c_eager == c_graphed and torch.equal(slots_eager, slots_graphed)
+
+
+def test_device_graphs_are_off_on_a_cpu_device_without_an_injected_graph(home: ExpertHome) -> None:
+    rt = _runtime(home, 5, "pcie", device_graphs=True)
+    try:
+        _step(rt, np.random.default_rng(0), tokens=1)
+        _step(rt, np.random.default_rng(1), tokens=1)
+        assert rt._graphs is None and rt.stats.device_steps == 2
+    finally:
+        rt.close()
 
 
 def test_device_path_counts_made_in_inference_mode_fold_outside_it(home: ExpertHome) -> None:
@@ -1227,6 +1293,41 @@ def _first_forward(rt: TieredRuntime, dev: torch.device) -> None:
     ids = torch.zeros((1, TOP_K), dtype=torch.int64, device=dev)
     ids[0, 1] = 1
     rt.forward_into(0, x, ids, torch.full((1, TOP_K), 0.5, device=dev), torch.empty((1, HIDDEN), device=dev))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["triton", "exllamav3"])
+@pytest.mark.parametrize("read", ["mapped", "staged"])
+def test_on_the_gpu_device_graphs_replay_the_device_path(registered_home: ExpertHome, reference: ReferenceExperts,
+                                                         kernel: str, read: str) -> None:  # fmt: skip
+    """device_graphs on CUDA: the device path's layer calls captured as CUDA graphs and replayed, with new routings
+    every step and the cache replanning between them (its tables mutated in place); every output equal bit for bit
+    to the eager device path's, and to the float64 reference within the kernel's bound."""
+    if kernel == "exllamav3":
+        from vllm_dsv41.dense import exllamav3_available
+
+        if not exllamav3_available():
+            pytest.fail("exllamav3's CUDA extension does not import (stage it: scripts/gpu_stage_exl3.sh)")
+    if kernel == "exllamav3" and read == "mapped":
+        kernel = "triton"  # (exllamav3 reads the home in place only 16-byte aligned: the staged case covers it)
+    tol = 3e-3 if kernel == "exllamav3" else 3e-5
+    tokens = (1, 3, 1, 3, 2)
+    runs = {}
+    for graphs in (False, True):
+        extra = {"pcie_read": "staged", "pcie_stage_slots": 3} if read == "staged" else {"pcie_read": "mapped"}
+        rt = _gpu_runtime(registered_home, 5, "pcie", kernel, device_graphs=graphs, **extra)
+        try:
+            outs = _gpu_steps(rt, np.random.default_rng(7), reference, tol, tokens=tokens, hot=7, steps=15)
+            s = rt.stats
+            assert s.device_steps == 15 and s.pcie_picks > 0
+            if graphs:
+                g = rt._graphs
+                assert g is not None and g.enabled and g.captures == 3 * LAYERS and g.replays > 0, g.captures
+            runs[graphs] = (outs, s.hit_picks, s.pcie_picks)
+        finally:
+            rt.close()
+    (eager, *c_eager), (graphed, *c_graphed) = runs[False], runs[True]
+    assert all(np.array_equal(a, b) for a, b in zip(eager, graphed, strict=True)) and c_eager == c_graphed
 
 
 @pytest.mark.gpu

@@ -155,6 +155,14 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {'on' if _TIERED.stream_share else 'off'})",
     )
     t.add_argument(
+        "--device-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run each decode-size MoE layer call of the device path (every miss read over PCIe) as one CUDA graph "
+        "instead of ~10-25 launches (not yet measured on a GPU) "
+        f"(default {'on' if _TIERED.device_graphs else 'off'})",
+    )
+    t.add_argument(
         "--hit-kernel",
         choices=HIT_KERNELS,
         help="GPU kernel of the cached experts (default auto: the fastest available)",
@@ -280,7 +288,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
     # flag -> field of the plugin's nested tiered-runtime config (TieredConfig)
     tiered_fields = {"cache_gib": "cache_gib", "cache_margin_gib": "cache_margin_gib", "cache_policy": "policy",
                      "miss_split": "split", "split_probe": "split_probe", "split_feedback": "split_feedback", "cpu_drive": "cpu_drive",
-                     "stream_share": "stream_share", "hit_kernel": "hit_kernel", "pcie_read": "pcie_read",
+                     "stream_share": "stream_share", "device_graphs": "device_graphs", "hit_kernel": "hit_kernel",
+                     "pcie_read": "pcie_read",
                      "device_stage": "device_stage",
                      "pcie_stage_slots": "pcie_stage_slots", "cpu_gbps": "cpu_gbps",
                      "pcie_gbps": "pcie_gbps", "record_routing": "trace_path",

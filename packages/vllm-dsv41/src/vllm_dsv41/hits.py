@@ -346,6 +346,7 @@ class Exl3MgemmHits:
                                       dtype=torch.int64, device=self.device).view(-1)  # fmt: skip
         self._gu_tables = torch.empty((3, 2 * e), dtype=torch.int64, device=self.device)
         self._cap = 0
+        self.scratch_version = 0  # +1 at each (re)allocation of the scratch (reserve)
         self._warm: set[int] = set()
         self._tokens: dict[tuple[int, int], torch.Tensor] = {}
         if max_tokens and top_k:
@@ -373,6 +374,12 @@ class Exl3MgemmHits:
         self.index = torch.empty((2 * s,), dtype=torch.int64, device=dev)
         self.skip = torch.empty((s,), dtype=torch.bool, device=dev)
         self._cap = s
+        self.scratch_version += 1
+
+    def reserve(self, picks: int) -> None:
+        """Scratch for calls of up to ``picks`` picks, allocated now if larger than held (``scratch_version`` then
+        changes: what captured the old scratch must be captured again)."""
+        self._reserve(picks)
 
     def _token_index(self, t: int, k: int) -> torch.Tensor:
         """Slot j's token, for the 2S gate/up slots: ``(j mod S) // K`` (persistent per (T, K))."""
@@ -526,6 +533,7 @@ class TritonHits:
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 1
         self._target = max(1, programs_per_sm * sms)
         self._cap = 0
+        self.scratch_version = 0  # +1 at each (re)allocation of the scratch (reserve)
         # 128-byte lines one run of block_n/16 tiles can touch (the larger bits of gate/up and down), plus one
         words = max(4 * int(round(2 * b)) for b in geometry.bits) * (block_n // 16)
         self._pf_lines = _next_pow2(-(-words // 32) + 1)
@@ -568,6 +576,12 @@ class TritonHits:
         self.p_gu = torch.empty((p_gu,), dtype=f32, device=dev)
         self.p_d = torch.empty((p_d,), dtype=f32, device=dev)
         self._cap = s
+        self.scratch_version += 1
+
+    def reserve(self, picks: int) -> None:
+        """Scratch for calls of up to ``picks`` picks, allocated now if larger than held (``scratch_version`` then
+        changes: what captured the old scratch must be captured again)."""
+        self._reserve(picks)
 
     @property
     def scratch_bytes(self) -> int:

@@ -55,6 +55,7 @@ from torch.profiler import record_function
 from . import metrics
 from .config import Dsv41PluginConfig, TieredConfig
 from .dev_stage import MAX_PICKS, DeviceStaging
+from .devgraphs import DeviceGraphs
 from .experts import _check_args, _refuse_capture, in_profile_run
 from .home import ExpertHome, LayerExperts
 from .route_prep import prepare_routing, share_misses
@@ -397,6 +398,8 @@ class TieredRuntime:
     rates : the cost model's rates; None measures them when the cache is created (or takes ``config.tiered``'s).
     hits_factory : ``(layer_experts, device) -> HitKernel`` (default: ``vllm_dsv41.hits.make_hits`` with
         ``config.tiered.hit_kernel``); tests inject the reference.
+    graph_factory : ``() -> devgraphs.Graph`` for ``config.tiered.device_graphs`` (default: CUDA graphs, on a CUDA
+        device only); tests inject one to run the graph bookkeeping on the CPU.
     cache_bytes : the cache's size in bytes, overriding ``config.tiered.cache_gib`` (tests, benchmarks).
     device_budget_bytes : the device memory this process may use in all (default ``config.tiered.device_gib``;
         0/None: the card). With ``cache_gib`` 0 the cache takes ``min(free memory, budget - memory PyTorch has
@@ -420,6 +423,7 @@ class TieredRuntime:
         cache_bytes: int | None = None,
         device_budget_bytes: int | None = None,
         vllm_share_bytes: int | None = None,
+        graph_factory: Callable[[], Any] | None = None,
     ) -> None:
         from cpu_tier import ExpertTier, Picks
 
@@ -495,6 +499,11 @@ class TieredRuntime:
         self._split_rates: tuple[tuple[float, float], Rates] | None = None
         self._pcie_timed: list[tuple[Any, Any, float]] = []
         self._pcie_events: list[tuple[Any, Any]] = []
+        # device_graphs: the device path's layer calls as CUDA graphs (devgraphs), and per MoE layer the hit
+        # kernel's scratch version the graphs were captured with (a new one drops them)
+        self._graph_factory = graph_factory
+        self._graphs: DeviceGraphs | None = None
+        self._graph_scratch: dict[int, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -891,6 +900,8 @@ class TieredRuntime:
                 self._fold_stream_counts()  # (a sync: the stream has passed them), then their calls go
                 self._stream_calls.clear()
                 self._stream_seen.clear()
+            if b is not None and self._graphs is not None:  # (graphs read the old buffers)
+                self._graphs.clear()
             b = _Buffers(self.device, max(t, 2 * b.rows if b else 16), hidden, topk)
             self._buffers[key] = b
         return b
@@ -1313,31 +1324,81 @@ class TieredRuntime:
         k = topk_ids.shape[1]
         b = self._buffers_for(x.shape[1], k, t)
         r = b.at(t)
-        ids, w, x32, y = r.ids, r.w, r.x32, r.y
-        x32.copy_(x)
         if self._dev_counts is None:
             self._dev_counts = torch.zeros(2, dtype=torch.int64, device=self.device)
-        ptrs = self._prepare(layer, topk_ids, topk_weights, r, dev_counts=self._dev_counts)
         if layer == min(self._layers):  # a step that ran on the device path (not one the staged prefill took)
             for st in self._counters(t):
                 st.device_steps += 1
-        self._trace_copy(layer, b, ids, t, k)
-        ds = self._dstage
-        if ds is None:
-            _hits_forward(self._hits[layer], ptrs, x32, ids, w, y)
-        else:  # the misses staged by the device, in rounds of the transient slots (the first round: and the hits)
-            assert self._stager is not None
-            try:
-                with _mark("dsv41.tiered.device_stage"):
-                    ids_r = ds.plan(ids, r.hit, ptrs)
-                for rd in range(ids_r.shape[0]):
-                    ds.copy(ptrs, rd)
-                    _hits_forward(self._hits[layer], ds.table_d, x32, ids_r[rd], w, y if rd == 0 else r.y2)
-                    if rd:
-                        y.add_(r.y2)
-            finally:  # (also after a failed launch: what was queued on the slots orders the next staged copies)
+        graphs = self._device_graphs()
+        try:
+            if graphs is None:
+                r.x32.copy_(x)
+                ptrs = self._prepare(layer, topk_ids, topk_weights, r, dev_counts=self._dev_counts)
+                self._trace_copy(layer, b, r.ids, t, k)
+                self._device_work(layer, r, ptrs)
+            else:  # the inputs into the persistent buffers, the rest one graph (the same work: _device_work)
+                r.x32.copy_(x)
+                r.ids.copy_(topk_ids)
+                r.w.copy_(topk_weights)
+                cache, li = self._cache, self._index[layer]
+                counts = cache.observe_counts(li, r.ids.shape[0])
+                kernel = self._hits[layer]
+                key = (layer, t, k, r.ids.data_ptr(), 0 if counts is None else counts.data_ptr(),
+                       self._graph_scratch_version(layer, kernel, k))  # fmt: skip
+
+                def work() -> None:
+                    prepare_routing(r.ids, r.w, cache.slot_of[li], counts, self._dev_counts, r.ids, r.w, r.hit, None)
+                    self._device_work(layer, r, cache.layer_pointers(li))
+
+                graphs.run(key, work)
+                self._trace_copy(layer, b, r.ids, t, k)
+        finally:  # (also after a failed launch: what was queued on the slots orders the next staged copies)
+            if self._dstage is not None:
+                assert self._stager is not None
                 self._stager.claim_all()
         return _Pending(layer, t, k=k, b=b, device_only=True)
+
+    def _device_work(self, layer: int, r: _Rows, ptrs: torch.Tensor) -> None:
+        """The device path's GPU work after the routing's preparation (``r``: ids, weights, hit mask, fp32
+        activations; ``ptrs``: the layer's pointer table): one hit kernel call over every pick, or on a staged home
+        (``self._dstage``) the plan and per round the misses' copies into the transient slots and the hit kernel
+        (the first round: and the hits). Device work only, the same launches for the same shapes (a graph)."""
+        ds = self._dstage
+        if ds is None:
+            _hits_forward(self._hits[layer], ptrs, r.x32, r.ids, r.w, r.y)
+            return
+        with _mark("dsv41.tiered.device_stage"):
+            ids_r = ds.plan(r.ids, r.hit, ptrs)
+        for rd in range(ids_r.shape[0]):
+            ds.copy(ptrs, rd)
+            _hits_forward(self._hits[layer], ds.table_d, r.x32, ids_r[rd], r.w, r.y if rd == 0 else r.y2)
+            if rd:
+                r.y.add_(r.y2)
+
+    def _device_graphs(self) -> DeviceGraphs | None:
+        """The device path's graphs (``device_graphs``: on a CUDA device, or with an injected ``graph_factory``)."""
+        if self._graphs is None and self.tcfg.device_graphs:
+            if self._graph_factory is not None:
+                self._graphs = DeviceGraphs(self.device, factory=self._graph_factory)
+            elif self.device.type == "cuda":
+                self._graphs = DeviceGraphs(self.device)
+                logger.info("dsv41 tiered: device_graphs: each decode-size layer call on the device path runs as one "
+                            "CUDA graph (captured on its second call of a shape)")  # fmt: skip
+        return self._graphs if self._graphs is not None and self._graphs.enabled else None
+
+    def _graph_scratch_version(self, layer: int, kernel: Any, k: int) -> tuple[int, int]:
+        """The hit kernel's scratch, reserved for the device path's largest call (``HIT_CHUNK_TOKENS * k`` picks)
+        before a graph reads it, as (kernel, version): a graph is captured against one; a new one (the kernel
+        replaced, its scratch grown by a larger call elsewhere) drops the graphs."""
+        reserve = getattr(kernel, "reserve", None)
+        if reserve is not None:
+            reserve(HIT_CHUNK_TOKENS * k)
+        version = (id(kernel), int(getattr(kernel, "scratch_version", 0)))
+        old = self._graph_scratch.get(layer)
+        if old is not None and old != version and self._graphs is not None:
+            self._graphs.clear()
+        self._graph_scratch[layer] = version
+        return version
 
     def _prepare(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor, r: _Rows,
                  gpu_ids: bool = False, dev_counts: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -1601,6 +1662,11 @@ class TieredRuntime:
             logger.info("dsv41 tiered: %s", self._stats.describe())
         if self._stats_decode.steps:
             logger.info("dsv41 tiered: decode-size calls only: %s", self._stats_decode.describe())
+        if self._graphs is not None:
+            if self._graphs.captures:
+                logger.info("dsv41 tiered: device_graphs: %d graphs captured, %d replays, %d calls eager",
+                            self._graphs.captures, self._graphs.replays, self._graphs.eager)  # fmt: skip
+            self._graphs.clear()
         self._tier.close()
         self._cache = None
         self._buffers.clear()
