@@ -616,6 +616,59 @@ def test_the_routing_trace_holds_each_steps_own_routing(home: ExpertHome, tmp_pa
         assert np.array_equal(trace.ids, np.concatenate(given).astype(trace.ids.dtype)), device_only
 
 
+class _LateEvent:
+    """A copy event the stream has not passed until ``done`` (query False); ``synchronize`` waits it out."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.done, self.log = False, log
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        if not self.done:  # (a wait)
+            self.log.append("sync")
+        self.done = True
+
+
+def test_the_trace_waits_for_no_copy_until_its_ring_is_full(home: ExpertHome, tmp_path: Path) -> None:
+    """On the no-sync paths a step's routing copies are recorded once their event has passed (a query), never by a
+    sync, while the ring of pinned copies has a free slot; a step about to reuse a slot still waiting is recorded
+    first (the one sync), and close records the rest: every step, in order, its own ids."""
+    from expert_cache import load_trace
+    from vllm_dsv41.tiered import _TRACE_RING
+
+    path = tmp_path / "late.npz"
+    rt = _runtime(home, 5, "pcie", trace_path=str(path))
+    log: list[str] = []
+    events: list[_LateEvent] = []
+
+    def late() -> _LateEvent:
+        events.append(_LateEvent(log))
+        return events[-1]
+
+    rt._trace_event = late  # type: ignore[method-assign]
+    rng = np.random.default_rng(5)
+    given = []
+    try:
+        for step in range(_TRACE_RING + 2):
+            rows = _step(rt, rng, tokens=1 + step % 3)
+            given.append(np.stack([ids for _, _, ids, _, _ in rows], axis=1))
+            if step < _TRACE_RING:  # the ring not yet full: nothing recorded, no sync
+                assert len(rt._trace_pending) == step + 1 and not log
+        # steps 4 and 5 reused the slots of steps 0 and 1 (copies not done): each recorded its slot's step first
+        assert log == ["sync", "sync"] and len(rt._trace_pending) == _TRACE_RING
+        events[2].done = True  # the stream passed step 2's copies: the next flush records it without a sync
+        rt._flush_trace()
+        assert len(rt._trace_pending) == _TRACE_RING - 1 and log == ["sync", "sync"]
+    finally:
+        rt.close()
+    assert log == ["sync"] * 5  # close waited for the other three
+    trace = load_trace(path)
+    assert trace.tokens_per_step.tolist() == [1 + s % 3 for s in range(_TRACE_RING + 2)]
+    assert np.array_equal(trace.ids, np.concatenate(given).astype(trace.ids.dtype))
+
+
 def _auto_on_a_virtual_clock(home: ExpertHome) -> tuple[TieredRuntime, _VirtualClock]:
     """A split "auto" runtime (2 probe steps a path, 3 slots) whose chooser reads a ``_VirtualClock``."""
     rt = _runtime(home, 3, "auto", split_probe=2, deadline_factor=0.0)

@@ -38,6 +38,7 @@ the reference one reading host addresses, and the cache lives in host memory.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -73,6 +74,9 @@ GiB = 1 << 30
 #: exllamav3's (10 H + 12 I) bytes a pick: 16 x 6 picks at Flash's sizes = 7.6 MB a layer, 0.3 GB for 40 layers).
 #: Decode (<= 16 tokens a step) is one call.
 HIT_CHUNK_TOKENS = 16
+#: Steps of routing copies the no-sync paths keep in flight for the trace before its recording waits for one: the
+#: trace reads a step's pinned copies once the stream has passed them (an event's query), never by a sync
+_TRACE_RING = 4
 #: Steps between two folds of the device path's pick counts into ``TierStats`` and Prometheus (a sync each).
 _FOLD_EVERY = 64
 #: a probed step's time runs to the next step's start unless that is more than this many times its MoE layers'
@@ -458,7 +462,10 @@ class TieredRuntime:
         self._stats_decode = TierStats()
         # the device-only decode path's pick counts (hits, all picks), on the device until the stats are read
         self._dev_counts: torch.Tensor | None = None
-        self._trace_h: dict[int, torch.Tensor] = {}  # per MoE layer: its routing, pinned (device-only path)
+        # the no-sync paths' routing for the trace: per (ring slot, MoE layer) a pinned copy; the open step's slot
+        self._trace_h: dict[tuple[int, int], torch.Tensor] = {}
+        self._trace_slot = 0
+        self._trace_slot_open = False
         # cpu_drive "stream": per (MoE layer, tokens) the cpu_tier.StreamCall over the buffers of that size, the
         # stream path's pick counts on the device (hits, picks, picks given to the GPU's PCIe reads), the calls'
         # counters already folded, and per (expert bytes, top-k) the PCIe share's quota tables (stream_share:
@@ -483,9 +490,10 @@ class TieredRuntime:
         self._m_cpu = metrics.tier("cpu")
         self._recorder: Any = None  # expert_cache.TraceRecorder, created at the first recorded step
         self._step_ids: dict[int, np.ndarray] = {}
-        # the last step's routing (ids per layer, its tokens, the device path's copy event), recorded into the trace
-        # once the next step's first CPU job is submitted (off the CPU tier's critical path)
-        self._trace_pending: tuple[dict[int, np.ndarray], int, Any] | None = None
+        # the steps whose routing waits to be recorded into the trace (ids per layer, tokens, the no-sync paths' copy
+        # event or None, their ring slot or -1), oldest first: recorded once their copies are done (off the CPU
+        # tier's critical path, never by a sync until the ring is full or the runtime closes)
+        self._trace_pending: collections.deque[tuple[dict[int, np.ndarray], int, Any, int]] = collections.deque()
         self._pending: _Pending | None = None
         self._closed = False
         self._limits: dict[int, float | None] = {}
@@ -847,16 +855,23 @@ class TieredRuntime:
             if (n := self._cache.fills_issued - before) > 0:
                 metrics.cache_fill(n, n * self._cache.config.expert_bytes)
         if self._step_ids:
-            self._flush_trace()  # (a step's recording waits at most one step)
-            self._trace_pending = (self._step_ids, self._step_tokens, self._trace_ready)
-            self._step_ids, self._trace_ready = {}, None
+            slot = self._trace_slot if self._trace_slot_open else -1
+            self._trace_pending.append((self._step_ids, self._step_tokens, self._trace_ready, slot))
+            self._step_ids, self._trace_ready, self._trace_slot_open = {}, None, False
+            self._flush_trace()
 
-    def _flush_trace(self) -> None:
-        """Record the last step's routing into the trace, if one waits (called after the next step's first CPU
-        job is submitted, before the device path reuses its pinned copies, and at close)."""
-        pending, self._trace_pending = self._trace_pending, None
-        if pending is not None:
-            self._record_step(*pending)
+    def _flush_trace(self, free_slot: int = -1, block: bool = False) -> None:
+        """Record the waiting steps' routing into the trace, oldest first, while their copies are done (an event's
+        query: no sync). ``free_slot``: every step that still reads that ring slot is recorded, waiting for its
+        copies if need be (a new step is about to write it); ``block``: all of them (close)."""
+        pending = self._trace_pending
+        last = max((i for i, p in enumerate(pending) if p[3] == free_slot), default=-1) if free_slot >= 0 else -1
+        while pending:
+            ready = pending[0][2]
+            if not (block or last >= 0 or ready is None or ready.query()):
+                break
+            self._record_step(*pending.popleft()[:3])
+            last -= 1
 
     def _record_step(self, step_ids: dict[int, np.ndarray], step_tokens: int, ready: Any) -> None:
         layers = sorted(self._layers)
@@ -1165,20 +1180,31 @@ class TieredRuntime:
         self._step_spans = left
 
     def _trace_copy(self, layer: int, b: _Buffers, ids: torch.Tensor, t: int, k: int) -> None:
-        """A no-sync path's routing for the trace: copied to a pinned buffer of the layer, read when the step is
-        recorded (after the event recorded at the step's last MoE layer)."""
+        """A no-sync path's routing for the trace: copied to a pinned buffer of the layer in the step's ring slot,
+        read when the step is recorded (once the event recorded at the step's last MoE layer has passed)."""
         if not self.tcfg.trace_path:
             return
-        self._flush_trace()  # (the last step's ids may be views of these pinned buffers)
-        h = self._trace_h.get(layer)
+        if not self._trace_slot_open:  # the step's first copy: a slot no waiting step still reads
+            self._trace_slot = (self._trace_slot + 1) % _TRACE_RING
+            self._flush_trace(free_slot=self._trace_slot)
+            self._trace_slot_open = True
+        key = (self._trace_slot, layer)
+        h = self._trace_h.get(key)
         if h is None or h.shape[0] < t or h.shape[1] != k:
-            h = self._trace_h[layer] = torch.empty((b.rows, k), dtype=torch.int32,
-                                                   pin_memory=self.device.type == "cuda")  # fmt: skip
+            h = self._trace_h[key] = torch.empty((b.rows, k), dtype=torch.int32,
+                                                 pin_memory=self.device.type == "cuda")  # fmt: skip
         h[:t].copy_(ids, non_blocking=True)
         self._step_ids[layer] = h[:t].numpy()
-        if self.device.type == "cuda" and layer == max(self._layers):  # the step's copies are done by then
-            self._trace_ready = torch.cuda.Event()
-            self._trace_ready.record(torch.cuda.current_stream(self.device))
+        if layer == max(self._layers):  # the step's copies are done by then
+            self._trace_ready = self._trace_event()
+
+    def _trace_event(self) -> Any:
+        """An event on the compute stream the trace's copies precede (None on a CPU device: copies are done)."""
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
 
     def _stream_path(self, t: int) -> bool:
         """A call of ``t`` tokens has the stream drive its CPU share (``cpu_drive`` "stream"; ``_begin_stream``):
@@ -1651,7 +1677,7 @@ class TieredRuntime:
                 logger.info("dsv41 prefill: %s", self._prefill.stats.describe())
         if self._step_open:
             self._end_step(replan=False)
-        self._flush_trace()
+        self._flush_trace(block=True)
         self._fold_device_counts()
         self._fold_stream_counts()  # (a sync: no host function of the stream path runs after the tier closes)
         if self._recorder is not None:
