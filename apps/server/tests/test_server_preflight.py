@@ -90,10 +90,10 @@ def test_flags_map_onto_the_configs(tmp_path: Path) -> None:
                          "--cpu-gbps", "40", "--pcie-gbps", "20", "--record-routing", str(tmp_path / "r.npz"),
                          "--tier-stats-every", "0", "--pcie-read", "staged", "--pcie-stage-slots", "12",
                          "--split-feedback", "0.25", "--split-probe", "4", "--no-device-stage", "--cpu-drive", "stream",
-                         "--stream-share", "--device-graphs"])  # fmt: skip
+                         "--stream-share", "--layer-graphs"])  # fmt: skip
     assert dict(cfg.plugin_overrides) == {"runtime": "tiered", "tiered": {
         "cache_gib": 6.5, "cache_margin_gib": 0.5, "policy": "decayed", "split": "pcie", "split_feedback": 0.25, "split_probe": 4,
-        "cpu_drive": "stream", "stream_share": True, "device_graphs": True, "hit_kernel": "triton",
+        "cpu_drive": "stream", "stream_share": True, "layer_graphs": True, "hit_kernel": "triton",
         "pcie_read": "staged", "device_stage": False, "pcie_stage_slots": 12, "cpu_gbps": 40.0, "pcie_gbps": 20.0,
         "trace_path": str(tmp_path / "r.npz"), "stats_every": 0}}  # fmt: skip
     cfg, _ = parse_args(["--no-prefill", "--prefill-min-tokens", "1024", "--prefill-ring-slots", "4",

@@ -64,7 +64,7 @@ H200_HBM_GBPS = 4800.0  # the H200's nominal HBM3e bandwidth (GB/s), for the ban
 RTX3090_HBM_GBPS = 936.0
 _T0 = time.perf_counter()
 #: the tiered cases: the split, then "+stream" for the CPU tier driven by the GPU stream (TieredConfig.cpu_drive)
-#: and "+graphs" for the device path's layer calls as CUDA graphs (TieredConfig.device_graphs), in that order
+#: and "+graphs" for the device path's layer calls as CUDA graphs (TieredConfig.layer_graphs), in that order
 _TIERED_SPLITS = ("auto", "cpu", "pcie")
 _TIERED_FLAGS = ("stream", "graphs")
 
@@ -333,7 +333,7 @@ def _use_runtime(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
             base.tiered,
             split=spec["split"],
             cpu_drive=spec.get("cpu_drive", "host"),
-            device_graphs=bool(spec.get("device_graphs", False)),
+            layer_graphs=bool(spec.get("layer_graphs", False)),
             policy=spec["policy"],
             cache_gib=0.0,
             hit_kernel=spec["hit_kernel"],
@@ -600,7 +600,7 @@ def main() -> int:
         "--runtimes",
         default="none,tiered:auto,tiered:cpu,tiered:pcie,cpu",
         help="cases, in order (none is needed for the roofline); after a tiered split '+stream': cpu_drive stream, "
-        "'+graphs': device_graphs (e.g. tiered:cpu+stream, tiered:auto+stream+graphs)",
+        "'+graphs': layer_graphs (e.g. tiered:cpu+stream, tiered:auto+stream+graphs)",
     )
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--prompt-tokens", type=int, default=128)
@@ -763,7 +763,7 @@ def main() -> int:
         kind, _, split_drive = case.partition(":")
         split, flags = _tiered_case(split_drive) or ("", ())
         spec = {**base_spec, "kind": kind, "split": split or "auto", "cpu_drive": "stream" if "stream" in flags
-                else "host", "device_graphs": "graphs" in flags, "rates": rates}  # fmt: skip
+                else "host", "layer_graphs": "graphs" in flags, "rates": rates}  # fmt: skip
         trace = trace_dir / f"trace_{split_drive.replace('+', '_')}.npz" if kind == "tiered" else None
         if trace is not None:
             spec["trace_path"] = str(trace)

@@ -58,7 +58,7 @@ def test_defaults_and_frozen() -> None:
         ({"tiered": {"trace_path": 3}}, "trace_path"),
         ({"tiered": {"cpu_drive": "gpu"}}, "cpu_drive"),
         ({"tiered": {"stream_share": "yes"}}, "stream_share"),
-        ({"tiered": {"device_graphs": 1}}, "device_graphs"),
+        ({"tiered": {"layer_graphs": 1}}, "layer_graphs"),
         ({"tiered": {"bogus": 1}}, "bogus"),
         ({"tiered": 3}, "tiered"),
     ],

@@ -1,5 +1,5 @@
 """devgraphs.DeviceGraphs' bookkeeping with an injected graph (the CUDA graphs themselves: the GPU test in
-test_vllm_dsv41_tiered.py, ``test_on_the_gpu_device_graphs_replay_the_device_path``)."""
+test_vllm_dsv41_tiered.py, ``test_on_the_gpu_layer_graphs_replay_the_device_path``)."""
 
 from __future__ import annotations
 

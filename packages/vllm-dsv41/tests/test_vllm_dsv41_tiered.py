@@ -800,37 +800,54 @@ class _RerunGraph:
         self.work()
 
 
-@pytest.mark.parametrize("read", ["mapped", "staged"])
-def test_device_graphs_replay_the_device_path_with_the_same_results(home: ExpertHome, read: str) -> None:
-    """device_graphs: a decode-size call on the device path runs its inputs' copies eagerly and the rest as one
-    graph (here a stand-in that runs the captured work again), captured on its shape's second call; the same
-    outputs bit for bit, the same counters and cache as the eager device path, in place and staged (rounds of
-    transient slots); a larger call that grows the buffers drops the graphs, which are captured again."""
+@pytest.mark.parametrize("path", ["device mapped", "device staged", "stream", "stream shared"])
+def test_layer_graphs_replay_the_no_sync_paths_with_the_same_results(home: ExpertHome, reference: ReferenceExperts,
+                                                                     path: str) -> None:  # fmt: skip
+    """layer_graphs: a decode-size call on a no-sync path runs its inputs' copies eagerly and the rest as graphs
+    (here a stand-in that runs the captured work again), captured on its shape's second call: on the device path
+    one per call (in place, and staged: rounds of transient slots), on the stream-driven split one for begin and
+    one for finish (the CPU tier's submit and wait are host functions inside them; "shared": split "auto" with
+    its PCIe share). Against the float64 reference, and the same outputs bit for bit, the same counters and cache
+    as without graphs; a larger call that grows the buffers drops the graphs, which are captured again."""
     runs = {}
+    stream = path.startswith("stream")
+    per_call = 2 if stream else 1  # graphs per layer call
     for graphs in (False, True):
         factory = _RerunGraph if graphs else None
-        if read == "mapped":
-            rt = _runtime(home, 5, "pcie", graph_factory=factory, device_graphs=graphs)
-        else:
+        if path == "device mapped":
+            rt = _runtime(home, 5, "pcie", graph_factory=factory, layer_graphs=graphs)
+        elif path == "device staged":
             rt = _wide_runtime(home, graph_factory=factory, split="pcie", pcie_read="auto", pcie_stage_slots=3,
-                               device_graphs=graphs)  # fmt: skip
+                               layer_graphs=graphs)  # fmt: skip
+        else:
+            # (no deadline: no timing-dependent fallback to the hit kernel)
+            rt = _runtime(home, 5, "auto" if path == "stream shared" else "cpu", graph_factory=factory,
+                          layer_graphs=graphs, cpu_drive="stream", stream_share=path == "stream shared",
+                          split_probe=0, deadline_factor=0.0)  # fmt: skip
         rng = np.random.default_rng(21)
         try:
             outs = []
             for step, t in enumerate([1, 3, 1, 3, 1, 3, 24, 1, 3, 1, 3, 1, 3]):
                 if graphs and step == 6:
-                    assert rt._graphs is not None and len(rt._graphs) == 2 * LAYERS  # (1 and 3 tokens, each layer)
-                outs += [o for *_, o in _step(rt, rng, tokens=t, hot=7)]
+                    assert rt._graphs is not None and len(rt._graphs) == 2 * LAYERS * per_call  # (1 and 3 tokens)
+                for layer, x, ids, w, out in _step(rt, rng, tokens=t, hot=7):
+                    expected = reference.forward(layer, x, ids, w)
+                    np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+                    outs.append(out)
                 if graphs and step == 6:
                     assert len(rt._graphs) == 0  # the 24-token call grew the buffers: the graphs read the old ones
             s = rt.stats
-            assert s.device_steps == 12 and s.pcie_picks > 0 and s.hit_picks > 0
-            if read == "staged":
+            assert (s.stream_steps if stream else s.device_steps) == 12 and s.hit_picks > 0
+            assert s.cpu_picks > 0 if stream else s.pcie_picks > 0
+            if path == "stream shared":
+                assert s.pcie_picks > 0
+            if path == "device staged":
                 assert rt._dstage is not None and rt._dstage.bytes_copied > 0
             if graphs:
                 g = rt._graphs
-                assert g is not None and g.enabled and len(g) == 2 * LAYERS
-                assert g.captures == 4 * LAYERS and g.replays == 4 * LAYERS and g.eager == 8 * LAYERS
+                n = 4 * LAYERS * per_call
+                assert g is not None and g.enabled and len(g) == 2 * LAYERS * per_call
+                assert (g.captures, g.replays, g.eager) == (n, n, 2 * n)
             runs[graphs] = (outs, s.hit_picks, s.pcie_picks, s.cpu_picks, rt.cache.slot_of.clone())
         finally:
             rt.close()
@@ -839,8 +856,8 @@ def test_device_graphs_replay_the_device_path_with_the_same_results(home: Expert
     assert c_eager == c_graphed and torch.equal(slots_eager, slots_graphed)
 
 
-def test_device_graphs_are_off_on_a_cpu_device_without_an_injected_graph(home: ExpertHome) -> None:
-    rt = _runtime(home, 5, "pcie", device_graphs=True)
+def test_layer_graphs_are_off_on_a_cpu_device_without_an_injected_graph(home: ExpertHome) -> None:
+    rt = _runtime(home, 5, "pcie", layer_graphs=True)
     try:
         _step(rt, np.random.default_rng(0), tokens=1)
         _step(rt, np.random.default_rng(1), tokens=1)
@@ -1351,9 +1368,9 @@ def _first_forward(rt: TieredRuntime, dev: torch.device) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["triton", "exllamav3"])
 @pytest.mark.parametrize("read", ["mapped", "staged"])
-def test_on_the_gpu_device_graphs_replay_the_device_path(registered_home: ExpertHome, reference: ReferenceExperts,
+def test_on_the_gpu_layer_graphs_replay_the_device_path(registered_home: ExpertHome, reference: ReferenceExperts,
                                                          kernel: str, read: str) -> None:  # fmt: skip
-    """device_graphs on CUDA: the device path's layer calls captured as CUDA graphs and replayed, with new routings
+    """layer_graphs on CUDA: the device path's layer calls captured as CUDA graphs and replayed, with new routings
     every step and the cache replanning between them (its tables mutated in place); every output equal bit for bit
     to the eager device path's, and to the float64 reference within the kernel's bound."""
     if kernel == "exllamav3":
@@ -1368,7 +1385,7 @@ def test_on_the_gpu_device_graphs_replay_the_device_path(registered_home: Expert
     runs = {}
     for graphs in (False, True):
         extra = {"pcie_read": "staged", "pcie_stage_slots": 3} if read == "staged" else {"pcie_read": "mapped"}
-        rt = _gpu_runtime(registered_home, 5, "pcie", kernel, device_graphs=graphs, **extra)
+        rt = _gpu_runtime(registered_home, 5, "pcie", kernel, layer_graphs=graphs, **extra)
         try:
             outs = _gpu_steps(rt, np.random.default_rng(7), reference, tol, tokens=tokens, hot=7, steps=15)
             s = rt.stats
@@ -1381,6 +1398,41 @@ def test_on_the_gpu_device_graphs_replay_the_device_path(registered_home: Expert
             rt.close()
     (eager, *c_eager), (graphed, *c_graphed) = runs[False], runs[True]
     assert all(np.array_equal(a, b) for a, b in zip(eager, graphed, strict=True)) and c_eager == c_graphed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", ["cpu", "auto"])
+def test_on_the_gpu_layer_graphs_replay_the_stream_split(registered_home: ExpertHome, reference: ReferenceExperts,
+                                                         split: str) -> None:  # fmt: skip
+    """layer_graphs on the stream path on CUDA: begin and finish each a CUDA graph whose host functions submit and
+    wait for the CPU tier; bit for bit the eager stream path's outputs and counters ("auto": with its PCIe share);
+    then, replayed, a job that stops early still leaves its picks to the hit kernel inside the finish graph."""
+    tokens = (1, 3, 1, 3, 2)
+    runs = {}
+    for graphs in (False, True):
+        rt = _gpu_runtime(registered_home, 5, split, "triton", cpu_drive="stream", layer_graphs=graphs,
+                          deadline_factor=0.0, stream_share=split == "auto", split_probe=0)  # fmt: skip
+        try:
+            outs = _gpu_steps(rt, np.random.default_rng(9), reference, 3e-5, tokens=tokens, hot=7, steps=15)
+            s = rt.stats
+            assert s.stream_steps == 15 and s.cpu_picks > 0 and (s.pcie_picks > 0) == (split == "auto")
+            if graphs:
+                g = rt._graphs
+                assert g is not None and g.enabled and g.captures == 2 * 3 * LAYERS and g.replays > 0, g.captures
+            runs[graphs] = (outs, s.hit_picks, s.cpu_picks, s.pcie_picks)
+        finally:
+            rt.close()
+    (eager, *c_eager), (graphed, *c_graphed) = runs[False], runs[True]
+    assert all(np.array_equal(a, b) for a, b in zip(eager, graphed, strict=True)) and c_eager == c_graphed
+    rt = _gpu_runtime(registered_home, 5, split, "triton", cpu_drive="stream", layer_graphs=True, deadline_factor=1.0,
+                      deadline_floor_ms=60_000.0, split_probe=0)  # fmt: skip
+    real = rt._tier.stream_call
+    rt._tier.stream_call = lambda *a, **k: real(*a, **k, _test_cancel_after_chunks=1)  # type: ignore[method-assign]
+    try:
+        _gpu_steps(rt, np.random.default_rng(3), reference, 3e-5, tokens=(4,), hot=6, steps=5)
+        assert rt._graphs is not None and rt._graphs.replays > 0 and rt.stats.fallback_picks > 0
+    finally:
+        rt.close()
 
 
 @pytest.mark.gpu

@@ -155,12 +155,12 @@ def _parser() -> argparse.ArgumentParser:
         f"(default {'on' if _TIERED.stream_share else 'off'})",
     )
     t.add_argument(
-        "--device-graphs",
+        "--layer-graphs",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="run each decode-size MoE layer call of the device path (every miss read over PCIe) as one CUDA graph "
-        "instead of ~10-25 launches (not yet measured on a GPU) "
-        f"(default {'on' if _TIERED.device_graphs else 'off'})",
+        help="run the decode-size MoE layer calls of the no-sync paths (the device path; the stream-driven split) as "
+        "CUDA graphs instead of ~10-30 launches each (not yet measured on a GPU) "
+        f"(default {'on' if _TIERED.layer_graphs else 'off'})",
     )
     t.add_argument(
         "--hit-kernel",
@@ -288,7 +288,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[ServerConfig, bool]:
     # flag -> field of the plugin's nested tiered-runtime config (TieredConfig)
     tiered_fields = {"cache_gib": "cache_gib", "cache_margin_gib": "cache_margin_gib", "cache_policy": "policy",
                      "miss_split": "split", "split_probe": "split_probe", "split_feedback": "split_feedback", "cpu_drive": "cpu_drive",
-                     "stream_share": "stream_share", "device_graphs": "device_graphs", "hit_kernel": "hit_kernel",
+                     "stream_share": "stream_share", "layer_graphs": "layer_graphs", "hit_kernel": "hit_kernel",
                      "pcie_read": "pcie_read",
                      "device_stage": "device_stage",
                      "pcie_stage_slots": "pcie_stage_slots", "cpu_gbps": "cpu_gbps",

@@ -140,11 +140,13 @@ class TieredConfig:
         tier and the hit kernel reading the host home, with no host sync: a quota per (tokens, distinct misses)
         from ``split.share_quota_table`` at the startup rates, applied on the device (``route_prep.share_misses``:
         the most-picked missed experts to the GPU). Off by default until measured on a GPU (CPU-tested only).
-    device_graphs : run each decode-size layer call of the device path (every miss read over PCIe by the hit
-        kernel: split "pcie", and the steps split "auto" gives it) as one CUDA graph, captured on the second call
-        of its shape (``vllm_dsv41.devgraphs``): one launch instead of ~10-25, whose host time made the H200's
-        device-path steps the host's (run 10: 5.8-6.4 ms of host time in a 3-layer step's layer calls). Off by
-        default until measured on a GPU (CPU-tested with an injected graph only).
+    layer_graphs : run the decode-size layer calls of the two no-sync paths as CUDA graphs, captured on the second
+        call of a shape (``vllm_dsv41.devgraphs``): the device path (every miss read over PCIe by the hit kernel:
+        split "pcie", and the steps split "auto" gives it) as one graph a call, the stream-driven split
+        (``cpu_drive`` "stream") as two, begin and finish, with the CPU tier's submit and wait as host functions
+        inside them. A call then costs its input copies and one launch (two) instead of ~10-30, whose host time
+        made the H200's device-path steps the host's (run 10: 5.8-6.4 ms of host time in a 3-layer step's layer
+        calls). Off by default until measured on a GPU (CPU-tested with an injected graph only).
     deadline_factor, deadline_floor_ms : the CPU tier's deadline per layer, ``factor * predicted + floor``; picks
         it has not computed by then are computed by the GPU from the host home (counted, never dropped).
         ``deadline_factor = 0``: no deadline.
@@ -181,7 +183,7 @@ class TieredConfig:
     device_stage: bool = True
     cpu_drive: CpuDrive = "stream"
     stream_share: bool = False
-    device_graphs: bool = False
+    layer_graphs: bool = False
     split_probe: int = 8
     split_feedback: float = 0.1
     deadline_factor: float = 4.0
@@ -220,8 +222,8 @@ class TieredConfig:
             raise ValueError(f"cpu_drive: expected one of {CPU_DRIVES}, got {self.cpu_drive!r}")
         if not isinstance(self.stream_share, bool):
             raise ValueError(f"stream_share: expected true or false, got {self.stream_share!r}")
-        if not isinstance(self.device_graphs, bool):
-            raise ValueError(f"device_graphs: expected true or false, got {self.device_graphs!r}")
+        if not isinstance(self.layer_graphs, bool):
+            raise ValueError(f"layer_graphs: expected true or false, got {self.layer_graphs!r}")
         _integer("split_probe", self.split_probe, 0)
         _number("split_feedback", self.split_feedback, 0.0, 1.0)
         _number("deadline_factor", self.deadline_factor, 0.0)

@@ -1,12 +1,14 @@
-"""CUDA graphs of the tiered runtime's device path: a decode-size layer call's GPU work replayed in one launch.
+"""CUDA graphs of the tiered runtime's no-sync paths: a decode-size layer call's GPU work replayed in one launch.
 
 The device path (``TieredRuntime._begin_device``: every miss read over PCIe by the hit kernel, no host sync) queues
 ~10-25 kernel launches a layer call: the routing's preparation, the staging plan, per round of transient slots a
-copy and the hit kernel's 5-7 launches. Each launch costs the host tens of microseconds of Python and driver
-work, so on the H200 a 3-layer decode step spent 5.8-6.4 ms of host time in the layer calls against ~4 ms of GPU
-expert work (run 10): the step was the host's, not the GPU's. The work depends on the call's shapes only (the
-rounds are ``ceil(picks / slots)`` whatever the misses), reads and writes persistent buffers only, and never
-waits for the host, so it can be captured once and replayed.
+copy and the hit kernel's 5-7 launches; the stream-driven split (``_begin_stream`` / ``_finish_stream``) ~30 with
+two CUDA host functions, the CPU tier's submit and wait. Each launch costs the host tens of microseconds of Python
+and driver work, so on the H200 a 3-layer decode step spent 5.8-6.4 ms of host time in the device path's layer
+calls against ~4 ms of GPU expert work (run 10): the step was the host's, not the GPU's. The work depends on the
+call's shapes only (the rounds are ``ceil(picks / slots)`` whatever the misses), reads and writes persistent
+buffers only, and never waits for the host thread (host functions are graph nodes), so it can be captured once
+and replayed.
 
 ``DeviceGraphs.run(key, work)``: the first call of a key runs ``work`` eagerly (its kernels compile, exllamav3
 autotunes the size); the second runs it eagerly and captures it into a graph; later calls replay the graph. A key

@@ -169,6 +169,7 @@ class _Pending:
     pcie_enqueue_s: float = 0.0
     device_only: bool = False  # computed by ``_begin_device`` (no host sync)
     stream: Any = None  # the call's cpu_tier.StreamCall (``_begin_stream``: the stream drives the CPU tier)
+    graph_key: tuple[Any, ...] | None = None  # layer_graphs: the stream path's begin graph's key (its finish's too)
     cpu_pred: float = 0.0  # the split's predicted seconds of the CPU share at the startup rates (split feedback)
     begin_s: float = 0.0  # host seconds of begin(), its step bookkeeping, its submit, finish()'s wait (TierStats)
     bookkeeping_s: float = 0.0
@@ -402,7 +403,7 @@ class TieredRuntime:
     rates : the cost model's rates; None measures them when the cache is created (or takes ``config.tiered``'s).
     hits_factory : ``(layer_experts, device) -> HitKernel`` (default: ``vllm_dsv41.hits.make_hits`` with
         ``config.tiered.hit_kernel``); tests inject the reference.
-    graph_factory : ``() -> devgraphs.Graph`` for ``config.tiered.device_graphs`` (default: CUDA graphs, on a CUDA
+    graph_factory : ``() -> devgraphs.Graph`` for ``config.tiered.layer_graphs`` (default: CUDA graphs, on a CUDA
         device only); tests inject one to run the graph bookkeeping on the CPU.
     cache_bytes : the cache's size in bytes, overriding ``config.tiered.cache_gib`` (tests, benchmarks).
     device_budget_bytes : the device memory this process may use in all (default ``config.tiered.device_gib``;
@@ -507,7 +508,7 @@ class TieredRuntime:
         self._split_rates: tuple[tuple[float, float], Rates] | None = None
         self._pcie_timed: list[tuple[Any, Any, float]] = []
         self._pcie_events: list[tuple[Any, Any]] = []
-        # device_graphs: the device path's layer calls as CUDA graphs (devgraphs), and per MoE layer the hit
+        # layer_graphs: the no-sync paths' layer calls as CUDA graphs (devgraphs), and per MoE layer the hit
         # kernel's scratch version the graphs were captured with (a new one drops them)
         self._graph_factory = graph_factory
         self._graphs: DeviceGraphs | None = None
@@ -1222,40 +1223,81 @@ class TieredRuntime:
         (``cpu_tier.StreamCall.submit_fn``), then the hits (and the share, from the host home) on the GPU while the
         CPU tier works. ``finish`` queues the wait (the stream holds until the job is done or its deadline passed)
         and the combine. The same per-pick values and fixed-order sums as the host-driven split path."""
-        cuda = self.device.type == "cuda"
         k = topk_ids.shape[1]
         b = self._buffers_for(x.shape[1], k, t)
         r = b.at(t)
-        x32 = r.x32
-        x32.copy_(x)
+        r.x32.copy_(x)
         if self._stream_counts is None:
             self._stream_counts = torch.zeros(3, dtype=torch.int64, device=self.device)
-        ptrs = self._prepare(layer, topk_ids, topk_weights, r, gpu_ids=True, dev_counts=self._stream_counts[:2])
-        quota = self._share_quota(layer, t, k)
-        if quota is not None:  # the PCIe share: picks the hit kernel reads from the host home, the CPU tier skips
-            share_misses(r.ids, r.hit, r.gpu_ids, quota, self._stream_counts[2:])
         if layer == min(self._layers):
             for st in self._counters(t):
                 st.stream_steps += 1
-        self._trace_copy(layer, b, r.ids, t, k)
-        r.h_x.copy_(x32, non_blocking=cuda)
-        b.h_route.copy_(b.route, non_blocking=cuda)
+        quota = self._share_quota(layer, t, k)
         call = self._stream_call(layer, b, t, k)
+        kernel = self._hits[layer]
+        graphs = self._layer_graphs()
+        if graphs is not None:  # the inputs into the persistent buffers, the rest one graph (the same work)
+            r.ids.copy_(topk_ids)
+            r.w.copy_(topk_weights)
+            cache, li = self._cache, self._index[layer]
+            counts = cache.observe_counts(li, r.ids.shape[0])
+            ptrs = cache.layer_pointers(li)
+            sc = self._stream_counts
+
+            def work() -> None:
+                prepare_routing(r.ids, r.w, cache.slot_of[li], counts, sc[:2], r.ids, r.w, r.hit, r.gpu_ids)
+                self._stream_begin_work(b, r, quota, call, kernel, ptrs)
+
+            key = ("stream begin", layer, t, k, r.ids.data_ptr(), 0 if counts is None else counts.data_ptr(),
+                   0 if quota is None else quota.data_ptr(), id(call),
+                   self._graph_scratch_version(layer, kernel, k))  # fmt: skip
+            graphs.run(key, work)
+            self._trace_copy(layer, b, r.ids, t, k)
+            return _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, stream=call, graph_key=key)
+        ptrs = self._prepare(layer, topk_ids, topk_weights, r, gpu_ids=True, dev_counts=self._stream_counts[:2])
+        self._trace_copy(layer, b, r.ids, t, k)
+        submit_s = self._stream_begin_work(b, r, quota, call, kernel, ptrs)
+        return _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, stream=call, submit_s=submit_s)
+
+    def _stream_begin_work(self, b: _Buffers, r: _Rows, quota: torch.Tensor | None, call: Any, kernel: Any,
+                           ptrs: torch.Tensor) -> float:  # fmt: skip
+        """The stream path's begin after the routing's preparation: the PCIe share marked hit (``share_misses``),
+        the inputs and routing copied to pinned memory, the CPU tier's submit (a host function), the hits (and the
+        share) on the GPU. Device work and host functions only (a graph). Returns the host seconds of queuing the
+        submit."""
+        cuda = self.device.type == "cuda"
+        assert self._stream_counts is not None
+        if quota is not None:  # the PCIe share: picks the hit kernel reads from the host home, the CPU tier skips
+            share_misses(r.ids, r.hit, r.gpu_ids, quota, self._stream_counts[2:])
+        r.h_x.copy_(r.x32, non_blocking=cuda)
+        b.h_route.copy_(b.route, non_blocking=cuda)
         ts = time.perf_counter()
         self._run_host(call, submit=True)
         submit_s = time.perf_counter() - ts
-        kernel = self._hits[layer]
-        _hits_forward(kernel, ptrs, x32, r.gpu_ids, r.w, r.y)
-        return _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, stream=call, submit_s=submit_s)
+        _hits_forward(kernel, ptrs, r.x32, r.gpu_ids, r.w, r.y)
+        return submit_s
 
     def _finish_stream(self, p: _Pending, out: torch.Tensor) -> None:
         """The stream path's second half, queued: the wait for the CPU tier (a host function), its rows added to
         the hits' (each pick's row is zero on the side that did not compute it), the picks it missed computed by the
         hit kernel from the host home, the fixed-order combine."""
-        cuda = self.device.type == "cuda"
-        b, t, k = p.b, p.t, p.k
+        b, t = p.b, p.t
         assert b is not None
         r = b.at(t)
+        key = p.graph_key
+        graphs = self._layer_graphs() if key is not None else None
+        if graphs is None or key is None:
+            self._stream_finish_work(p, b, r)
+        else:
+            graphs.run(("stream finish", *key[1:]), lambda: self._stream_finish_work(p, b, r))
+        out[:t].copy_(r.x32)
+
+    def _stream_finish_work(self, p: _Pending, b: _Buffers, r: _Rows) -> None:
+        """The stream path's finish up to the output: the wait for the CPU tier (a host function), its rows added to
+        the hits', the picks it missed computed by the hit kernel from the host home, the fixed-order sum into
+        ``r.x32``. Device work and host functions only (a graph)."""
+        cuda = self.device.type == "cuda"
+        t, k = p.t, p.k
         self._run_host(p.stream, submit=False)
         pr = b.picks_at(t * k)
         pr.cpu_rows.copy_(pr.h_cpu, non_blocking=cuda)
@@ -1264,7 +1306,7 @@ class TieredRuntime:
         miss.copy_(b.h_missing[:t], non_blocking=cuda)
         _hits_forward(p.kernel, p.ptrs, r.x32, miss, r.w, r.y2)
         r.y.add_(r.y2)
-        _combine(b, t, out)
+        torch.sum(r.y, dim=1, out=r.x32)
 
     def _share_quota(self, layer: int, t: int, k: int) -> torch.Tensor | None:
         """The stream path's PCIe share at ``t`` tokens of ``layer`` (``stream_share`` with split "auto"): the row
@@ -1355,7 +1397,7 @@ class TieredRuntime:
         if layer == min(self._layers):  # a step that ran on the device path (not one the staged prefill took)
             for st in self._counters(t):
                 st.device_steps += 1
-        graphs = self._device_graphs()
+        graphs = self._layer_graphs()
         try:
             if graphs is None:
                 r.x32.copy_(x)
@@ -1401,15 +1443,16 @@ class TieredRuntime:
             if rd:
                 r.y.add_(r.y2)
 
-    def _device_graphs(self) -> DeviceGraphs | None:
-        """The device path's graphs (``device_graphs``: on a CUDA device, or with an injected ``graph_factory``)."""
-        if self._graphs is None and self.tcfg.device_graphs:
+    def _layer_graphs(self) -> DeviceGraphs | None:
+        """The no-sync paths' graphs (``layer_graphs``: on a CUDA device, or with an injected ``graph_factory``)."""
+        if self._graphs is None and self.tcfg.layer_graphs:
             if self._graph_factory is not None:
                 self._graphs = DeviceGraphs(self.device, factory=self._graph_factory)
             elif self.device.type == "cuda":
                 self._graphs = DeviceGraphs(self.device)
-                logger.info("dsv41 tiered: device_graphs: each decode-size layer call on the device path runs as one "
-                            "CUDA graph (captured on its second call of a shape)")  # fmt: skip
+                logger.info("dsv41 tiered: layer_graphs: the decode-size layer calls of the device path (one graph "
+                            "a call) and the stream-driven split (two) run as CUDA graphs, captured on a shape's "
+                            "second call")  # fmt: skip
         return self._graphs if self._graphs is not None and self._graphs.enabled else None
 
     def _graph_scratch_version(self, layer: int, kernel: Any, k: int) -> tuple[int, int]:
@@ -1690,7 +1733,7 @@ class TieredRuntime:
             logger.info("dsv41 tiered: decode-size calls only: %s", self._stats_decode.describe())
         if self._graphs is not None:
             if self._graphs.captures:
-                logger.info("dsv41 tiered: device_graphs: %d graphs captured, %d replays, %d calls eager",
+                logger.info("dsv41 tiered: layer_graphs: %d graphs captured, %d replays, %d calls eager",
                             self._graphs.captures, self._graphs.replays, self._graphs.eager)  # fmt: skip
             self._graphs.clear()
         self._tier.close()
