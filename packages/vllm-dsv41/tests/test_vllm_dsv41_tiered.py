@@ -808,7 +808,7 @@ def test_layer_graphs_replay_the_no_sync_paths_with_the_same_results(home: Exper
     one per call (in place, and staged: rounds of transient slots), on the stream-driven split one for begin and
     one for finish (the CPU tier's submit and wait are host functions inside them; "shared": split "auto" with
     its PCIe share). Against the float64 reference, and the same outputs bit for bit, the same counters and cache
-    as without graphs; a larger call that grows the buffers drops the graphs, which are captured again."""
+    as without graphs; a prompt-size call between them (the split path, its own buffers) leaves the graphs."""
     runs = {}
     stream = path.startswith("stream")
     per_call = 2 if stream else 1  # graphs per layer call
@@ -830,12 +830,13 @@ def test_layer_graphs_replay_the_no_sync_paths_with_the_same_results(home: Exper
             for step, t in enumerate([1, 3, 1, 3, 1, 3, 24, 1, 3, 1, 3, 1, 3]):
                 if graphs and step == 6:
                     assert rt._graphs is not None and len(rt._graphs) == 2 * LAYERS * per_call  # (1 and 3 tokens)
+                    held = dict(rt._graphs._graphs)
                 for layer, x, ids, w, out in _step(rt, rng, tokens=t, hot=7):
                     expected = reference.forward(layer, x, ids, w)
                     np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
                     outs.append(out)
-                if graphs and step == 6:
-                    assert len(rt._graphs) == 0  # the 24-token call grew the buffers: the graphs read the old ones
+                if graphs and step == 6:  # a prompt-size call (its own buffers): the graphs stay
+                    assert rt._graphs._graphs == held
             s = rt.stats
             assert (s.stream_steps if stream else s.device_steps) == 12 and s.hit_picks > 0
             assert s.cpu_picks > 0 if stream else s.pcie_picks > 0
@@ -845,15 +846,56 @@ def test_layer_graphs_replay_the_no_sync_paths_with_the_same_results(home: Exper
                 assert rt._dstage is not None and rt._dstage.bytes_copied > 0
             if graphs:
                 g = rt._graphs
-                n = 4 * LAYERS * per_call
-                assert g is not None and g.enabled and len(g) == 2 * LAYERS * per_call
-                assert (g.captures, g.replays, g.eager) == (n, n, 2 * n)
+                n = 2 * LAYERS * per_call  # keys: (layer, 1 or 3 tokens) per graph of a call, 6 calls each
+                assert g is not None and len(g) == n
+                assert (g.captures, g.replays, g.eager) == (n, 4 * n, 2 * n)
             runs[graphs] = (outs, s.hit_picks, s.pcie_picks, s.cpu_picks, rt.cache.slot_of.clone())
         finally:
             rt.close()
     (eager, *c_eager, slots_eager), (graphed, *c_graphed, slots_graphed) = runs[False], runs[True]
     assert len(eager) == len(graphed) and all(np.array_equal(a, b) for a, b in zip(eager, graphed, strict=True))
     assert c_eager == c_graphed and torch.equal(slots_eager, slots_graphed)
+
+
+def test_layer_graphs_follow_the_hit_kernels_scratch(home: ExpertHome, reference: ReferenceExperts) -> None:
+    """A hit kernel with scratch (``reserve``, ``scratch_version``) has it reserved for the largest decode call
+    before a graph reads it; when it is reallocated all the same (a larger call elsewhere), the graphs go and are
+    captured again: results still the reference's."""
+    from vllm_dsv41.hits import make_hits
+    from vllm_dsv41.tiered import HIT_CHUNK_TOKENS
+
+    reserved: list[int] = []
+
+    class Scratchy:
+        def __init__(self, inner: object) -> None:
+            self.inner, self.scratch_version = inner, 0
+
+        def reserve(self, picks: int) -> None:
+            reserved.append(picks)
+
+        def forward(self, *a: object) -> None:
+            self.inner.forward(*a)  # type: ignore[attr-defined]
+
+    t = TieredConfig(split="pcie", hit_kernel="reference", replan_every=2, prefill=False, cpu_drive="host",
+                     layer_graphs=True)  # fmt: skip
+    cfg = Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision="exact"), runtime="tiered", tiered=t)
+    rt = TieredRuntime(cfg, home, "cpu", rates=RATES, cache_bytes=5 * _slot_bytes(home), graph_factory=_RerunGraph,
+                       hits_factory=lambda lx, dev: Scratchy(make_hits(lx, dev, backend="reference")))  # fmt: skip
+    for lx in home.layers():
+        rt.add_layer(lx, swiglu_limit=None)
+    rng = np.random.default_rng(4)
+    try:
+        _exact_steps(rt, rng, reference, 3, tokens=2)
+        g = rt._graphs
+        assert g is not None and len(g) == LAYERS and g.replays == LAYERS
+        assert set(reserved) == {HIT_CHUNK_TOKENS * TOP_K}
+        rt._hits[0].scratch_version += 1  # (as a reallocation would)
+        _exact_steps(rt, rng, reference, 1, tokens=2)
+        assert len(g) == 0 and g.replays == LAYERS  # dropped at layer 0's call, before anything replayed
+        _exact_steps(rt, rng, reference, 2, tokens=2)
+        assert len(g) == LAYERS and g.captures == 2 * LAYERS
+    finally:
+        rt.close()
 
 
 def test_layer_graphs_are_off_on_a_cpu_device_without_an_injected_graph(home: ExpertHome) -> None:
@@ -949,9 +991,13 @@ def test_row_views_are_kept_for_decode_sizes_only(home: ExpertHome, reference: R
     try:
         for tokens in (HIT_CHUNK_TOKENS + 7, 1, HIT_CHUNK_TOKENS + 1, 3, 2):  # (the first sizes the buffers)
             _exact_steps(rt, rng, reference, 1, tokens=tokens)
-        (b,) = rt._buffers.values()
-        assert set(b._rows) == {1, 2, 3}, sorted(b._rows)
-        assert max(b._picks) <= HIT_CHUNK_TOKENS * TOP_K and b._picks, sorted(b._picks)
+        # decode-size calls have their own buffers, of HIT_CHUNK_TOKENS rows (never grown: graphs read them)
+        dec, prompt = rt._buffers[(HIDDEN, TOP_K, True)], rt._buffers[(HIDDEN, TOP_K, False)]
+        assert dec.rows == HIT_CHUNK_TOKENS and prompt.rows >= HIT_CHUNK_TOKENS + 7
+        assert set(dec._rows) == {1, 2, 3} and not prompt._rows, (sorted(dec._rows), sorted(prompt._rows))
+        for b in (dec, prompt):
+            assert not b._picks or max(b._picks) <= HIT_CHUNK_TOKENS * TOP_K, sorted(b._picks)
+        assert dec._picks
     finally:
         rt.close()
 
@@ -1392,7 +1438,7 @@ def test_on_the_gpu_layer_graphs_replay_the_device_path(registered_home: ExpertH
             assert s.device_steps == 15 and s.pcie_picks > 0
             if graphs:
                 g = rt._graphs
-                assert g is not None and g.enabled and g.captures == 3 * LAYERS and g.replays > 0, g.captures
+                assert g is not None and g.captures == 3 * LAYERS and g.replays > 0, g.captures
             runs[graphs] = (outs, s.hit_picks, s.pcie_picks)
         finally:
             rt.close()
@@ -1418,7 +1464,7 @@ def test_on_the_gpu_layer_graphs_replay_the_stream_split(registered_home: Expert
             assert s.stream_steps == 15 and s.cpu_picks > 0 and (s.pcie_picks > 0) == (split == "auto")
             if graphs:
                 g = rt._graphs
-                assert g is not None and g.enabled and g.captures == 2 * 3 * LAYERS and g.replays > 0, g.captures
+                assert g is not None and g.captures == 2 * 3 * LAYERS and g.replays > 0, g.captures
             runs[graphs] = (outs, s.hit_picks, s.cpu_picks, s.pcie_picks)
         finally:
             rt.close()
@@ -1433,6 +1479,51 @@ def test_on_the_gpu_layer_graphs_replay_the_stream_split(registered_home: Expert
         assert rt._graphs is not None and rt._graphs.replays > 0 and rt.stats.fallback_picks > 0
     finally:
         rt.close()
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_layer_graphs_run_ahead_of_the_host(registered_home: ExpertHome, reference: ReferenceExperts,
+                                                       tmp_path: Path) -> None:  # fmt: skip
+    """layer_graphs with nothing syncing between the layers (the host queues every step ahead, as in serving):
+    split "auto" probing both no-sync paths (the device path, the stream-driven split with its PCIe share), the
+    routing trace on; every output kept on the device and read at the end: bit for bit the eager run's, against
+    the float64 reference, and the same trace."""
+    from expert_cache import load_trace
+
+    dev = torch.device("cuda")
+    runs = {}
+    for graphs in (False, True):
+        path = tmp_path / f"trace_{graphs}.npz"
+        rt = _gpu_runtime(registered_home, 5, "auto", "triton", cpu_drive="stream", layer_graphs=graphs,
+                          deadline_factor=0.0, stream_share=True, split_probe=2, trace_path=str(path))  # fmt: skip
+        rng = np.random.default_rng(31)
+        given, outs = [], []
+        try:
+            for step in range(24):
+                t = (1, 3, 2)[step % 3]
+                for layer in range(LAYERS):
+                    x = rng.standard_normal((t, HIDDEN)).astype(np.float32)
+                    ids, w = _routing(rng, t, hot=7)
+                    out = torch.empty((t, HIDDEN), device=dev)
+                    # (inputs from pinned memory: a pageable copy would wait for the stream)
+                    xd, idd, wd = (torch.from_numpy(a).pin_memory().to(dev, non_blocking=True) for a in (x, ids, w))
+                    rt.forward_into(layer, xd, idd, wd, out)
+                    given.append((layer, x, ids, w))
+                    outs.append(out)
+            s = rt.stats
+            assert s.device_steps > 0 and s.stream_steps > 0 and s.device_steps + s.stream_steps == 24
+            if graphs:
+                assert rt._graphs is not None and rt._graphs.replays > 0
+        finally:
+            rt.close()
+        got = [o.cpu().numpy() for o in outs]
+        for (layer, x, ids, w), o in zip(given, got, strict=True):
+            expected = reference.forward(layer, x, ids, w)
+            np.testing.assert_allclose(o, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+        runs[graphs] = (got, load_trace(path).ids)
+    (eager, trace_eager), (graphed, trace_graphed) = runs[False], runs[True]
+    assert all(np.array_equal(a, b) for a, b in zip(eager, graphed, strict=True))
+    assert np.array_equal(trace_eager, trace_graphed)
 
 
 @pytest.mark.gpu

@@ -13,21 +13,28 @@ and replayed.
 ``DeviceGraphs.run(key, work)``: the first call of a key runs ``work`` eagerly (its kernels compile, exllamav3
 autotunes the size); the second runs it eagerly and captures it into a graph; later calls replay the graph. A key
 must name everything the captured work's addresses depend on (the caller's buffers, the kernels' scratch); the
-caller clears the graphs when any of those is reallocated. A capture that fails turns graphs off (logged): the
-calls then run eagerly, as without graphs.
+caller clears the graphs when any of those is reallocated. A capture that fails raises (``GraphCaptureError``,
+chained to the cause): a launch the capture forbids is a bug of the captured work, and a failed capture can leave
+PyTorch's caching allocator mid-capture (frees deferred, an assertion at its next cache flush), so the process must
+not go on as if nothing happened.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
 import torch
 
-__all__ = ["CudaGraph", "DeviceGraphs", "Graph"]
+__all__ = ["CudaGraph", "DeviceGraphs", "Graph", "GraphCaptureError"]
 
 logger = logging.getLogger(__name__)
+
+
+class GraphCaptureError(RuntimeError):
+    """A capture of ``DeviceGraphs.run``'s work failed (the cause chained)."""
 
 
 class Graph(Protocol):
@@ -55,8 +62,11 @@ class CudaGraph:
             graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 work()
-            finally:
-                graph.capture_end()
+            except BaseException:
+                with contextlib.suppress(Exception):  # (an invalidated capture's end fails too: the cause is above)
+                    graph.capture_end()
+                raise
+            graph.capture_end()
         current.wait_stream(self.stream)
         self._graph = graph
 
@@ -72,8 +82,8 @@ class DeviceGraphs:
     Parameters
     ----------
     device : the CUDA device (``factory`` None), or any device with a ``factory``.
-    max_graphs : graphs kept at most; keys beyond run eagerly (a decode step has one key per MoE layer and token
-        count: 40 layers x vLLM's graph sizes up to 16 tokens).
+    max_graphs : graphs kept at most; keys beyond run eagerly, logged once (the runtime sizes it: MoE layers x 16
+        decode sizes x graphs per call).
     factory : ``() -> Graph`` (default: ``CudaGraph`` on ``device``); tests inject one.
     """
 
@@ -91,7 +101,7 @@ class DeviceGraphs:
         self._factory = factory
         self._graphs: dict[Hashable, Graph] = {}
         self._seen: set[Hashable] = set()
-        self.enabled = True
+        self._full_logged = False
         self.eager = 0  # calls run eagerly (first and second sightings, keys past max_graphs, graphs off)
         self.captures = 0
         self.replays = 0
@@ -100,7 +110,8 @@ class DeviceGraphs:
         return len(self._graphs)
 
     def run(self, key: Hashable, work: Callable[[], None]) -> str:
-        """Run ``work`` for ``key``: "replayed", "captured" (run eagerly, then captured) or "eager"."""
+        """Run ``work`` for ``key``: "replayed"; "captured" (run eagerly, then captured); "first" (run eagerly, its
+        key's first call: captured at the next); "eager" (run eagerly, no room for another graph)."""
         graph = self._graphs.get(key)
         if graph is not None:
             graph.replay()
@@ -108,22 +119,23 @@ class DeviceGraphs:
             return "replayed"
         work()
         self.eager += 1
-        if not self.enabled or len(self._graphs) >= self.max_graphs:
+        if len(self._graphs) >= self.max_graphs:
+            if not self._full_logged:
+                self._full_logged = True
+                logger.warning("dsv41 tiered: layer_graphs: %d graphs held, the most allowed; the calls of new "
+                               "shapes run eagerly", self.max_graphs)  # fmt: skip
             return "eager"
         if key not in self._seen:
             if len(self._seen) >= 4 * self.max_graphs:  # keys that never repeat (e.g. changing addresses)
                 self._seen.clear()
             self._seen.add(key)
-            return "eager"
+            return "first"
         graph = self._factory()
         try:
             graph.capture(work)
-        except Exception as e:  # (a launch that a capture forbids: this runtime's calls stay eager)
-            self.enabled = False
-            self.clear()
-            logger.warning("dsv41 tiered: a CUDA graph capture of the device path failed (%s: %s); its calls run "
-                           "eagerly from now on", type(e).__name__, e)  # fmt: skip
-            return "eager"
+        except Exception as e:
+            raise GraphCaptureError(f"layer_graphs: the capture of a layer call's GPU work failed ({type(e).__name__}: "
+                                    f"{e}); serve without layer_graphs (--no-layer-graphs)") from e  # fmt: skip
         self._seen.discard(key)
         self._graphs[key] = graph
         self.captures += 1

@@ -456,7 +456,7 @@ class TieredRuntime:
         self._step_open = False
         self._cache_step = False  # the cache's before_step was called for the open step
         self._step_tokens = 0
-        self._buffers: dict[tuple[int, int], _Buffers] = {}
+        self._buffers: dict[tuple[int, int, bool], _Buffers] = {}  # (hidden, top-k, decode-size)
         self._stats = TierStats()
         # The same counters for decode-size calls only (at most ``HIT_CHUNK_TOKENS`` tokens: a decode step's layer
         # calls), so the per-step figures are not mixed with prompts computed on the decode path.
@@ -512,6 +512,7 @@ class TieredRuntime:
         # kernel's scratch version the graphs were captured with (a new one drops them)
         self._graph_factory = graph_factory
         self._graphs: DeviceGraphs | None = None
+        self._graphs_refused = False  # a hit kernel is not graph safe (logged once)
         self._graph_scratch: dict[int, tuple[int, int]] = {}
 
     # ------------------------------------------------------------------------------------------ setup
@@ -909,16 +910,14 @@ class TieredRuntime:
     # ------------------------------------------------------------------------------------------ forward
 
     def _buffers_for(self, hidden: int, topk: int, t: int) -> _Buffers:
-        key = (hidden, topk)
+        """The persistent buffers of a call of ``t`` tokens: decode-size calls (``t <= HIT_CHUNK_TOKENS``) have
+        their own, of that many rows, which never grow (the no-sync paths' graphs and the stream path's calls read
+        them); longer calls share a set that grows (doubling)."""
+        decode = t <= HIT_CHUNK_TOKENS
+        key = (hidden, topk, decode)
         b = self._buffers.get(key)
         if b is None or b.rows < t:
-            if b is not None and self._stream_calls:  # the stream's host functions may still read the old buffers:
-                self._fold_stream_counts()  # (a sync: the stream has passed them), then their calls go
-                self._stream_calls.clear()
-                self._stream_seen.clear()
-            if b is not None and self._graphs is not None:  # (graphs read the old buffers)
-                self._graphs.clear()
-            b = _Buffers(self.device, max(t, 2 * b.rows if b else 16), hidden, topk)
+            b = _Buffers(self.device, HIT_CHUNK_TOKENS if decode else max(t, 2 * b.rows if b else 32), hidden, topk)
             self._buffers[key] = b
         return b
 
@@ -1251,7 +1250,7 @@ class TieredRuntime:
             key = ("stream begin", layer, t, k, r.ids.data_ptr(), 0 if counts is None else counts.data_ptr(),
                    0 if quota is None else quota.data_ptr(), id(call),
                    self._graph_scratch_version(layer, kernel, k))  # fmt: skip
-            graphs.run(key, work)
+            self._graph_ran(graphs.run(key, work))
             self._trace_copy(layer, b, r.ids, t, k)
             return _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, stream=call, graph_key=key)
         ptrs = self._prepare(layer, topk_ids, topk_weights, r, gpu_ids=True, dev_counts=self._stream_counts[:2])
@@ -1418,7 +1417,7 @@ class TieredRuntime:
                     prepare_routing(r.ids, r.w, cache.slot_of[li], counts, self._dev_counts, r.ids, r.w, r.hit, None)
                     self._device_work(layer, r, cache.layer_pointers(li))
 
-                graphs.run(key, work)
+                self._graph_ran(graphs.run(key, work))
                 self._trace_copy(layer, b, r.ids, t, k)
         finally:  # (also after a failed launch: what was queued on the slots orders the next staged copies)
             if self._dstage is not None:
@@ -1444,16 +1443,31 @@ class TieredRuntime:
                 r.y.add_(r.y2)
 
     def _layer_graphs(self) -> DeviceGraphs | None:
-        """The no-sync paths' graphs (``layer_graphs``: on a CUDA device, or with an injected ``graph_factory``)."""
-        if self._graphs is None and self.tcfg.layer_graphs:
+        """The no-sync paths' graphs (``layer_graphs``: on a CUDA device whose hit kernels are all graph safe, or
+        with an injected ``graph_factory``), made at the first decode-size call of such a path."""
+        if self._graphs is None and self.tcfg.layer_graphs and not self._graphs_refused:
+            # room for every shape: MoE layers x decode sizes x graphs a call (device path 1, stream path 2)
+            limit = max(64, 3 * HIT_CHUNK_TOKENS * len(self._layers))
             if self._graph_factory is not None:
-                self._graphs = DeviceGraphs(self.device, factory=self._graph_factory)
+                self._graphs = DeviceGraphs(self.device, max_graphs=limit, factory=self._graph_factory)
             elif self.device.type == "cuda":
-                self._graphs = DeviceGraphs(self.device)
+                unsafe = sorted({type(k).__name__ for k in self._hits.values() if not getattr(k, "graph_safe", False)})
+                if unsafe:
+                    self._graphs_refused = True
+                    logger.warning("dsv41 tiered: layer_graphs: off, the hit kernel %s syncs with the host (not graph "
+                                   "safe); the layer calls run eagerly", ", ".join(unsafe))  # fmt: skip
+                    return None
+                self._graphs = DeviceGraphs(self.device, max_graphs=limit)
                 logger.info("dsv41 tiered: layer_graphs: the decode-size layer calls of the device path (one graph "
                             "a call) and the stream-driven split (two) run as CUDA graphs, captured on a shape's "
-                            "second call")  # fmt: skip
-        return self._graphs if self._graphs is not None and self._graphs.enabled else None
+                            "second call (at most %d graphs)", limit)  # fmt: skip
+        return self._graphs
+
+    def _graph_ran(self, result: str) -> None:
+        """A layer call's graph result: a call run eagerly that its graph will replace (a key's first call, or the
+        capture's) makes the step no sample of the path chooser (its time is not the path's steady one)."""
+        if result in ("first", "captured"):
+            self._step_probed = False
 
     def _graph_scratch_version(self, layer: int, kernel: Any, k: int) -> tuple[int, int]:
         """The hit kernel's scratch, reserved for the device path's largest call (``HIT_CHUNK_TOKENS * k`` picks)
