@@ -350,13 +350,15 @@ class Exl3MgemmHits:
         self._warm: set[int] = set()
         self._tokens: dict[tuple[int, int], torch.Tensor] = {}
         if max_tokens and top_k:
-            self._reserve(max_tokens * top_k)
+            self.reserve(max_tokens * top_k)
 
     def _flags(self, role: int) -> tuple[float, bool, bool]:
         cb = self.geometry.codebooks[role]
         return float(self.geometry.bits[role]), cb == "mcg", cb == "mul1"
 
-    def _reserve(self, s: int) -> None:
+    def reserve(self, s: int) -> None:
+        """Scratch for calls of up to ``s`` picks, allocated now if larger than held (``scratch_version`` then
+        changes: what captured the old scratch must be captured again)."""
         if s <= self._cap:
             return
         if _capturing(self.device):
@@ -375,11 +377,6 @@ class Exl3MgemmHits:
         self.skip = torch.empty((s,), dtype=torch.bool, device=dev)
         self._cap = s
         self.scratch_version += 1
-
-    def reserve(self, picks: int) -> None:
-        """Scratch for calls of up to ``picks`` picks, allocated now if larger than held (``scratch_version`` then
-        changes: what captured the old scratch must be captured again)."""
-        self._reserve(picks)
 
     def _token_index(self, t: int, k: int) -> torch.Tensor:
         """Slot j's token, for the 2S gate/up slots: ``(j mod S) // K`` (persistent per (T, K))."""
@@ -408,7 +405,7 @@ class Exl3MgemmHits:
             raise RuntimeError(f"Exl3MgemmHits (layer {g.layer}): {s} picks were never run eagerly; exllamav3 "
                                "autotunes a new size on its first call, which a CUDA graph capture forbids: call "
                                "forward (or warm) once per batch size before capturing")  # fmt: skip
-        self._reserve(s)
+        self.reserve(s)
         e, h, i = g.num_experts, g.hidden, g.intermediate
         ext = self._ext
         # inputs: one fp16 row per slot (gate slots 0..S-1, up slots S..2S-1)
@@ -538,7 +535,7 @@ class TritonHits:
         words = max(4 * int(round(2 * b)) for b in geometry.bits) * (block_n // 16)
         self._pf_lines = _next_pow2(-(-words // 32) + 1)
         if max_tokens and top_k:
-            self._reserve(max_tokens * top_k)
+            self.reserve(max_tokens * top_k)
 
     def splits(self, s: int, proj: Literal["gate_up", "down"]) -> tuple[int, int]:
         """``(splits, k blocks per split)`` for ``s`` picks: enough programs (counting one expert per pick) for the
@@ -550,7 +547,9 @@ class TritonHits:
         per = -(-nkb // min(want, nkb))
         return -(-nkb // per), per
 
-    def _reserve(self, s: int) -> None:
+    def reserve(self, s: int) -> None:
+        """Scratch for calls of up to ``s`` picks, allocated now if larger than held (``scratch_version`` then
+        changes: what captured the old scratch must be captured again)."""
         if s <= self._cap:
             return
         g = self.geometry
@@ -578,11 +577,6 @@ class TritonHits:
         self._cap = s
         self.scratch_version += 1
 
-    def reserve(self, picks: int) -> None:
-        """Scratch for calls of up to ``picks`` picks, allocated now if larger than held (``scratch_version`` then
-        changes: what captured the old scratch must be captured again)."""
-        self._reserve(picks)
-
     @property
     def scratch_bytes(self) -> int:
         """Bytes of scratch held now."""
@@ -604,7 +598,7 @@ class TritonHits:
         s = t * k
         if s == 0:
             return
-        self._reserve(s)
+        self.reserve(s)
         e, h, i = g.num_experts, g.hidden, g.intermediate
         asm = self.device.type == "cuda"
         bn, bk, nw = self.block_n, self.block_k, self.num_warps

@@ -45,7 +45,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -1035,7 +1035,7 @@ class TieredRuntime:
         cache = self._cache
         kernel = self._hits[layer]
         if cache is not None:
-            ptrs = self._prepare(layer, topk_ids, topk_weights, r, gpu_ids=True)
+            ptrs = self._prepare(layer, topk_ids, topk_weights, r, self._observe(layer, r), gpu_ids=True)
         else:  # no cache yet (before vLLM's KV cache exists): everything is a miss, computed by the CPU tier
             ptrs = None
             ids.copy_(topk_ids)
@@ -1235,25 +1235,22 @@ class TieredRuntime:
         call = self._stream_call(layer, b, t, k)
         kernel = self._hits[layer]
         graphs = self._layer_graphs()
+        sc = self._stream_counts
         if graphs is not None:  # the inputs into the persistent buffers, the rest one graph (the same work)
-            r.ids.copy_(topk_ids)
-            r.w.copy_(topk_weights)
-            cache, li = self._cache, self._index[layer]
-            counts = cache.observe_counts(li, r.ids.shape[0])
-            ptrs = cache.layer_pointers(li)
-            sc = self._stream_counts
+            counts = self._graph_inputs(layer, topk_ids, topk_weights, r)
+            ptrs = self._cache.layer_pointers(self._index[layer])
 
             def work() -> None:
-                prepare_routing(r.ids, r.w, cache.slot_of[li], counts, sc[:2], r.ids, r.w, r.hit, r.gpu_ids)
+                self._prepare(layer, r.ids, r.w, r, counts, gpu_ids=True, dev_counts=sc[:2])
                 self._stream_begin_work(b, r, quota, call, kernel, ptrs)
 
-            key = ("stream begin", layer, t, k, r.ids.data_ptr(), 0 if counts is None else counts.data_ptr(),
-                   0 if quota is None else quota.data_ptr(), id(call),
-                   self._graph_scratch_version(layer, kernel, k))  # fmt: skip
+            key = self._graph_key("stream begin", layer, r, counts, kernel, 0 if quota is None else quota.data_ptr(),
+                                  id(call))  # fmt: skip
             self._graph_ran(graphs.run(key, work))
             self._trace_copy(layer, b, r.ids, t, k)
             return _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, stream=call, graph_key=key)
-        ptrs = self._prepare(layer, topk_ids, topk_weights, r, gpu_ids=True, dev_counts=self._stream_counts[:2])
+        ptrs = self._prepare(layer, topk_ids, topk_weights, r, self._observe(layer, r), gpu_ids=True,
+                             dev_counts=sc[:2])  # fmt: skip
         self._trace_copy(layer, b, r.ids, t, k)
         submit_s = self._stream_begin_work(b, r, quota, call, kernel, ptrs)
         return _Pending(layer, t, k=k, b=b, kernel=kernel, ptrs=ptrs, stream=call, submit_s=submit_s)
@@ -1396,28 +1393,21 @@ class TieredRuntime:
         if layer == min(self._layers):  # a step that ran on the device path (not one the staged prefill took)
             for st in self._counters(t):
                 st.device_steps += 1
+        dc = self._dev_counts
         graphs = self._layer_graphs()
+        r.x32.copy_(x)
         try:
             if graphs is None:
-                r.x32.copy_(x)
-                ptrs = self._prepare(layer, topk_ids, topk_weights, r, dev_counts=self._dev_counts)
+                ptrs = self._prepare(layer, topk_ids, topk_weights, r, self._observe(layer, r), dev_counts=dc)
                 self._trace_copy(layer, b, r.ids, t, k)
                 self._device_work(layer, r, ptrs)
             else:  # the inputs into the persistent buffers, the rest one graph (the same work: _device_work)
-                r.x32.copy_(x)
-                r.ids.copy_(topk_ids)
-                r.w.copy_(topk_weights)
-                cache, li = self._cache, self._index[layer]
-                counts = cache.observe_counts(li, r.ids.shape[0])
-                kernel = self._hits[layer]
-                key = (layer, t, k, r.ids.data_ptr(), 0 if counts is None else counts.data_ptr(),
-                       self._graph_scratch_version(layer, kernel, k))  # fmt: skip
+                counts = self._graph_inputs(layer, topk_ids, topk_weights, r)
 
                 def work() -> None:
-                    prepare_routing(r.ids, r.w, cache.slot_of[li], counts, self._dev_counts, r.ids, r.w, r.hit, None)
-                    self._device_work(layer, r, cache.layer_pointers(li))
+                    self._device_work(layer, r, self._prepare(layer, r.ids, r.w, r, counts, dev_counts=dc))
 
-                self._graph_ran(graphs.run(key, work))
+                self._graph_ran(graphs.run(self._graph_key("device", layer, r, counts, self._hits[layer]), work))
                 self._trace_copy(layer, b, r.ids, t, k)
         finally:  # (also after a failed launch: what was queued on the slots orders the next staged copies)
             if self._dstage is not None:
@@ -1483,18 +1473,39 @@ class TieredRuntime:
         self._graph_scratch[layer] = version
         return version
 
+    def _observe(self, layer: int, r: _Rows) -> torch.Tensor | None:
+        """The cache's counts this call's routing is added to (``ExpertCache.observe_counts``: host bookkeeping, so
+        outside a graph), None when the step does not observe."""
+        return self._cache.observe_counts(self._index[layer], r.ids.shape[0])
+
     def _prepare(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor, r: _Rows,
-                 gpu_ids: bool = False, dev_counts: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                 counts: torch.Tensor | None, gpu_ids: bool = False,
+                 dev_counts: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """The call's routing into ``r``'s buffers (``ids``, ``w``; ``hit``: which picks are resident, a negative
         id, vLLM's padding rows, being no pick; ``gpu_ids`` if asked: the hits' ids, -1 elsewhere), the cache's
-        observation of it and, if given, the call's hit / pick counts added to ``dev_counts``: one launch on a GPU
-        (``route_prep``). Returns the layer's pointer table."""
+        observation of it added to ``counts`` (``_observe``) and, if given, the call's hit / pick counts added to
+        ``dev_counts``: one launch on a GPU (``route_prep``). Returns the layer's pointer table."""
         cache = self._cache
         li = self._index[layer]
-        prepare_routing(topk_ids, topk_weights, cache.slot_of[li], cache.observe_counts(li, r.ids.shape[0]),
-                        dev_counts, r.ids, r.w, r.hit,
+        prepare_routing(topk_ids, topk_weights, cache.slot_of[li], counts, dev_counts, r.ids, r.w, r.hit,
                         r.gpu_ids if gpu_ids else None)  # fmt: skip
         return cache.layer_pointers(li)
+
+    def _graph_inputs(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                      r: _Rows) -> torch.Tensor | None:  # fmt: skip
+        """A graphed call's routing copied into ``r``'s persistent buffers (its graph reads those, whatever tensors
+        vLLM passes), and the cache's counts it adds to (``_observe``)."""
+        r.ids.copy_(topk_ids)
+        r.w.copy_(topk_weights)
+        return self._observe(layer, r)
+
+    def _graph_key(self, kind: str, layer: int, r: _Rows, counts: torch.Tensor | None, kernel: Any,
+                   *extra: Hashable) -> tuple[Hashable, ...]:  # fmt: skip
+        """A graphed call's key: its kind, layer and shape, and what its work's addresses depend on (the buffers,
+        the cache's counts, ``extra``, the hit kernel's scratch: ``_graph_scratch_version``)."""
+        t, k = r.ids.shape
+        return (kind, layer, t, k, r.ids.data_ptr(), 0 if counts is None else counts.data_ptr(), *extra,
+                self._graph_scratch_version(layer, kernel, k))  # fmt: skip
 
     def _counters(self, tokens: int) -> tuple[TierStats, ...]:
         """The counters a layer call or step of ``tokens`` tokens adds to: the totals, and the decode-size ones
