@@ -64,7 +64,7 @@ H200_HBM_GBPS = 4800.0  # the H200's nominal HBM3e bandwidth (GB/s), for the ban
 RTX3090_HBM_GBPS = 936.0
 _T0 = time.perf_counter()
 #: the tiered cases: the split, then "+stream" for the CPU tier driven by the GPU stream (TieredConfig.cpu_drive)
-#: and "+graphs" for the device path's layer calls as CUDA graphs (TieredConfig.layer_graphs), in that order
+#: and "+graphs" for the no-sync paths' layer calls as CUDA graphs (TieredConfig.layer_graphs), in that order
 _TIERED_SPLITS = ("auto", "cpu", "pcie")
 _TIERED_FLAGS = ("stream", "graphs")
 
