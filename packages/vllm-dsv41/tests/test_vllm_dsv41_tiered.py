@@ -4,6 +4,7 @@ with the deadline fallback, the step protocol and the routing trace."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -562,7 +563,9 @@ def test_the_stream_driven_split_shares_the_misses_by_the_rates(home: ExpertHome
     from vllm_dsv41.split import share_quota_table
 
     for split, asked, share in (("auto", True, True), ("cpu", True, False), ("auto", False, False)):
-        rt = _runtime(home, 3, split, cpu_drive="stream", stream_share=asked, split_probe=0, deadline_factor=0.0)
+        # (split_feedback 0: the quota at the startup rates; the feedback's own test is below)
+        rt = _runtime(home, 3, split, cpu_drive="stream", stream_share=asked, split_probe=0, deadline_factor=0.0,
+                      split_feedback=0.0)  # fmt: skip
         rng = np.random.default_rng(12)
         try:
             for tokens in (1, 3, 8):
@@ -580,6 +583,83 @@ def test_the_stream_driven_split_shares_the_misses_by_the_rates(home: ExpertHome
                 assert not rt._stream_quota
         finally:
             rt.close()
+
+
+class _ScaledStreamCall:
+    """A ``StreamCall`` whose counters report its jobs' run time as ``factor`` times their prediction (from the last
+    ``set_factor`` on)."""
+
+    def __init__(self, call: object, factor: float) -> None:
+        self.call, self.factor = call, factor
+        self._run0 = self._pred0 = 0.0
+
+    def _run(self, predicted_s: float) -> float:
+        return self._run0 + self.factor * (predicted_s - self._pred0)
+
+    def set_factor(self, factor: float) -> None:
+        pred = self.call.counters().predicted_s  # type: ignore[attr-defined]
+        self._run0, self._pred0, self.factor = self._run(pred), pred, factor
+
+    def counters(self) -> object:
+        now = self.call.counters()  # type: ignore[attr-defined]
+        return now._replace(run_s=self._run(now.predicted_s))
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.call, name)
+
+
+class _ScaledStreamTier:
+    def __init__(self, tier: object, factor: float) -> None:
+        self.tier, self.factor = tier, factor
+
+    def stream_call(self, *args: object, **kwargs: object) -> _ScaledStreamCall:
+        return _ScaledStreamCall(self.tier.stream_call(*args, **kwargs), self.factor)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.tier, name)
+
+
+@pytest.mark.parametrize(("feedback", "graphs"), [(0.0, False), (0.5, False), (0.5, True)])
+def test_split_feedback_moves_the_stream_share_off_a_cpu_tier_slower_than_its_startup_rate(
+    home: ExpertHome, reference: ReferenceExperts, feedback: float, graphs: bool
+) -> None:
+    """The stream path's jobs run 4x their startup prediction: folding their counters moves the CPU tier's feedback
+    average to ~4 and builds the quota table again at the split's rates, in place (the same device tensor: the
+    layer graphs, captured before, replay it with no new capture), giving the GPU's PCIe reads a larger share;
+    every output exact. No feedback: the startup table stays."""
+    from vllm_dsv41.split import share_quota_table
+
+    rt = _runtime(home, 3, "auto", cpu_drive="stream", stream_share=True, split_probe=0, deadline_factor=0.0,
+                  split_feedback=feedback, layer_graphs=graphs,
+                  graph_factory=_RerunGraph if graphs else None)  # fmt: skip
+    rt._tier = _ScaledStreamTier(rt._tier, 4.0)  # type: ignore[assignment]
+    rng = np.random.default_rng(14)
+    try:
+        _exact_steps(rt, rng, reference, 2, 4)
+        eb = rt._expert_bytes[0]
+        dev, _, q0 = rt._stream_quota[(eb, TOP_K)]
+        q0 = q0.copy()  # (on a CPU device the table, its source and the host copy are one array)
+        assert np.array_equal(q0, share_quota_table(eb, RATES, 16, TOP_K))  # built before any fold
+        s = rt.stats  # the fold: 2 steps x 2 layers of jobs, 4x their prediction
+        dev1, _, q1 = rt._stream_quota[(eb, TOP_K)]
+        assert dev1 is dev and np.array_equal(dev.numpy(), q1)
+        if feedback:
+            assert s.cpu_scale == pytest.approx(4.0 ** (1 - 0.5**4))
+            assert "split feedback: CPU tier x3.67" in s.describe()  # 4 ** (1 - 0.5 ** 4)
+            assert np.array_equal(q1, share_quota_table(eb, rt.split_rates(), 16, TOP_K))
+            assert (q1 >= q0).all() and (q1 > q0).any()
+        else:
+            assert s.cpu_scale == 1.0 and np.array_equal(q1, q0)
+        before = (s.cpu_picks, s.pcie_picks)
+        captures = rt._graphs.captures if rt._graphs is not None else 0
+        assert (captures > 0) == graphs
+        _exact_steps(rt, rng, reference, 3, 4)
+        assert (rt._graphs.captures if rt._graphs is not None else 0) == captures
+        s = rt.stats
+        assert s.cpu_picks > before[0] and s.pcie_picks > before[1]
+        assert s.hit_picks + s.cpu_picks + s.pcie_picks == 5 * LAYERS * 4 * TOP_K
+    finally:
+        rt.close()
 
 
 def test_the_stream_path_needs_a_home_read_in_place(home: ExpertHome, reference: ReferenceExperts) -> None:
@@ -1477,6 +1557,42 @@ def test_on_the_gpu_layer_graphs_replay_the_stream_split(registered_home: Expert
     try:
         _gpu_steps(rt, np.random.default_rng(3), reference, 3e-5, tokens=(4,), hot=6, steps=5)
         assert rt._graphs is not None and rt._graphs.replays > 0 and rt.stats.fallback_picks > 0
+    finally:
+        rt.close()
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_layer_graphs_read_the_stream_share_rebuilt_in_place(
+    registered_home: ExpertHome, reference: ReferenceExperts
+) -> None:
+    """The split feedback's quota rebuild on CUDA: the stream split's graphs, captured at the startup table, replay
+    the table overwritten in place once the CPU tier's jobs (their counters scaled: 8x their prediction) are
+    folded: the GPU's PCIe reads take a larger share of the misses, no new capture, every output exact against the
+    float64 reference."""
+    rt = _gpu_runtime(registered_home, 5, "auto", "triton", cpu_drive="stream", layer_graphs=True, stream_share=True,
+                      deadline_factor=0.0, split_probe=0, split_feedback=0.5)  # fmt: skip
+    rt._tier = _ScaledStreamTier(rt._tier, 1.0)  # type: ignore[assignment]
+    try:
+        _gpu_steps(rt, np.random.default_rng(31), reference, 3e-5, tokens=(4,), hot=8, steps=6)
+        eb = rt._expert_bytes[0]
+        dev, _, q0 = rt._stream_quota[(eb, TOP_K)]
+        assert rt.stats.cpu_scale == 1.0 and rt._stream_quota[(eb, TOP_K)][2] is q0  # a fold at 1x: no rebuild
+        for call in rt._stream_calls.values():
+            call.set_factor(8.0)
+        _gpu_steps(rt, np.random.default_rng(32), reference, 3e-5, tokens=(4,), hot=8, steps=2)
+        s0 = dataclasses.replace(rt.stats)  # the fold: the CPU tier's average to ~8, the table built again
+        assert s0.cpu_scale > 7
+        g = rt._graphs
+        assert g is not None and g.replays > 0
+        captures, replays = g.captures, g.replays
+        dev1, _, q1 = rt._stream_quota[(eb, TOP_K)]
+        assert dev1 is dev and (q1 >= q0).all() and q1[4].sum() > q0[4].sum()
+        _gpu_steps(rt, np.random.default_rng(33), reference, 3e-5, tokens=(4,), hot=8, steps=6)
+        assert np.array_equal(dev.cpu().numpy(), q1) and g.captures == captures and g.replays > replays
+        s1 = rt.stats
+        pcie = (s0.pcie_picks, s1.pcie_picks - s0.pcie_picks)
+        cpu = (s0.cpu_picks, s1.cpu_picks - s0.cpu_picks)
+        assert pcie[1] / max(pcie[1] + cpu[1], 1) > pcie[0] / max(pcie[0] + cpu[0], 1), (pcie, cpu)
     finally:
         rt.close()
 

@@ -123,7 +123,8 @@ class TieredConfig:
         tier, PCIe share) an exponential average of log(measured / predicted seconds) (this weight per call) scales
         that path's rate and fixed cost, so the split follows what the paths take while serving (the CPU tier
         beside vLLM's threads, the PCIe share with its launches) rather than what they took alone at startup.
-        0: the startup rates only.
+        The stream-driven CPU tier's jobs are folded in every 64 steps (weighted as that many calls), and the
+        shared split's quota table is built again once a rate has moved by over 10%. 0: the startup rates only.
     cpu_drive : who drives the CPU tier's share of a decode-size call. "host": the host thread copies the inputs
         to the host, waits for them, splits the misses, submits the job and, in ``finish``, waits for it (a host
         sync per MoE layer: vLLM's launches between the layers wait for the CPU tier). "stream": the GPU stream

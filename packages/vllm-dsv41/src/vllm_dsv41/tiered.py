@@ -79,6 +79,9 @@ HIT_CHUNK_TOKENS = 16
 _TRACE_RING = 4
 #: Steps between two folds of the device path's pick counts into ``TierStats`` and Prometheus (a sync each).
 _FOLD_EVERY = 64
+#: the stream split's quota tables are built again at the split's rates once a path's feedback average has moved by
+#: more than this (log ratio) since they were built: a build is ~20-40 ms of host time, not for every small move
+_QUOTA_REBUILD = 0.1
 #: a probed step's time runs to the next step's start unless that is more than this many times its MoE layers'
 #: span (then the gap is idle time between requests, not the step's: the span alone is the sample)
 _IDLE_FACTOR = 10.0
@@ -470,10 +473,12 @@ class TieredRuntime:
         # cpu_drive "stream": per (MoE layer, tokens) the cpu_tier.StreamCall over the buffers of that size, the
         # stream path's pick counts on the device (hits, picks, picks given to the GPU's PCIe reads), the calls'
         # counters already folded, and per (expert bytes, top-k) the PCIe share's quota tables (stream_share:
-        # the device's [tokens, distinct misses] table, its pinned source, and the host copy)
+        # the device's [tokens, distinct misses] table, its pinned source, and the host copy), with the feedback
+        # averages (CPU tier, PCIe) they were built at
         self._stream_calls: dict[tuple[int, int], Any] = {}
         self._stream_counts: torch.Tensor | None = None
         self._stream_quota: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
+        self._stream_quota_scale = (1.0, 1.0)
         self._stream_seen: dict[tuple[int, int], Any] = {}
         self._host_fn: Any = None  # vllm_dsv41.hostfn's launcher (CUDA), made at the first stream call
         # split "auto": per decode batch size, the split path or the device path, whichever measures faster
@@ -582,16 +587,17 @@ class TieredRuntime:
         metrics.picks("gpu_cache", hits)
         metrics.picks("pcie", picks - hits)
 
-    def _fold_stream_counts(self) -> None:
+    def _fold_stream_counts(self, rebuild: bool = True) -> None:
         """Fold the stream path's counters into ``TierStats``: its hits (on the device: a sync) and each
-        ``StreamCall``'s picks, jobs' times and deadline misses since the last fold."""
+        ``StreamCall``'s picks, jobs' times and deadline misses since the last fold; the jobs' times into the split
+        feedback, and (``rebuild``: not when closing) the shared split's quota built again if a rate moved."""
         c = self._stream_counts
         if c is None:
             return
         hits, picks, pcie = (int(v) for v in c.tolist())
         with torch.inference_mode():  # (an inference tensor, as _dev_counts)
             c.zero_()
-        d = dict.fromkeys(("picks", "deadline_misses", "missed_picks", "errors", "run_s", "wait_s", "span_s",
+        d = dict.fromkeys(("calls", "picks", "deadline_misses", "missed_picks", "errors", "run_s", "wait_s", "span_s",
                            "predicted_s"), 0.0)  # fmt: skip
         for key, call in self._stream_calls.items():
             now = call.counters()
@@ -600,6 +606,10 @@ class TieredRuntime:
                 d[f] += getattr(now, f) - (getattr(before, f) if before is not None else 0)
             self._stream_seen[key] = now
         cpu, missed, misses = int(d["picks"]), int(d["missed_picks"]), int(d["deadline_misses"])
+        if d["calls"] and d["run_s"] > 0:  # the split feedback: the jobs' run time against the startup rates' model
+            self._feedback("cpu", d["run_s"], d["predicted_s"], samples=int(d["calls"]))
+            if rebuild:
+                self._refresh_stream_quota()
         for st in (self._stats, self._stats_decode):
             st.hit_picks += hits
             st.cpu_picks += cpu
@@ -1310,13 +1320,14 @@ class TieredRuntime:
         reads from the host home while the CPU tier computes the rest), on the device so that ``share_misses``
         applies it with no host sync. One table per (expert bytes, top-k), built at the first call and copied from
         pinned memory without a sync. None: no share (not asked, no rates, or none for ``t``)."""
-        rates = self._rates
-        if not (self.tcfg.stream_share and self.tcfg.split == "auto" and rates is not None):
+        if not (self.tcfg.stream_share and self.tcfg.split == "auto" and self._rates is not None):
             return None
         key = (self._expert_bytes[layer], k)
         tables = self._stream_quota.get(key)
         if tables is None:
-            q = share_quota_table(key[0], rates, HIT_CHUNK_TOKENS, k)
+            if not self._stream_quota:
+                self._stream_quota_scale = (self._scale["cpu"], self._scale["pcie"])
+            q = share_quota_table(key[0], self.split_rates(), HIT_CHUNK_TOKENS, k)
             pinned = torch.from_numpy(q).pin_memory() if self.device.type == "cuda" else torch.from_numpy(q)
             tables = self._stream_quota[key] = (pinned.to(self.device, non_blocking=True), pinned, q)
             logger.info("dsv41 tiered: stream-driven split (%.2f MB experts, top-%d): of n distinct missed experts the "
@@ -1326,9 +1337,34 @@ class TieredRuntime:
         dev, _, q = tables
         return dev[t] if q[t].any() else None
 
+    def _refresh_stream_quota(self) -> None:
+        """The stream split's quota tables built again at the split's rates now (``split_rates``: the startup rates
+        with the feedback), once a path's average has moved by more than ``_QUOTA_REBUILD`` since they were built.
+        Each device table is overwritten in place on the compute stream, after the calls queued before that read
+        it (the layer graphs keep its address); a count whose row gains or loses its share takes another graph."""
+        scale = (self._scale["cpu"], self._scale["pcie"])
+        moved = any(abs(math.log(v / w)) > _QUOTA_REBUILD for v, w in zip(scale, self._stream_quota_scale, strict=True))
+        if not self._stream_quota or not moved:
+            return
+        rates, cuda = self.split_rates(), self.device.type == "cuda"
+        for key, (dev, _, q) in list(self._stream_quota.items()):
+            q_new = share_quota_table(key[0], rates, HIT_CHUNK_TOKENS, key[1])
+            if np.array_equal(q_new, q):
+                continue
+            pinned = torch.from_numpy(q_new).pin_memory() if cuda else torch.from_numpy(q_new)
+            with torch.inference_mode():  # (made in the model's forward: an inference tensor)
+                dev.copy_(pinned, non_blocking=cuda)
+            self._stream_quota[key] = (dev, pinned, q_new)
+            logger.info("dsv41 tiered: stream-driven split (%.2f MB experts, top-%d) at the measured rates (CPU tier "
+                        "x%.2f, PCIe x%.2f of the startup prediction): of n distinct missed experts the GPU reads %s "
+                        "from the host home at 1 token, %s at 4", key[0] / 1e6, key[1], scale[0], scale[1],
+                        q_new[1, 1 : key[1] + 1].tolist(), q_new[4, 1 : 4 * key[1] + 1].tolist())  # fmt: skip
+        self._stream_quota_scale = scale
+
     def _stream_call(self, layer: int, b: _Buffers, t: int, k: int) -> Any:
-        """The ``cpu_tier.StreamCall`` of ``layer`` at ``t`` tokens over ``b``'s pinned buffers (made once; the
-        deadline model from the startup rates, as the host path's ``_deadline``)."""
+        """The ``cpu_tier.StreamCall`` of ``layer`` at ``t`` tokens over ``b``'s pinned buffers (made once): its
+        jobs' predicted times from the startup rates (the split feedback's reference, ``_fold_stream_counts``) and,
+        with ``deadline_factor``, the deadline model on them, as the host path's ``_deadline``."""
         key = (layer, t)
         call = self._stream_calls.get(key)
         if call is not None:
@@ -1336,10 +1372,12 @@ class TieredRuntime:
         rates, tc = self._rates, self.tcfg
         factor = floor = fixed = 0.0
         per_m: list[float] = []
-        if tc.deadline_factor > 0 and rates is not None and rates.cpu_bps > 0:
+        if rates is not None and rates.cpu_bps > 0:
             eb = self._expert_bytes[layer]
-            factor, floor, fixed = tc.deadline_factor, tc.deadline_floor_ms / 1e3, rates.cpu_fixed_s
+            fixed = rates.cpu_fixed_s
             per_m = [_cpu_expert_seconds(rates, eb, m) for m in range(1, self._tier.chunk_tokens + 1)]
+            if tc.deadline_factor > 0:
+                factor, floor = tc.deadline_factor, tc.deadline_floor_ms / 1e3
         call = self._tier.stream_call(
             layer, b.h_x[:t], b.h_ids[:t], b.h_w[:t], b.h_hit[:t].view(torch.uint8), b.h_xrows[: t * k],
             b.h_cpu[: t * k], b.h_missing[:t], deadline_factor=factor, deadline_floor_s=floor, fixed_s=fixed,
@@ -1675,9 +1713,11 @@ class TieredRuntime:
             kept = self._split_rates = (key, scaled)
         return kept[1]
 
-    def _feedback(self, path: str, measured: float, predicted: float) -> None:
-        """One layer call's measured seconds of a path against what the startup rates predicted for it."""
-        a = self.tcfg.split_feedback
+    def _feedback(self, path: str, measured: float, predicted: float, samples: int = 1) -> None:
+        """One layer call's measured seconds of a path against what the startup rates predicted for it; or
+        ``samples`` calls' sums (the stream path's, folded every ``_FOLD_EVERY`` steps), weighted as that many
+        calls of their average ratio."""
+        a = 1 - (1 - self.tcfg.split_feedback) ** max(samples, 1)
         if a == 0 or predicted <= 0 or not math.isfinite(measured) or measured < 0:
             return
         # a geometric average: one freak sample moves it by at most its ratio to the power a
@@ -1747,7 +1787,7 @@ class TieredRuntime:
             self._end_step(replan=False)
         self._flush_trace(block=True)
         self._fold_device_counts()
-        self._fold_stream_counts()  # (a sync: no host function of the stream path runs after the tier closes)
+        self._fold_stream_counts(rebuild=False)  # (a sync: no host function of the stream path runs after this)
         if self._recorder is not None:
             path = Path(self.tcfg.trace_path)
             self._recorder.trace().save(path)
