@@ -576,7 +576,7 @@ def test_the_stream_driven_split_shares_the_misses_by_the_rates(home: ExpertHome
             assert s.cpu_picks > 0 and (s.pcie_picks > 0) == share, s.describe()
             eb = rt._expert_bytes[0]
             if share:
-                dev, _, q = rt._stream_quota[(eb, TOP_K)]
+                dev, _, q, _ = rt._stream_quota[(eb, TOP_K)]
                 assert np.array_equal(q, share_quota_table(eb, RATES, 16, TOP_K)) and np.array_equal(dev.numpy(), q)
                 assert 0 < q[8, 8] < 8 and rt._share_quota(0, 8, TOP_K) is not None
             else:
@@ -637,11 +637,11 @@ def test_split_feedback_moves_the_stream_share_off_a_cpu_tier_slower_than_its_st
     try:
         _exact_steps(rt, rng, reference, 2, 4)
         eb = rt._expert_bytes[0]
-        dev, _, q0 = rt._stream_quota[(eb, TOP_K)]
+        dev, _, q0, _ = rt._stream_quota[(eb, TOP_K)]
         q0 = q0.copy()  # (on a CPU device the table, its source and the host copy are one array)
         assert np.array_equal(q0, share_quota_table(eb, RATES, 16, TOP_K))  # built before any fold
         s = rt.stats  # the fold: 2 steps x 2 layers of jobs, 4x their prediction
-        dev1, _, q1 = rt._stream_quota[(eb, TOP_K)]
+        dev1, _, q1, _ = rt._stream_quota[(eb, TOP_K)]
         assert dev1 is dev and np.array_equal(dev.numpy(), q1)
         if feedback:
             assert s.cpu_scale == pytest.approx(4.0 ** (1 - 0.5**4))
@@ -1575,7 +1575,7 @@ def test_on_the_gpu_layer_graphs_read_the_stream_share_rebuilt_in_place(
     try:
         _gpu_steps(rt, np.random.default_rng(31), reference, 3e-5, tokens=(4,), hot=8, steps=6)
         eb = rt._expert_bytes[0]
-        dev, _, q0 = rt._stream_quota[(eb, TOP_K)]
+        dev, _, q0, _ = rt._stream_quota[(eb, TOP_K)]
         assert rt.stats.cpu_scale == 1.0 and rt._stream_quota[(eb, TOP_K)][2] is q0  # a fold at 1x: no rebuild
         for call in rt._stream_calls.values():
             call.set_factor(8.0)
@@ -1585,7 +1585,7 @@ def test_on_the_gpu_layer_graphs_read_the_stream_share_rebuilt_in_place(
         g = rt._graphs
         assert g is not None and g.replays > 0
         captures, replays = g.captures, g.replays
-        dev1, _, q1 = rt._stream_quota[(eb, TOP_K)]
+        dev1, _, q1, _ = rt._stream_quota[(eb, TOP_K)]
         assert dev1 is dev and (q1 >= q0).all() and q1[4].sum() > q0[4].sum()
         _gpu_steps(rt, np.random.default_rng(33), reference, 3e-5, tokens=(4,), hot=8, steps=6)
         assert np.array_equal(dev.cpu().numpy(), q1) and g.captures == captures and g.replays > replays

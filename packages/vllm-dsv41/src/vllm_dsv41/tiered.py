@@ -473,12 +473,13 @@ class TieredRuntime:
         # cpu_drive "stream": per (MoE layer, tokens) the cpu_tier.StreamCall over the buffers of that size, the
         # stream path's pick counts on the device (hits, picks, picks given to the GPU's PCIe reads), the calls'
         # counters already folded, and per (expert bytes, top-k) the PCIe share's quota tables (stream_share:
-        # the device's [tokens, distinct misses] table, its pinned source, and the host copy), with the feedback
-        # averages (CPU tier, PCIe) they were built at
+        # the device's [tokens, distinct misses] table, its pinned source, the host copy, and the feedback
+        # averages (CPU tier, PCIe) it was built at)
         self._stream_calls: dict[tuple[int, int], Any] = {}
         self._stream_counts: torch.Tensor | None = None
-        self._stream_quota: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
-        self._stream_quota_scale = (1.0, 1.0)
+        self._stream_quota: dict[
+            tuple[int, int], tuple[torch.Tensor, torch.Tensor, np.ndarray, tuple[float, float]]
+        ] = {}
         self._stream_seen: dict[tuple[int, int], Any] = {}
         self._host_fn: Any = None  # vllm_dsv41.hostfn's launcher (CUDA), made at the first stream call
         # split "auto": per decode batch size, the split path or the device path, whichever measures faster
@@ -1325,41 +1326,41 @@ class TieredRuntime:
         key = (self._expert_bytes[layer], k)
         tables = self._stream_quota.get(key)
         if tables is None:
-            if not self._stream_quota:
-                self._stream_quota_scale = (self._scale["cpu"], self._scale["pcie"])
-            q = share_quota_table(key[0], self.split_rates(), HIT_CHUNK_TOKENS, k)
-            pinned = torch.from_numpy(q).pin_memory() if self.device.type == "cuda" else torch.from_numpy(q)
-            tables = self._stream_quota[key] = (pinned.to(self.device, non_blocking=True), pinned, q)
+            q, pinned, scale = self._quota_table(key)
+            tables = self._stream_quota[key] = (pinned.to(self.device, non_blocking=True), pinned, q, scale)
             logger.info("dsv41 tiered: stream-driven split (%.2f MB experts, top-%d): of n distinct missed experts the "
                         "GPU reads %s from the host home at 1 token (n = 1..%d), %s at 4 (n = 1..%d); the CPU tier "
                         "the rest", key[0] / 1e6, k, q[1, 1 : k + 1].tolist(), k, q[4, 1 : 4 * k + 1].tolist(),
                         4 * k)  # fmt: skip
-        dev, _, q = tables
+        dev, _, q, _ = tables
         return dev[t] if q[t].any() else None
+
+    def _quota_table(self, key: tuple[int, int]) -> tuple[np.ndarray, torch.Tensor, tuple[float, float]]:
+        """The shared split's quota table for (expert bytes, top-k) at the split's rates now (``split_rates``),
+        its pinned copy (the source of the device table's copies), and the feedback averages it was built at."""
+        q = share_quota_table(key[0], self.split_rates(), HIT_CHUNK_TOKENS, key[1])
+        pinned = torch.from_numpy(q).pin_memory() if self.device.type == "cuda" else torch.from_numpy(q)
+        return q, pinned, (self._scale["cpu"], self._scale["pcie"])
 
     def _refresh_stream_quota(self) -> None:
         """The stream split's quota tables built again at the split's rates now (``split_rates``: the startup rates
         with the feedback), once a path's average has moved by more than ``_QUOTA_REBUILD`` since they were built.
         Each device table is overwritten in place on the compute stream, after the calls queued before that read
         it (the layer graphs keep its address); a count whose row gains or loses its share takes another graph."""
-        scale = (self._scale["cpu"], self._scale["pcie"])
-        moved = any(abs(math.log(v / w)) > _QUOTA_REBUILD for v, w in zip(scale, self._stream_quota_scale, strict=True))
-        if not self._stream_quota or not moved:
-            return
-        rates, cuda = self.split_rates(), self.device.type == "cuda"
-        for key, (dev, _, q) in list(self._stream_quota.items()):
-            q_new = share_quota_table(key[0], rates, HIT_CHUNK_TOKENS, key[1])
-            if np.array_equal(q_new, q):
+        now = (self._scale["cpu"], self._scale["pcie"])
+        for key, (dev, pinned, q, built) in list(self._stream_quota.items()):
+            if all(abs(math.log(v / w)) <= _QUOTA_REBUILD for v, w in zip(now, built, strict=True)):
                 continue
-            pinned = torch.from_numpy(q_new).pin_memory() if cuda else torch.from_numpy(q_new)
-            with torch.inference_mode():  # (made in the model's forward: an inference tensor)
-                dev.copy_(pinned, non_blocking=cuda)
-            self._stream_quota[key] = (dev, pinned, q_new)
-            logger.info("dsv41 tiered: stream-driven split (%.2f MB experts, top-%d) at the measured rates (CPU tier "
-                        "x%.2f, PCIe x%.2f of the startup prediction): of n distinct missed experts the GPU reads %s "
-                        "from the host home at 1 token, %s at 4", key[0] / 1e6, key[1], scale[0], scale[1],
-                        q_new[1, 1 : key[1] + 1].tolist(), q_new[4, 1 : 4 * key[1] + 1].tolist())  # fmt: skip
-        self._stream_quota_scale = scale
+            q_new, pinned_new, scale = self._quota_table(key)
+            if not np.array_equal(q_new, q):
+                with torch.inference_mode():  # (made in the model's forward: an inference tensor)
+                    dev.copy_(pinned_new, non_blocking=self.device.type == "cuda")
+                q, pinned = q_new, pinned_new
+                logger.info("dsv41 tiered: stream-driven split (%.2f MB experts, top-%d) at the measured rates (CPU "
+                            "tier x%.2f, PCIe x%.2f of the startup prediction): of n distinct missed experts the GPU "
+                            "reads %s from the host home at 1 token, %s at 4", key[0] / 1e6, key[1], scale[0],
+                            scale[1], q[1, 1 : key[1] + 1].tolist(), q[4, 1 : 4 * key[1] + 1].tolist())  # fmt: skip
+            self._stream_quota[key] = (dev, pinned, q, scale)
 
     def _stream_call(self, layer: int, b: _Buffers, t: int, k: int) -> Any:
         """The ``cpu_tier.StreamCall`` of ``layer`` at ``t`` tokens over ``b``'s pinned buffers (made once): its
