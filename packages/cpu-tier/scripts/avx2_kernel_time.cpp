@@ -95,6 +95,7 @@ static double cpu_s() { timespec t; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t); 
 int main(int argc, char** argv) {
     const int M = atoi(argv[1]), variant = atoi(argv[2]); const double secs = atof(argv[3]);
     const int pool = argc > 4 ? atoi(argv[4]) : 1;
+    if (variant == 3 && M != 1) { fprintf(stderr, "variant 3 (band_dw1) computes one token: M must be 1, got %d\n", M); return 2; }
     const int k = 5120, n = 2304, bits2 = 6;
     const size_t tb = size_t(k / 16) * (n / 16) * 96;
     std::vector<uint8_t*> mats;
