@@ -38,7 +38,7 @@ def test_bad_fields(kwargs: dict, field: str) -> None:
 
 def test_defaults_and_resolution() -> None:
     c = CpuTierConfig()
-    assert (c.threads, c.cpus, c.isa, c.precision, c.swiglu_limit, c.spin_us) == (0, (), "auto", "exact", 10.0, 50)
+    assert (c.threads, c.cpus, c.isa, c.precision, c.swiglu_limit, c.spin_us) == (0, (), "auto", "auto", 10.0, 50)
     assert c.resolved_threads() == len(usable_cpus())
     cores = usable_cpus()[:1]
     assert CpuTierConfig(cpus=list(cores)).cpus == cores  # lists are frozen into tuples
@@ -47,3 +47,23 @@ def test_defaults_and_resolution() -> None:
     assert CpuTierConfig(swiglu_limit=None).swiglu_limit is None
     with pytest.raises(AttributeError):
         c.threads = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype", "resolved"),
+    [
+        ("auto", "float32", "exact"),
+        ("auto", "float64", "exact"),
+        ("auto", "bfloat16", "fast"),
+        ("auto", "torch.float16", "fast"),  # a torch.dtype's str
+        ("exact", "bfloat16", "exact"),  # an explicit choice is kept whatever the activations
+        ("fast", "float32", "fast"),
+    ],
+)
+def test_resolved_precision(precision: str, dtype: str, resolved: str) -> None:
+    assert CpuTierConfig(precision=precision).resolved_precision(dtype) == resolved  # type: ignore[arg-type]
+
+
+def test_resolved_precision_names_a_bad_dtype() -> None:
+    with pytest.raises(ValueError, match="^activation_dtype: .*'int8'"):
+        CpuTierConfig().resolved_precision("int8")

@@ -143,6 +143,26 @@ def test_other_codebooks_and_mixed_k() -> None:
             _check(tier.forward(5, x, picks), ref_moe(x, picks, (gate, up, down), 10.0), precision)
 
 
+def test_auto_precision_follows_the_activation_dtype(small_experts) -> None:
+    """The default precision ("auto") runs exact for float32 activations and fast for bf16/fp16 ones: the same
+    bytes as the explicit choice."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    picks = _picks(rng, 3, 4, 2)
+    outs = {}
+    for name, cfg, dtype in (("exact", CpuTierConfig(threads=2, precision="exact"), "float32"),
+                             ("fast", CpuTierConfig(threads=2, precision="fast"), "float32"),
+                             ("auto-f32", CpuTierConfig(threads=2), "float32"),
+                             ("auto-bf16", CpuTierConfig(threads=2), "bfloat16")):  # fmt: skip
+        with ExpertTier(cfg, activation_dtype=dtype) as tier:
+            tier.add_layer(0, *small_experts)
+            outs[name] = (tier.precision, tier.forward(0, x, picks))
+    assert outs["auto-f32"][0] == "exact" and outs["auto-bf16"][0] == "fast"
+    assert not np.array_equal(outs["exact"][1], outs["fast"][1])  # the two arithmetics differ on this data
+    assert np.array_equal(outs["auto-f32"][1], outs["exact"][1])
+    assert np.array_equal(outs["auto-bf16"][1], outs["fast"][1])
+
+
 def test_async_jobs(small_experts) -> None:
     rng = np.random.default_rng(4)
     with ExpertTier(CpuTierConfig(threads=2)) as tier:

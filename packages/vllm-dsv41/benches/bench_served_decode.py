@@ -327,7 +327,7 @@ def _use_runtime(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
     if kind == "none":
         new = NoExpertsRuntime()
     elif kind == "cpu":
-        new = MeteredCpu(dataclasses.replace(cfg, runtime="cpu"))
+        new = MeteredCpu(dataclasses.replace(cfg, runtime="cpu"), activation_dtype=q.activation_dtype)
     else:
         tcfg = dataclasses.replace(
             base.tiered,
@@ -358,6 +358,7 @@ def _use_runtime(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
             rates=rates,
             cache_bytes=spec.get("cache_bytes"),
             device_budget_bytes=spec.get("device_budget_bytes"),
+            activation_dtype=q.activation_dtype,
         )
     for lx in layers:
         new.add_layer(lx, limits.get(lx.layer))
@@ -367,7 +368,8 @@ def _use_runtime(model: Any, spec: dict[str, Any]) -> dict[str, Any]:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    info: dict[str, Any] = {"runtime": new.name, "expert_bytes": _expert_bytes(layers[0]), "layers": len(layers)}
+    info: dict[str, Any] = {"runtime": new.name, "expert_bytes": _expert_bytes(layers[0]), "layers": len(layers),
+                            "cpu_precision": getattr(new, "precision", None)}  # fmt: skip
     _W["meter"] = Meter(info["expert_bytes"], spec["decode_max_tokens"]) if kind != "none" else None
     if kind == "tiered":
         new.allow_cache()
@@ -735,13 +737,15 @@ def main() -> int:
     eb, slots = probe["expert_bytes"], probe["slots"]
     log(
         f"{n_layers} MoE layers, expert {eb / 1e6:.2f} MB; VRAM cache {slots} slots of {probe['experts']} experts "
-        f"({slots * eb / GiB:.2f} GiB); rates (of expert weights): {_model_rates(rates).describe()}"
+        f"({slots * eb / GiB:.2f} GiB); CPU tier {probe['cpu_precision']}; rates (of expert weights): "
+        f"{_model_rates(rates).describe()}"
     )
     doc: dict[str, Any] = {
         "pack": str(pack),
         "layers": n_layers,
         "expert_bytes": eb,
         "cache_slots": slots,
+        "cpu_precision": probe["cpu_precision"],
         "experts": probe["experts"],
         "rates": rates,
         "args": {k: str(v) for k, v in vars(a).items()},

@@ -6,8 +6,9 @@
 #   pack      synthesize tiny-v41 and build its pack in /tmp/dsv41 (pack-tools)
 #   tests     pytest -m gpu of vllm-dsv41, but the Engram gpu tests (gpu_engram.sh runs them); PYTEST_ARGS: more
 #             arguments (split at spaces), PYTEST_K: a -k expression (may hold spaces)
-#   fidelity  python -m vllm_dsv41.fidelity: cpu vs all-in-vram, PIECEWISE CUDA graphs, VRAM capped at 24 GiB
-#   fast      the same with the CPU tier's fast precision
+#   fidelity  python -m vllm_dsv41.fidelity: cpu vs all-in-vram, PIECEWISE CUDA graphs, VRAM capped at 24 GiB (the CPU
+#             tier's default precision: "auto", fast on this bf16 model)
+#   exact     the same with the CPU tier's exact precision
 #   eager     the same without CUDA graphs (greedy tokens compared with the PIECEWISE run)
 #   tiered    fidelity of the tiered runtime (VRAM cache of ~1/3 of the experts; hit kernel auto with misses split
 #             auto, then the Triton hit kernel with every miss over PCIe) vs all-in-vram, PIECEWISE graphs, VRAM
@@ -56,7 +57,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 if [ -f .jitcache/jitcache.tgz ] && [ ! -f /tmp/dsv41-jit-restored ]; then
     tar xzf .jitcache/jitcache.tgz -C "$HOME" && touch /tmp/dsv41-jit-restored && log "JIT caches restored"
 fi
-needs_pack() { [ ! -f "$PACK/config.json" ] && case " $STEPS " in *" fidelity "*|*" fast "*|*" eager "*|*" tiered "*|*" serve "*) ;; *) false;; esac; }
+needs_pack() { [ ! -f "$PACK/config.json" ] && case " $STEPS " in *" fidelity "*|*" exact "*|*" eager "*|*" tiered "*|*" serve "*) ;; *) false;; esac; }
 if step pack || needs_pack; then  # (a later call of the lease reuses the pack; a fresh machine builds it again)
     log "pack: synth + build"
     python3 - <<'PY' 2>&1 | tee "$OUT/pack.log"
@@ -94,7 +95,7 @@ fid() {  # name, extra args; FID_PACK: another pack than $PACK
     log "fidelity $name rc=$r"; rc=$((rc || r))
 }
 step fidelity && fid piecewise
-step fast && fid fast --precision fast --max-kl-mean 1e-2 --min-top1 0.95
+step exact && fid exact --precision exact
 step eager && fid eager --eager
 # PIECEWISE vs eager greedy tokens, also when the two ran in different calls of the lease (/tmp/dsv41-results)
 if step eager && [ -f /tmp/dsv41-results/fidelity_piecewise.json ] && [ -f /tmp/dsv41-results/fidelity_eager.json ]; then

@@ -388,3 +388,47 @@ def test_dequantize_is_validated_and_make_runtime_takes_auto() -> None:
     lx = _random_layer(np.random.default_rng(int.from_bytes(os.urandom(4), "little")), 0, experts=1)
     rt.add_layer(lx, swiglu_limit=None)  # vLLM's share is a GPU's: on the CPU, the host's memory counts
     assert rt.modes == {0: "load"} and rt.name == "all-in-vram"
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype", "want"),
+    [
+        ("auto", torch.float32, "exact"),  # the demo (vLLM's CPU build runs it in float32)
+        ("auto", torch.bfloat16, "fast"),  # the GPU packs
+        ("auto", torch.float16, "fast"),
+        ("exact", torch.bfloat16, "exact"),  # an explicit setting wins
+        ("fast", torch.float32, "fast"),
+    ],
+)
+def test_cpu_precision_auto_follows_the_model_dtype(home: ExpertHome, precision: str, dtype: torch.dtype,
+                                                     want: str) -> None:  # fmt: skip
+    """The plugin's default CPU-tier precision ("auto") resolves by the model's dtype, in both runtimes that hold
+    the CPU tier; the CPU runtime then computes what that precision computes."""
+    from vllm_dsv41.config import TieredConfig
+
+    cpu = CpuTierConfig(threads=2, precision=precision)  # type: ignore[arg-type]
+    rt = make_runtime(Dsv41PluginConfig(cpu=cpu), "cpu", activation_dtype=dtype)
+    tiered = make_runtime(Dsv41PluginConfig(cpu=cpu, runtime="tiered", tiered=TieredConfig(prefill=False)), "cpu",
+                          home=home, activation_dtype=dtype)  # fmt: skip
+    try:
+        assert isinstance(rt, CpuExpertRuntime) and rt.precision == want
+        assert getattr(tiered, "precision", None) == want
+        explicit = CpuExpertRuntime(Dsv41PluginConfig(cpu=CpuTierConfig(threads=2, precision=want)))  # type: ignore[arg-type]
+        try:
+            rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+            x = torch.from_numpy(rng.standard_normal((3, HIDDEN)).astype(np.float32))
+            ids = torch.from_numpy(np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(3)]))
+            w = torch.from_numpy(rng.uniform(0.1, 1.0, (3, TOP_K)).astype(np.float32))
+            outs = []
+            for r in (rt, explicit):
+                for lx in home.layers():
+                    r.add_layer(lx, swiglu_limit=None)
+                out = torch.empty_like(x)
+                r.forward_into(0, x, ids, w, out)
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1])
+        finally:
+            explicit.close()
+    finally:
+        rt.close()
+        tiered.close()

@@ -74,10 +74,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-isa", choices=("auto", "scalar", "avx2", "avx512", "amx"))
     g.add_argument(
         "--precision",
-        choices=("exact", "fast"),
-        help=f"the CPU tier's arithmetic (default {_PLUGIN.cpu.precision}: fp32 activations, the exact fp16 codebook "
-        "values; fast: int16 activations, ~2x faster, at the noise floor on the Flash-sized pack but KL 1.3e-3 on "
-        "the demo's CPU runtime)",
+        choices=("auto", "exact", "fast"),
+        help=f"the CPU tier's arithmetic (default {_PLUGIN.cpu.precision}: fast for a bf16/fp16 model (the GPU packs), "
+        "exact for a float32 one (the demo); exact: fp32 activations, the exact fp16 codebook values; fast: int16 "
+        "activations, ~2x faster, its error (~2e-4 per linear) under bf16's own rounding, at the noise floor on the "
+        "Flash-sized pack)",
     )
     g.add_argument("--spin-us", type=int, help="idle spin before sleeping, microseconds")
     g.add_argument(

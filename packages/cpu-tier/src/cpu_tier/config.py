@@ -8,7 +8,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 ISAS: tuple[str, ...] = ("auto", "scalar", "avx2", "avx512", "amx")
-PRECISIONS: tuple[str, ...] = ("exact", "fast")
+PRECISIONS: tuple[str, ...] = ("auto", "exact", "fast")
+#: Activation dtypes whose own rounding (bf16 2^-9, fp16 2^-12 relative, half an ulp) is at or above "fast"'s
+#: error per linear (~2e-4 relative RMS, README "Precision and error model"): with them "auto" is "fast".
+SIXTEEN_BIT_FLOATS: tuple[str, ...] = ("bfloat16", "float16")
+#: Activation dtypes "auto" computes "exact" for.
+WIDE_FLOATS: tuple[str, ...] = ("float32", "float64")
 
 
 def usable_cpus() -> tuple[int, ...]:
@@ -41,8 +46,11 @@ class CpuTierConfig:
         results do not depend on it. Default 1: on the H200 host 2 was 10-20% slower at 8 and 16 cores in the
         interleaved A/B runs (README).
     precision : "exact" (fp32 activations, exact fp16 codebook values; max relative error <= 1e-5 against
-        ``cpu_tier.exl3.linear``) or "fast" (MUL1: int16 activations and the integer byte-sum path; MCG/3INST:
-        no fp16 rounding of the codebook value; relative RMS error <= 5e-3, see the README's error model).
+        ``cpu_tier.exl3.linear``), "fast" (MUL1: int16 activations and the integer byte-sum path; MCG/3INST:
+        no fp16 rounding of the codebook value; relative RMS error <= 5e-3, see the README's error model) or
+        "auto" (the default): "fast" when the caller's activations are bf16/fp16 (their own rounding is at or
+        above fast's error), "exact" when they are float32 (``resolved_precision``; ``ExpertTier`` takes the
+        dtype as ``activation_dtype``, float32 unless told).
     swiglu_limit : default SwiGLU clamp of ``ExpertTier.add_layer`` (10.0 for DeepSeek-V4.1's routed experts);
         None = no clamp (shared experts).
     spin_us : microseconds an idle worker spins before it parks.
@@ -55,7 +63,7 @@ class CpuTierConfig:
     threads: int = 0
     cpus: tuple[int, ...] = ()
     isa: Literal["auto", "scalar", "avx2", "avx512", "amx"] = "auto"
-    precision: Literal["exact", "fast"] = "exact"
+    precision: Literal["auto", "exact", "fast"] = "auto"
     swiglu_limit: float | None = 10.0
     spin_us: int = 50
     slab_blocks: int = 0
@@ -102,6 +110,18 @@ class CpuTierConfig:
             or not 0 <= self.slab_blocks <= 1024
         ):
             raise ValueError(f"slab_blocks: must be an int in [0, 1024] (0 = band split), got {self.slab_blocks!r}")
+
+    def resolved_precision(self, activation_dtype: str = "float32") -> Literal["exact", "fast"]:
+        """The arithmetic the tier runs for activations computed in ``activation_dtype`` ("float32", "float64",
+        "bfloat16" or "float16"; a ``torch.dtype``'s name with or without its ``torch.`` prefix)."""
+        name = str(activation_dtype).removeprefix("torch.")
+        if name not in SIXTEEN_BIT_FLOATS + WIDE_FLOATS:
+            raise ValueError(
+                f"activation_dtype: expected one of {SIXTEEN_BIT_FLOATS + WIDE_FLOATS}, got {activation_dtype!r}"
+            )
+        if self.precision == "auto":
+            return "fast" if name in SIXTEEN_BIT_FLOATS else "exact"
+        return "fast" if self.precision == "fast" else "exact"
 
     def resolved_threads(self) -> int:
         """The number of worker threads this configuration starts."""

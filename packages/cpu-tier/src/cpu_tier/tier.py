@@ -322,10 +322,14 @@ class ExpertTier:
     ``expert(x) = down(silu(min(gate(x), L)) * clamp(up(x), -L, L))``; rows with no pick are zero.
     """
 
-    def __init__(self, config: CpuTierConfig) -> None:
+    def __init__(self, config: CpuTierConfig, activation_dtype: str = "float32") -> None:
         if not isinstance(config, CpuTierConfig):
             raise ValueError(f"config: expected a CpuTierConfig, got {type(config).__name__}")
         self.config = config
+        #: The arithmetic this tier runs: ``config.resolved_precision(activation_dtype)``, where
+        #: ``activation_dtype`` is the dtype the caller's activations were computed in (they reach ``forward`` as
+        #: float32 either way).
+        self.precision: Literal["exact", "fast"] = config.resolved_precision(activation_dtype)
         self.isa = _loader.resolve_isa(config.isa)
         self._mod = _loader.load(self.isa)
         self._rt = self._mod.Runtime(
@@ -435,7 +439,7 @@ class ExpertTier:
             experts,
             weights,
             oa,
-            self.config.precision == "fast",
+            self.precision == "fast",
             _WAVE_CHUNKS,
             self.config.slab_blocks,
             _test_cancel_after_chunks,
@@ -516,7 +520,7 @@ class ExpertTier:
                 raise ValueError(f"{name}: must be a finite number >= 0, got {v!r}")
         native = self._mod.StreamCall(
             self._rt, lay.native, xa, ia, wa, ha.view(np.uint8), xr, oa, ma,
-            self.config.precision == "fast", _WAVE_CHUNKS, self.config.slab_blocks,
+            self.precision == "fast", _WAVE_CHUNKS, self.config.slab_blocks,
             float(deadline_factor), float(deadline_floor_s), float(fixed_s), es, int(_test_cancel_after_chunks),
         )  # fmt: skip
         return StreamCall(native, self._mod.stream_call_functions(), (x, ids, weights, hit, xrows, out, missing))

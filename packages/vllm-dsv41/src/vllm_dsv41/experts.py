@@ -119,19 +119,24 @@ class CpuExpertRuntime:
     ----------
     config : the plugin configuration (its ``cpu`` field configures the tier).
     max_tokens : rows of the pinned staging buffers on a GPU model (grown on demand outside CUDA graphs).
+    activation_dtype : the model's dtype: the tier's "auto" precision runs "fast" for bf16/fp16 activations,
+        "exact" for float32 ones (``CpuTierConfig.resolved_precision``).
     """
 
     name = "cpu"
     graph_safe = False
 
-    def __init__(self, config: Dsv41PluginConfig, max_tokens: int = 0) -> None:
+    def __init__(self, config: Dsv41PluginConfig, max_tokens: int = 0,
+                 activation_dtype: torch.dtype | str = torch.float32) -> None:  # fmt: skip
         from cpu_tier import ExpertTier, Picks
 
         self.config = config
         self._picks = Picks
-        self._tier = ExpertTier(config.cpu)
+        self._tier = ExpertTier(config.cpu, activation_dtype=str(activation_dtype))
         #: The kernel variant the tier runs (e.g. "avx2").
         self.isa: str = self._tier.isa
+        #: The tier's arithmetic, "exact" or "fast" (``config.cpu.precision`` resolved for the activations).
+        self.precision: str = self._tier.precision
         self._hidden: dict[int, int] = {}
         self._lock = threading.Lock()
         self._max_tokens = max_tokens
@@ -447,12 +452,14 @@ def call_path(runtime: Any, device: torch.device) -> str:
 
 
 def make_runtime(config: Dsv41PluginConfig, device: torch.device | str, max_tokens: int = 0,
-                 home: Any = None, vllm_share_bytes: int | None = None) -> ExpertRuntime:  # fmt: skip
+                 home: Any = None, vllm_share_bytes: int | None = None,
+                 activation_dtype: torch.dtype | str = torch.float32) -> ExpertRuntime:  # fmt: skip
     """The runtime ``config.runtime`` names, for a model on ``device``; ``home`` (the ``ExpertHome``, or a callable
     returning it) is needed by the tiered runtime, ``vllm_share_bytes`` (vLLM's share of the device) tells it what
-    its automatic cache size must leave to vLLM, and the oracle what its "auto" dequantization may keep at load."""
+    its automatic cache size must leave to vLLM, and the oracle what its "auto" dequantization may keep at load;
+    ``activation_dtype`` (the model's dtype) resolves the CPU tier's "auto" precision."""
     if config.runtime == "cpu":
-        return CpuExpertRuntime(config, max_tokens=max_tokens)
+        return CpuExpertRuntime(config, max_tokens=max_tokens, activation_dtype=activation_dtype)
     if config.runtime == "all-in-vram":
         return AllInVramRuntime(device, vllm_share_bytes=vllm_share_bytes)
     if config.runtime == "tiered":
@@ -460,7 +467,8 @@ def make_runtime(config: Dsv41PluginConfig, device: torch.device | str, max_toke
             raise ValueError("runtime 'tiered': needs the host home of the experts")
         from .tiered import TieredRuntime
 
-        return TieredRuntime(config, home, device, vllm_share_bytes=vllm_share_bytes)
+        return TieredRuntime(config, home, device, vllm_share_bytes=vllm_share_bytes,
+                             activation_dtype=activation_dtype)  # fmt: skip
     raise ValueError(f"runtime: unknown expert runtime {config.runtime!r}")
 
 

@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from cpu_tier.config import PRECISIONS
+
 __all__ = ["FidelityResult", "Reference", "compare_logits", "main", "record_reference", "run_fidelity"]
 
 #: The diagnostic runtime ``--noise-floor`` compares with the oracle: the same dequantized experts, float64 sums.
@@ -190,7 +192,8 @@ def _switch(model: torch.nn.Module, runtime: str) -> str:
         else:
             new = AllInVramRuntime(device, dequantize="per-call")
     else:
-        new = make_runtime(dc.replace(q.rank_plugin_config(), runtime=runtime), device, home=q.home())
+        new = make_runtime(dc.replace(q.rank_plugin_config(), runtime=runtime), device, home=q.home(),
+                           activation_dtype=q.activation_dtype)  # fmt: skip
     limits = _swiglu_limits(model)
     for layer in q.home().layers():
         new.add_layer(layer, limits.get(layer.layer))
@@ -389,7 +392,7 @@ def run_fidelity(
 
 
 def build_llm(pack: str | Path, *, runtime: str = "all-in-vram", eager: bool = False, max_model_len: int = 1024,
-              gpu_memory_gib: float | None = None, cpu_threads: int = 0, precision: str = "exact",
+              gpu_memory_gib: float | None = None, cpu_threads: int = 0, precision: str | None = None,
               dtype: str | None = None, extra: dict[str, Any] | None = None,
               tiered: dict[str, Any] | None = None, engram: str | None = None,
               pipeline_parallel_size: int = 1) -> Any:  # fmt: skip
@@ -410,8 +413,10 @@ def build_llm(pack: str | Path, *, runtime: str = "all-in-vram", eager: bool = F
         "max_model_len": max_model_len,
         "enable_prefix_caching": False,
         "seed": 0,
-        "additional_config": {"dsv41": {"runtime": runtime, "cpu": {"threads": cpu_threads, "precision": precision}}},
+        "additional_config": {"dsv41": {"runtime": runtime, "cpu": {"threads": cpu_threads}}},
     }
+    if precision is not None:  # else the pack's setting, else the plugin's default ("auto": by the model's dtype)
+        kw["additional_config"]["dsv41"]["cpu"]["precision"] = precision
     if tiered:
         kw["additional_config"]["dsv41"]["tiered"] = dict(tiered)
     if engram is not None:
@@ -477,7 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--gpu-memory-gib", type=float, default=None, help="cap vLLM's GPU memory (e.g. 24)")
     ap.add_argument("--cpu-threads", type=int, default=0)
-    ap.add_argument("--precision", choices=("exact", "fast"), default="exact", help="the CPU tier's precision")
+    ap.add_argument("--precision", choices=PRECISIONS, default=None,
+                    help="the CPU tier's precision (default: the pack's setting, else the plugin's: \"auto\", fast for "
+                    "a bf16/fp16 model, exact for a float32 one)")  # fmt: skip
     ap.add_argument("--noise-floor", action="store_true",
                     help=f"also compare {NOISE_FLOOR_RUNTIME} (the oracle's experts, float64 sums) with the reference: "
                          "what last-bit differences in the experts' output alone do to this model")  # fmt: skip

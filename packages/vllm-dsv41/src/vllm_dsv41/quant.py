@@ -51,6 +51,8 @@ class Exl3Config(QuantizationConfig):
         self._cuda_graphs = False
         self._home: Any = None
         self._plugin_config: Dsv41PluginConfig | None = None
+        #: The model's dtype, the activations' the expert runtime receives (set with the runtime).
+        self.activation_dtype: torch.dtype = torch.float32
         self._out_buffers: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def __getstate__(self) -> dict[str, Any]:  # the runtime and the home live in the worker that built the model
@@ -185,14 +187,20 @@ class Exl3Config(QuantizationConfig):
             util = getattr(getattr(vcfg, "cache_config", None), "gpu_memory_utilization", None)
             if device.type == "cuda" and util:
                 share = int(float(util) * torch.cuda.get_device_properties(device).total_memory)
-            self._runtime = make_runtime(cfg, device, max_tokens=max_tokens, home=self.home, vllm_share_bytes=share)
+            dtype = getattr(getattr(vcfg, "model_config", None), "dtype", None)
+            self.activation_dtype = dtype if isinstance(dtype, torch.dtype) else torch.float32
+            self._runtime = make_runtime(cfg, device, max_tokens=max_tokens, home=self.home, vllm_share_bytes=share,
+                                         activation_dtype=self.activation_dtype)  # fmt: skip
             self._call_path = call_path(self._runtime, device)
             mode = getattr(getattr(vcfg, "compilation_config", None), "cudagraph_mode", None)
             eager = bool(getattr(getattr(vcfg, "model_config", None), "enforce_eager", False))
             self._cuda_graphs = device.type == "cuda" and not eager and str(getattr(mode, "name", mode)) != "NONE"
             self._runtime_handle = register_runtime(self._runtime)
-            extra = f", cpu-tier {self._runtime.isa}, {cfg.effective_threads} threads, {cfg.cpu.precision}" \
-                if cfg.runtime in ("cpu", "tiered") else ""  # fmt: skip
+            extra = ""
+            if cfg.runtime in ("cpu", "tiered"):
+                dtype_name = str(self.activation_dtype).removeprefix("torch.")
+                extra = (f", cpu-tier {self._runtime.isa}, {cfg.effective_threads} threads, {self._runtime.precision} "
+                         f"(precision {cfg.cpu.precision!r}, {dtype_name} activations)")  # fmt: skip
             if cfg.runtime in ("cpu", "tiered") and cfg.cpu.cpus:
                 extra += f", pinned to cores {list(cfg.cpu.cpus)}"
             logger.info("dsv41: routed experts on the %r expert runtime%s", cfg.runtime, extra)

@@ -408,6 +408,8 @@ class TieredRuntime:
         ``config.tiered.hit_kernel``); tests inject the reference.
     graph_factory : ``() -> devgraphs.Graph`` for ``config.tiered.layer_graphs`` (default: CUDA graphs, on a CUDA
         device only); tests inject one to run the graph bookkeeping on the CPU.
+    activation_dtype : the model's dtype: the CPU tier's "auto" precision runs "fast" for bf16/fp16 activations,
+        "exact" for float32 ones (``CpuTierConfig.resolved_precision``).
     cache_bytes : the cache's size in bytes, overriding ``config.tiered.cache_gib`` (tests, benchmarks).
     device_budget_bytes : the device memory this process may use in all (default ``config.tiered.device_gib``;
         0/None: the card). With ``cache_gib`` 0 the cache takes ``min(free memory, budget - memory PyTorch has
@@ -432,6 +434,7 @@ class TieredRuntime:
         device_budget_bytes: int | None = None,
         vllm_share_bytes: int | None = None,
         graph_factory: Callable[[], Any] | None = None,
+        activation_dtype: torch.dtype | str = torch.float32,
     ) -> None:
         from cpu_tier import ExpertTier, Picks
 
@@ -442,8 +445,10 @@ class TieredRuntime:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._picks_cls = Picks
-        self._tier = ExpertTier(config.cpu)
+        self._tier = ExpertTier(config.cpu, activation_dtype=str(activation_dtype))
         self.isa: str = self._tier.isa
+        #: The CPU tier's arithmetic, "exact" or "fast" (``config.cpu.precision`` resolved for the activations).
+        self.precision: str = self._tier.precision
         self._layers: dict[int, LayerExperts] = {}
         self._hidden: dict[int, int] = {}
         self._expert_bytes: dict[int, int] = {}  # per layer, bytes of one expert (the split's unit)
