@@ -16,12 +16,14 @@ from typing import Any
 
 import numpy as np
 
+from cpu_tier.config import PRECISIONS
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("pack")
     ap.add_argument("--runtime", default="cpu", help="the runtime under test (default cpu)")
-    ap.add_argument("--precision", choices=("auto", "exact", "fast"), default=None)
+    ap.add_argument("--precision", choices=PRECISIONS, default=None)
     ap.add_argument("--positions", type=int, default=512)
     ap.add_argument("--length", type=int, default=128)
     ap.add_argument("--cpu-threads", type=int, default=2)

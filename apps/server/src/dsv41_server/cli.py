@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from cpu_tier.config import ISAS, PRECISIONS
 from vllm_dsv41.config import (
     ATTENTIONS,
     CPU_DRIVES,
@@ -71,10 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     g.description = "Unset options keep the pack's setting (config.json 'dsv41'), else the plugin's default."
     g.add_argument("--cpu-threads", type=int, help="worker threads (0: one per usable CPU)")
     g.add_argument("--cpu-cores", type=_cores, help="CPUs to pin the workers to, e.g. 0-7")
-    g.add_argument("--cpu-isa", choices=("auto", "scalar", "avx2", "avx512", "amx"))
+    g.add_argument("--cpu-isa", choices=ISAS)
     g.add_argument(
         "--precision",
-        choices=("auto", "exact", "fast"),
+        choices=PRECISIONS,
         help=f"the CPU tier's arithmetic (default {_PLUGIN.cpu.precision}: fast for a bf16/fp16 model (the GPU packs), "
         "exact for a float32 one (the demo); exact: fp32 activations, the exact fp16 codebook values; fast: int16 "
         "activations, ~2x faster, its error (~2e-4 per linear) under bf16's own rounding, at the noise floor on the "
