@@ -353,10 +353,116 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
     }
 }
 
+// ------------------------------------------------------------------------ exact MUL1, one token, compile-time K
+// The exact path's decode chain is long (~25 cycles per 8 weights: window, states, hash, byte sums, convert, affine,
+// fp16 rounding, FMA) and its ports are not full: the scheduler holds too few chains. Two changes, each the same
+// values bit for bit (results/devbox_zen4_exact_variants.txt, scripts/avx2_kernel_time.cpp variants 2 and 4-8):
+// * PIPE (software pipelining): the next slot's integer decode is issued before this slot's rounding and FMA, so the
+//   float ops find their inputs ready when dispatched;
+// * NDOM: the rounding works on N = 1774 bs - 905216 = f 2^18 (exact in fp32), which the byte sums' multiply-add
+//   gives for free (weights 1774 instead of 1) plus one integer add, instead of the affine FMA; N rounded to 11
+//   significant bits is the fp16 value times 2^18 (a power of two: every product and sum below is exactly 2^18 times
+//   the plain path's, absent overflow and subnormal products, so the band's outputs scaled by 2^-18 once are the
+//   same bits).
+// Both: 1.00-1.14x per round the generic band_float loop on Zen 4 (median 1.05-1.06x); jobs 1.91-1.97x fast's.
+constexpr float MUL1_N_UNIT = 262144.0f;  // 2^18: N = f * 2^18
+constexpr int MUL1_N_MULT = int(MUL1_K_INV * MUL1_N_UNIT);
+constexpr int MUL1_N_OFF = int(-MUL1_K_AFF * MUL1_N_UNIT);
+static_assert(float(MUL1_N_MULT) == MUL1_K_INV * MUL1_N_UNIT && float(MUL1_N_OFF) == -MUL1_K_AFF * MUL1_N_UNIT,
+              "MUL1's affine map is not an integer one at 2^18");
+struct SpDec {
+    __m256 b0, b1;
+};
+template <int BITS2, bool UNIFORM, int S, bool NDOM>
+CT_INLINE SpDec sp_decode(const uint8_t* tile, __m128i wrapv, const TrellisTables& tb, __m256i sh0,
+                            __m256i sh1, __m256i mask16) {
+    const __m256i L = slot_window<BITS2, S>(tile, nullptr, wrapv, tb);
+    __m256i v0 = slot_states<UNIFORM, S, 0>(L, tb, sh0, mask16);
+    __m256i v1 = slot_states<UNIFORM, S, 1>(L, tb, sh1, mask16);
+    const __m256i mult = _mm256_set1_epi32(int32_t(MUL1_MULT));
+    const __m256i w16 = _mm256_set1_epi16(NDOM ? short(MUL1_N_MULT) : 1);
+    v0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_mullo_epi32(v0, mult), _mm256_set1_epi8(1)), w16);
+    v1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_mullo_epi32(v1, mult), _mm256_set1_epi8(1)), w16);
+    if constexpr (NDOM) {
+        v0 = _mm256_sub_epi32(v0, _mm256_set1_epi32(MUL1_N_OFF));
+        v1 = _mm256_sub_epi32(v1, _mm256_set1_epi32(MUL1_N_OFF));
+    }
+    return {_mm256_cvtepi32_ps(v0), _mm256_cvtepi32_ps(v1)};
+}
+template <bool NDOM>
+CT_INLINE __m256 sp_round(__m256 b) {
+    if constexpr (NDOM) return round_half(b);  // N to 11 significant bits: the fp16 value * 2^18
+    return round_half_split(_mm256_fmadd_ps(b, _mm256_set1_ps(MUL1_K_INV), _mm256_set1_ps(MUL1_K_AFF)),
+                            _mm256_fmadd_ps(b, _mm256_set1_ps(MUL1_K_INV * VELTKAMP_HALF),
+                                            _mm256_set1_ps(MUL1_K_AFF * VELTKAMP_HALF)));
+}
+template <int BITS2, bool UNIFORM, bool NDOM, bool PIPE>
+static void band_exact_mul1_m1(const MatRef& A, int band, const Acts& X, float* y) {
+    const TrellisTables& tb = *A.tb;
+    const int tbytes = 16 * BITS2;
+    static_assert(BITS2 != 0, "compile-time window offsets only");
+    const BandWalk w(A, band, X, tbytes);
+    alignas(64) float facc[8 * 4 * 2 * 8];
+    alignas(64) __m256 xp[8][4];
+    std::memset(facc, 0, sizeof(facc));
+    const __m256i mask16 = _mm256_set1_epi32(0xFFFF);
+    const __m256i sh0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][0]));
+    const __m256i sh1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][1]));
+    const size_t row_stride = w.row_stride;
+    w.start();
+    for (int blk = w.r0 / 8; blk < w.r1 / 8; ++blk) {
+        const uint8_t* brow = w.block(blk);
+        for (int rr = 0; rr < 8; ++rr)
+            for (int q = 0; q < 4; ++q)
+                xp[rr][q] = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(X.xf + 16 * (8 * blk + rr) + 4 * q));
+        for (int j = 0; j < 8; ++j) {
+            w.at(blk, j);
+            static_for<4>([&](auto AA) CT_LAMBDA_INLINE {
+                constexpr int a = decltype(AA)::value;
+                __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+                const uint8_t* tile = brow + j * tbytes;
+                __m128i wrapv = _mm_setzero_si128();
+                if constexpr (ct_needs_wrap<BITS2>()) wrapv = wrap_window(tile, tbytes);
+                SpDec cur;
+                if constexpr (PIPE) cur = sp_decode<BITS2, UNIFORM, 4 * a, NDOM>(tile, wrapv, tb, sh0, sh1, mask16);
+#pragma GCC unroll 1
+                for (int rr = 0; rr < 8; ++rr) {
+                    // the next row (the last row decodes its own first slot again; unused)
+                    const uint8_t* ntile = rr < 7 || !PIPE ? tile + row_stride : tile;
+                    __m128i nwrap = _mm_setzero_si128();
+                    if constexpr (ct_needs_wrap<BITS2>()) nwrap = wrap_window(ntile, tbytes);
+                    static_for<4>([&](auto QQ) CT_LAMBDA_INLINE {
+                        constexpr int q = decltype(QQ)::value;
+                        SpDec nxt;
+                        if constexpr (!PIPE) cur = sp_decode<BITS2, UNIFORM, 4 * a + q, NDOM>(tile, wrapv, tb, sh0, sh1, mask16);
+                        else if constexpr (q < 3) nxt = sp_decode<BITS2, UNIFORM, 4 * a + q + 1, NDOM>(tile, wrapv, tb, sh0, sh1, mask16);
+                        else nxt = sp_decode<BITS2, UNIFORM, 4 * a, NDOM>(ntile, nwrap, tb, sh0, sh1, mask16);
+                        const __m256 x = xp[rr][q];
+                        acc0 = _mm256_fmadd_ps(sp_round<NDOM>(cur.b0), x, acc0);
+                        acc1 = _mm256_fmadd_ps(sp_round<NDOM>(cur.b1), x, acc1);
+                        if constexpr (PIPE) cur = nxt;
+                    });
+                    tile = ntile;
+                    wrapv = nwrap;
+                }
+                float* f = facc + (j * 4 + a) * 16;
+                _mm256_store_ps(f, _mm256_add_ps(_mm256_load_ps(f), acc0));
+                _mm256_store_ps(f + 8, _mm256_add_ps(_mm256_load_ps(f + 8), acc1));
+            });
+        }
+    }
+    reduce_tile_acc(facc, y);
+    if constexpr (NDOM)
+        for (int c = 0; c < 128; ++c) y[c] *= 1.0f / MUL1_N_UNIT;
+}
+
 // M tokens, float activations, values decoded once per group (exact fp16 values, or without the final fp16
 // rounding for MCG / 3INST "fast"). Block order as band_intm: accumulators stay in registers over 8 tile rows.
-template <int CB, int M, bool ROUND, int BITS2, bool UNIFORM>
+// GENERIC: this loop even where band_exact_mul1_m1 applies (the benchmark's A/B, scripts/avx2_kernel_time.cpp).
+template <int CB, int M, bool ROUND, int BITS2, bool UNIFORM, bool GENERIC = false>
 static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
+    if constexpr (!GENERIC && CB == CB_MUL1 && M == 1 && ROUND && BITS2 != 0)
+        return band_exact_mul1_m1<BITS2, UNIFORM, true, true>(A, band, X, y);
     const TrellisTables& tb = *A.tb;
     const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
     const BandWalk w(A, band, X, tbytes);
