@@ -356,10 +356,10 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
 // ------------------------------------------------------------------------ exact MUL1, one token, compile-time K
 // The exact path's decode chain is long (~25 cycles per 8 weights: window, states, hash, byte sums, convert, affine,
 // fp16 rounding, FMA) and its ports are not full: the scheduler holds too few chains. Two changes, each the same
-// values bit for bit (results/devbox_zen4_exact_variants.txt, scripts/avx2_kernel_time.cpp variants 2 and 4-8):
-// * PIPE (software pipelining): the next slot's integer decode is issued before this slot's rounding and FMA, so the
+// values bit for bit (results/devbox_zen4_exact_variants.txt: each alone and both, against the generic loop):
+// * software pipelining: the next slot's integer decode is issued before this slot's rounding and FMA, so the
 //   float ops find their inputs ready when dispatched;
-// * NDOM: the rounding works on N = 1774 bs - 905216 = f 2^18 (exact in fp32), which the byte sums' multiply-add
+// * the rounding works on N = 1774 bs - 905216 = f 2^18 (exact in fp32), which the byte sums' multiply-add
 //   gives for free (weights 1774 instead of 1) plus one integer add, instead of the affine FMA; N rounded to 11
 //   significant bits is the fp16 value times 2^18 (a power of two: every product and sum below is exactly 2^18 times
 //   the plain path's, absent overflow and subnormal products, so the band's outputs scaled by 2^-18 once are the
@@ -373,30 +373,22 @@ static_assert(float(MUL1_N_MULT) == MUL1_K_INV * MUL1_N_UNIT && float(MUL1_N_OFF
 struct SpDec {
     __m256 b0, b1;
 };
-template <int BITS2, bool UNIFORM, int S, bool NDOM>
+// Slot S's 16 values as N (fp32, exact), before the rounding.
+template <int BITS2, bool UNIFORM, int S>
 CT_INLINE SpDec sp_decode(const uint8_t* tile, __m128i wrapv, const TrellisTables& tb, __m256i sh0,
                             __m256i sh1, __m256i mask16) {
     const __m256i L = slot_window<BITS2, S>(tile, nullptr, wrapv, tb);
     __m256i v0 = slot_states<UNIFORM, S, 0>(L, tb, sh0, mask16);
     __m256i v1 = slot_states<UNIFORM, S, 1>(L, tb, sh1, mask16);
     const __m256i mult = _mm256_set1_epi32(int32_t(MUL1_MULT));
-    const __m256i w16 = _mm256_set1_epi16(NDOM ? short(MUL1_N_MULT) : 1);
+    const __m256i w16 = _mm256_set1_epi16(short(MUL1_N_MULT));
     v0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_mullo_epi32(v0, mult), _mm256_set1_epi8(1)), w16);
     v1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_mullo_epi32(v1, mult), _mm256_set1_epi8(1)), w16);
-    if constexpr (NDOM) {
-        v0 = _mm256_sub_epi32(v0, _mm256_set1_epi32(MUL1_N_OFF));
-        v1 = _mm256_sub_epi32(v1, _mm256_set1_epi32(MUL1_N_OFF));
-    }
+    v0 = _mm256_sub_epi32(v0, _mm256_set1_epi32(MUL1_N_OFF));
+    v1 = _mm256_sub_epi32(v1, _mm256_set1_epi32(MUL1_N_OFF));
     return {_mm256_cvtepi32_ps(v0), _mm256_cvtepi32_ps(v1)};
 }
-template <bool NDOM>
-CT_INLINE __m256 sp_round(__m256 b) {
-    if constexpr (NDOM) return round_half(b);  // N to 11 significant bits: the fp16 value * 2^18
-    return round_half_split(_mm256_fmadd_ps(b, _mm256_set1_ps(MUL1_K_INV), _mm256_set1_ps(MUL1_K_AFF)),
-                            _mm256_fmadd_ps(b, _mm256_set1_ps(MUL1_K_INV * VELTKAMP_HALF),
-                                            _mm256_set1_ps(MUL1_K_AFF * VELTKAMP_HALF)));
-}
-template <int BITS2, bool UNIFORM, bool NDOM, bool PIPE>
+template <int BITS2, bool UNIFORM>
 static void band_exact_mul1_m1(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
     const int tbytes = 16 * BITS2;
@@ -423,24 +415,22 @@ static void band_exact_mul1_m1(const MatRef& A, int band, const Acts& X, float* 
                 const uint8_t* tile = brow + j * tbytes;
                 __m128i wrapv = _mm_setzero_si128();
                 if constexpr (ct_needs_wrap<BITS2>()) wrapv = wrap_window(tile, tbytes);
-                SpDec cur;
-                if constexpr (PIPE) cur = sp_decode<BITS2, UNIFORM, 4 * a, NDOM>(tile, wrapv, tb, sh0, sh1, mask16);
+                SpDec cur = sp_decode<BITS2, UNIFORM, 4 * a>(tile, wrapv, tb, sh0, sh1, mask16);
 #pragma GCC unroll 1
                 for (int rr = 0; rr < 8; ++rr) {
                     // the next row (the last row decodes its own first slot again; unused)
-                    const uint8_t* ntile = rr < 7 || !PIPE ? tile + row_stride : tile;
+                    const uint8_t* ntile = rr < 7 ? tile + row_stride : tile;
                     __m128i nwrap = _mm_setzero_si128();
                     if constexpr (ct_needs_wrap<BITS2>()) nwrap = wrap_window(ntile, tbytes);
                     static_for<4>([&](auto QQ) CT_LAMBDA_INLINE {
                         constexpr int q = decltype(QQ)::value;
                         SpDec nxt;
-                        if constexpr (!PIPE) cur = sp_decode<BITS2, UNIFORM, 4 * a + q, NDOM>(tile, wrapv, tb, sh0, sh1, mask16);
-                        else if constexpr (q < 3) nxt = sp_decode<BITS2, UNIFORM, 4 * a + q + 1, NDOM>(tile, wrapv, tb, sh0, sh1, mask16);
-                        else nxt = sp_decode<BITS2, UNIFORM, 4 * a, NDOM>(ntile, nwrap, tb, sh0, sh1, mask16);
-                        const __m256 x = xp[rr][q];
-                        acc0 = _mm256_fmadd_ps(sp_round<NDOM>(cur.b0), x, acc0);
-                        acc1 = _mm256_fmadd_ps(sp_round<NDOM>(cur.b1), x, acc1);
-                        if constexpr (PIPE) cur = nxt;
+                        if constexpr (q < 3) nxt = sp_decode<BITS2, UNIFORM, 4 * a + q + 1>(tile, wrapv, tb, sh0, sh1, mask16);
+                        else nxt = sp_decode<BITS2, UNIFORM, 4 * a>(ntile, nwrap, tb, sh0, sh1, mask16);
+                        const __m256 x = xp[rr][q];  // N to 11 significant bits: the fp16 values * 2^18
+                        acc0 = _mm256_fmadd_ps(round_half(cur.b0), x, acc0);
+                        acc1 = _mm256_fmadd_ps(round_half(cur.b1), x, acc1);
+                        cur = nxt;
                     });
                     tile = ntile;
                     wrapv = nwrap;
@@ -452,8 +442,7 @@ static void band_exact_mul1_m1(const MatRef& A, int band, const Acts& X, float* 
         }
     }
     reduce_tile_acc(facc, y);
-    if constexpr (NDOM)
-        for (int c = 0; c < 128; ++c) y[c] *= 1.0f / MUL1_N_UNIT;
+    for (int c = 0; c < 128; ++c) y[c] *= 1.0f / MUL1_N_UNIT;
 }
 
 // M tokens, float activations, values decoded once per group (exact fp16 values, or without the final fp16
@@ -462,7 +451,7 @@ static void band_exact_mul1_m1(const MatRef& A, int band, const Acts& X, float* 
 template <int CB, int M, bool ROUND, int BITS2, bool UNIFORM, bool GENERIC = false>
 static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
     if constexpr (!GENERIC && CB == CB_MUL1 && M == 1 && ROUND && BITS2 != 0)
-        return band_exact_mul1_m1<BITS2, UNIFORM, true, true>(A, band, X, y);
+        return band_exact_mul1_m1<BITS2, UNIFORM>(A, band, X, y);
     const TrellisTables& tb = *A.tb;
     const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
     const BandWalk w(A, band, X, tbytes);
