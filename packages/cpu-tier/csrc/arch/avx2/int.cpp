@@ -66,6 +66,14 @@ static void decode_exact_cb(const uint16_t* states, size_t n, float* out) {
 }
 
 static void decode_exact(int codebook, const uint16_t* states, size_t n, float* out) {
+    if (codebook == DECODE_MUL1_M1) {
+        alignas(32) int32_t s[8];
+        for (size_t i = 0; i < n; i += 8) {
+            for (int l = 0; l < 8; ++l) s[l] = states[i + size_t(l)];
+            _mm256_storeu_ps(out + i, mul1_m1_values(_mm256_load_si256(reinterpret_cast<const __m256i*>(s))));
+        }
+        return;
+    }
     if (codebook == CB_MUL1) return decode_exact_cb<CB_MUL1>(states, n, out);
     if (codebook == CB_MCG) return decode_exact_cb<CB_MCG>(states, n, out);
     decode_exact_cb<CB_3INST>(states, n, out);

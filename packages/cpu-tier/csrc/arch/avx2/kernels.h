@@ -355,38 +355,56 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
 
 // ------------------------------------------------------------------------ exact MUL1, one token, compile-time K
 // The exact path's decode chain is long (~25 cycles per 8 weights: window, states, hash, byte sums, convert, affine,
-// fp16 rounding, FMA) and its ports are not full: the scheduler holds too few chains. Two changes, each the same
-// values bit for bit (results/devbox_zen4_exact_variants.txt: each alone and both, against the generic loop):
+// fp16 rounding, FMA) and its ports are not full: the scheduler holds too few chains. Three changes:
 // * software pipelining: the next slot's integer decode is issued before this slot's rounding and FMA, so the
 //   float ops find their inputs ready when dispatched;
-// * the rounding works on N = 1774 bs - 905216 = f 2^18 (exact in fp32), which the byte sums' multiply-add
-//   gives for free (weights 1774 instead of 1) plus one integer add, instead of the affine FMA; N rounded to 11
-//   significant bits is the fp16 value times 2^18 (a power of two: every product and sum below is exactly 2^18 times
-//   the plain path's, absent overflow and subnormal products, so the band's outputs scaled by 2^-18 once are the
-//   same bits).
-// Both: 1.00-1.14x per round the generic band_float loop on Zen 4 (median 1.05-1.06x); jobs 1.91-1.97x fast's.
+// * the rounding works on N = 1774 bs - 905216 = f 2^18 (exact in fp32) instead of f: the byte sums' multiply-add
+//   gives M = 1774 bs = N + 905216 for free (weights 1774 instead of 1). N rounded to 11 significant bits is the fp16
+//   value times 2^18 (a power of two: every product below is exactly 2^18 times the plain path's, absent overflow and
+//   subnormal products);
+// * the offset folded into the split: from Mf = float(M), c = FMA(Mf, 8193, -8193 * 905216) = RN(8193 N) and
+//   c - RN(c - Mf) = round11(N) + 905216 (RN(c - N - 905216) = RN(c - N) - 905216 for all 1,021 byte sums:
+//   decode_exact's index 3, tests/test_cpu_tier_kernels.py::test_exact_codebook_values_bit_for_bit), so no integer
+//   subtract (22.5 vector ops per 16 weights instead of 24); each lane subtracts 905216 x its 4 activations once per
+//   tile row instead (once per 128-row block would be faster still, but its sums would carry the offset for 32
+//   rows: 10x the fp32 error; per row, most inputs stay at 2-6e-7 relative, all-positive ones reach ~2e-6).
+// The first two: 1.00-1.14x per round the generic band_float loop on Zen 4 (median 1.05-1.06x,
+// results/devbox_zen4_exact_variants.txt); the third: 1.05-1.08x more (median 1.07x; jobs 1.80-1.83x fast's,
+// results/devbox_zen4_exact_offset_split.txt).
 constexpr float MUL1_N_UNIT = 262144.0f;  // 2^18: N = f * 2^18
 constexpr int MUL1_N_MULT = int(MUL1_K_INV * MUL1_N_UNIT);
 constexpr int MUL1_N_OFF = int(-MUL1_K_AFF * MUL1_N_UNIT);
 static_assert(float(MUL1_N_MULT) == MUL1_K_INV * MUL1_N_UNIT && float(MUL1_N_OFF) == -MUL1_K_AFF * MUL1_N_UNIT,
               "MUL1's affine map is not an integer one at 2^18");
+// 8 masked states -> Mf = float(1774 bs) = N + MUL1_N_OFF (exact).
+CT_INLINE __m256 mul1_shifted(__m256i s) {
+    const __m256i p = _mm256_mullo_epi32(s, _mm256_set1_epi32(int32_t(MUL1_MULT)));
+    return _mm256_cvtepi32_ps(
+        _mm256_madd_epi16(_mm256_maddubs_epi16(p, _mm256_set1_epi8(1)), _mm256_set1_epi16(short(MUL1_N_MULT))));
+}
 struct SpDec {
     __m256 b0, b1;
 };
-// Slot S's 16 values as N (fp32, exact), before the rounding.
+// Slot S's 16 values as M = N + MUL1_N_OFF (fp32, exact), before the rounding.
 template <int BITS2, bool UNIFORM, int S>
 CT_INLINE SpDec sp_decode(const uint8_t* tile, __m128i wrapv, const TrellisTables& tb, __m256i sh0,
                             __m256i sh1, __m256i mask16) {
     const __m256i L = slot_window<BITS2, S>(tile, nullptr, wrapv, tb);
-    __m256i v0 = slot_states<UNIFORM, S, 0>(L, tb, sh0, mask16);
-    __m256i v1 = slot_states<UNIFORM, S, 1>(L, tb, sh1, mask16);
-    const __m256i mult = _mm256_set1_epi32(int32_t(MUL1_MULT));
-    const __m256i w16 = _mm256_set1_epi16(short(MUL1_N_MULT));
-    v0 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_mullo_epi32(v0, mult), _mm256_set1_epi8(1)), w16);
-    v1 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_mullo_epi32(v1, mult), _mm256_set1_epi8(1)), w16);
-    v0 = _mm256_sub_epi32(v0, _mm256_set1_epi32(MUL1_N_OFF));
-    v1 = _mm256_sub_epi32(v1, _mm256_set1_epi32(MUL1_N_OFF));
-    return {_mm256_cvtepi32_ps(v0), _mm256_cvtepi32_ps(v1)};
+    return {mul1_shifted(slot_states<UNIFORM, S, 0>(L, tb, sh0, mask16)),
+            mul1_shifted(slot_states<UNIFORM, S, 1>(L, tb, sh1, mask16))};
+}
+// Mf = N + MUL1_N_OFF (a slot's sp_decode) -> round11(N) + MUL1_N_OFF, exactly.
+static_assert(double(VELTKAMP_HALF * float(MUL1_N_OFF)) == double(VELTKAMP_HALF) * MUL1_N_OFF,
+              "the split's addend -8193 * MUL1_N_OFF is not exact in fp32");
+CT_INLINE __m256 round_half_off(__m256 mf) {
+    return round_half_split(mf, _mm256_fmadd_ps(mf, _mm256_set1_ps(VELTKAMP_HALF),
+                                                _mm256_set1_ps(-VELTKAMP_HALF * float(MUL1_N_OFF))));
+}
+// The exact values of 8 masked states as band_exact_mul1_m1 computes them (the decode_exact test hook, index
+// DECODE_MUL1_M1): (round11(N) + MUL1_N_OFF - MUL1_N_OFF) * 2^-18, exact.
+CT_INLINE __m256 mul1_m1_values(__m256i s) {
+    return _mm256_mul_ps(_mm256_sub_ps(round_half_off(mul1_shifted(s)), _mm256_set1_ps(float(MUL1_N_OFF))),
+                         _mm256_set1_ps(1.0f / MUL1_N_UNIT));
 }
 template <int BITS2, bool UNIFORM>
 static void band_exact_mul1_m1(const MatRef& A, int band, const Acts& X, float* y) {
@@ -396,6 +414,7 @@ static void band_exact_mul1_m1(const MatRef& A, int band, const Acts& X, float* 
     const BandWalk w(A, band, X, tbytes);
     alignas(64) float facc[8 * 4 * 2 * 8];
     alignas(64) __m256 xp[8][4];
+    alignas(64) __m256 xoff[8];  // [row rr]: MUL1_N_OFF x the activations of each lane's 4 rows
     std::memset(facc, 0, sizeof(facc));
     const __m256i mask16 = _mm256_set1_epi32(0xFFFF);
     const __m256i sh0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][0]));
@@ -404,9 +423,14 @@ static void band_exact_mul1_m1(const MatRef& A, int band, const Acts& X, float* 
     w.start();
     for (int blk = w.r0 / 8; blk < w.r1 / 8; ++blk) {
         const uint8_t* brow = w.block(blk);
-        for (int rr = 0; rr < 8; ++rr)
-            for (int q = 0; q < 4; ++q)
+        for (int rr = 0; rr < 8; ++rr) {
+            __m256 xsum = _mm256_setzero_ps();  // per lane: the activations of its 4 rows of tile row rr
+            for (int q = 0; q < 4; ++q) {
                 xp[rr][q] = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(X.xf + 16 * (8 * blk + rr) + 4 * q));
+                xsum = _mm256_add_ps(xsum, xp[rr][q]);
+            }
+            xoff[rr] = _mm256_mul_ps(xsum, _mm256_set1_ps(float(MUL1_N_OFF)));
+        }
         for (int j = 0; j < 8; ++j) {
             w.at(blk, j);
             static_for<4>([&](auto AA) CT_LAMBDA_INLINE {
@@ -427,11 +451,13 @@ static void band_exact_mul1_m1(const MatRef& A, int band, const Acts& X, float* 
                         SpDec nxt;
                         if constexpr (q < 3) nxt = sp_decode<BITS2, UNIFORM, 4 * a + q + 1>(tile, wrapv, tb, sh0, sh1, mask16);
                         else nxt = sp_decode<BITS2, UNIFORM, 4 * a>(ntile, nwrap, tb, sh0, sh1, mask16);
-                        const __m256 x = xp[rr][q];  // N to 11 significant bits: the fp16 values * 2^18
-                        acc0 = _mm256_fmadd_ps(round_half(cur.b0), x, acc0);
-                        acc1 = _mm256_fmadd_ps(round_half(cur.b1), x, acc1);
+                        const __m256 x = xp[rr][q];  // (the fp16 values - K_AFF) * 2^18
+                        acc0 = _mm256_fmadd_ps(round_half_off(cur.b0), x, acc0);
+                        acc1 = _mm256_fmadd_ps(round_half_off(cur.b1), x, acc1);
                         cur = nxt;
                     });
+                    acc0 = _mm256_sub_ps(acc0, xoff[rr]);  // each row's offset out at once: the sums stay small
+                    acc1 = _mm256_sub_ps(acc1, xoff[rr]);
                     tile = ntile;
                     wrapv = nwrap;
                 }
