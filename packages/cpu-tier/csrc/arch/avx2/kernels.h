@@ -132,6 +132,12 @@ static void band_pair(const MatRef& A, int band, const Acts& X, float* y) {
             // AG column pair-pairs (a, ..., a + AG - 1) at a time: 4 AG independent slots per row (AG = 2 up to two
             // tokens; with more tokens the AG x M accumulators would not fit the 16 registers)
             constexpr int AG = M <= 2 ? 2 : 1;
+            // Software pipelining at 1, 3 and 4 tokens: each slot's byte sums are computed one slot ahead of their
+            // multiply-adds (the last slot of a row decodes the next row's first). Zen 4, the kernel alone: 1.02-1.03x
+            // at m = 1, 3, 4; 0.98x at m = 2 and none at m = 8, which keep the plain order
+            // (results/devbox_zen4_pair_pipelined.txt).
+            constexpr bool PIPE = M == 1 || M == 3 || M == 4;
+            constexpr int NS = 4 * AG;  // slots per row, (q, h) with h fastest
             static_for<4 / AG>([&](auto AA) CT_LAMBDA_INLINE {
                 constexpr int a0 = AG * decltype(AA)::value;
                 __m256i acc[AG][M];
@@ -139,22 +145,36 @@ static void band_pair(const MatRef& A, int band, const Acts& X, float* y) {
                     for (int t = 0; t < M; ++t) acc[h][t] = _mm256_setzero_si256();
                 const uint8_t* tile = brow + j * tbytes;
                 const uint8_t* e = ext + (BITS2 == 0 ? j * EXT_STRIDE : 0);
+                __m256i cur = _mm256_setzero_si256();
+                if constexpr (PIPE) cur = pair_bytesums<BITS2, UNIFORM, 4 * a0>(tile, e, tbytes, tb, K);
                 // rows in a loop, the slots of a row unrolled
 #pragma GCC unroll 1
-                for (int rr = 0; rr < 8; ++rr, tile += row_stride, e += (BITS2 == 0 ? 8 * EXT_STRIDE : 0)) {
-                    static_for<4>([&](auto QQ) CT_LAMBDA_INLINE {
-                        constexpr int q = decltype(QQ)::value;
-                        static_for<AG>([&](auto HH) CT_LAMBDA_INLINE {
-                            constexpr int h = decltype(HH)::value;
-                            const __m256i bs = pair_bytesums<BITS2, UNIFORM, 4 * (a0 + h) + q>(tile, e, tbytes, tb, K);
-                            for (int t = 0; t < M; ++t) {
-                                acc[h][t] = _mm256_add_epi32(acc[h][t], _mm256_madd_epi16(bs, xb[rr][q][t]));
-                                // keep each sum in one register, in order (GCC otherwise reassociates the integer
-                                // adds into trees whose partial sums spill to the stack)
-                                __asm__("" : "+x"(acc[h][t]));
-                            }
-                        });
+                for (int rr = 0; rr < 8; ++rr) {
+                    const uint8_t* ntile = rr < 7 ? tile + row_stride : tile;
+                    const uint8_t* ne = rr < 7 ? e + (BITS2 == 0 ? 8 * EXT_STRIDE : 0) : e;
+                    static_for<NS>([&](auto II) CT_LAMBDA_INLINE {
+                        constexpr int i = decltype(II)::value;
+                        constexpr int q = i / AG, h = i % AG;
+                        __m256i bs;
+                        if constexpr (!PIPE) {
+                            bs = pair_bytesums<BITS2, UNIFORM, 4 * (a0 + h) + q>(tile, e, tbytes, tb, K);
+                        } else {
+                            bs = cur;
+                            if constexpr (i + 1 < NS)
+                                cur = pair_bytesums<BITS2, UNIFORM, 4 * (a0 + (i + 1) % AG) + (i + 1) / AG>(tile, e, tbytes,
+                                                                                                          tb, K);
+                            else if (rr < 7)
+                                cur = pair_bytesums<BITS2, UNIFORM, 4 * a0>(ntile, ne, tbytes, tb, K);
+                        }
+                        for (int t = 0; t < M; ++t) {
+                            acc[h][t] = _mm256_add_epi32(acc[h][t], _mm256_madd_epi16(bs, xb[rr][q][t]));
+                            // keep each sum in one register, in order (GCC otherwise reassociates the integer
+                            // adds into trees whose partial sums spill to the stack)
+                            __asm__("" : "+x"(acc[h][t]));
+                        }
                     });
+                    tile = ntile;
+                    e = ne;
                 }
                 for (int h = 0; h < AG; ++h)
                     for (int t = 0; t < M; ++t) {
