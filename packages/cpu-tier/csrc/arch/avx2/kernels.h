@@ -132,12 +132,14 @@ static void band_pair(const MatRef& A, int band, const Acts& X, float* y) {
             // AG column pair-pairs (a, ..., a + AG - 1) at a time: 4 AG independent slots per row (AG = 2 up to two
             // tokens; with more tokens the AG x M accumulators would not fit the 16 registers)
             constexpr int AG = M <= 2 ? 2 : 1;
-            // Software pipelining at 1, 3 and 4 tokens: each slot's byte sums are computed one slot ahead of their
-            // multiply-adds (the last slot of a row decodes the next row's first). Zen 4, the kernel alone: 1.02-1.03x
-            // at m = 1, 3, 4; 0.98x at m = 2 and none at m = 8, which keep the plain order
+            // Software pipelining: each slot's byte sums are computed D = 2 slots ahead of their multiply-adds (a
+            // ring of D registers; a row's last slots decode the next row's first ones). Zen 4, the kernel alone
+            // against no pipelining: D = 1 1.03x / 0.99x / 1.02x / 1.03x / 1.05x at m = 1 / 2 / 3 / 4 / 8, D = 2
+            // 1.05x / 1.02x / 1.06x / 1.08x / 1.10x, D = 4 1.05x / 1.00x / 1.06x / 1.08x / 1.07x
             // (results/devbox_zen4_pair_pipelined.txt).
-            constexpr bool PIPE = M == 1 || M == 3 || M == 4;
             constexpr int NS = 4 * AG;  // slots per row, (q, h) with h fastest
+            constexpr int D = 2;
+            static_assert(D >= 1 && NS % D == 0, "the pipeline depth must divide the slots per row");
             static_for<4 / AG>([&](auto AA) CT_LAMBDA_INLINE {
                 constexpr int a0 = AG * decltype(AA)::value;
                 __m256i acc[AG][M];
@@ -145,8 +147,11 @@ static void band_pair(const MatRef& A, int band, const Acts& X, float* y) {
                     for (int t = 0; t < M; ++t) acc[h][t] = _mm256_setzero_si256();
                 const uint8_t* tile = brow + j * tbytes;
                 const uint8_t* e = ext + (BITS2 == 0 ? j * EXT_STRIDE : 0);
-                __m256i cur = _mm256_setzero_si256();
-                if constexpr (PIPE) cur = pair_bytesums<BITS2, UNIFORM, 4 * a0>(tile, e, tbytes, tb, K);
+                __m256i ring[D];
+                static_for<D>([&](auto KK) CT_LAMBDA_INLINE {
+                    constexpr int k = decltype(KK)::value;
+                    ring[k] = pair_bytesums<BITS2, UNIFORM, 4 * (a0 + k % AG) + k / AG>(tile, e, tbytes, tb, K);
+                });
                 // rows in a loop, the slots of a row unrolled
 #pragma GCC unroll 1
                 for (int rr = 0; rr < 8; ++rr) {
@@ -155,17 +160,13 @@ static void band_pair(const MatRef& A, int band, const Acts& X, float* y) {
                     static_for<NS>([&](auto II) CT_LAMBDA_INLINE {
                         constexpr int i = decltype(II)::value;
                         constexpr int q = i / AG, h = i % AG;
-                        __m256i bs;
-                        if constexpr (!PIPE) {
-                            bs = pair_bytesums<BITS2, UNIFORM, 4 * (a0 + h) + q>(tile, e, tbytes, tb, K);
-                        } else {
-                            bs = cur;
-                            if constexpr (i + 1 < NS)
-                                cur = pair_bytesums<BITS2, UNIFORM, 4 * (a0 + (i + 1) % AG) + (i + 1) / AG>(tile, e, tbytes,
-                                                                                                          tb, K);
-                            else if (rr < 7)
-                                cur = pair_bytesums<BITS2, UNIFORM, 4 * a0>(ntile, ne, tbytes, tb, K);
-                        }
+                        const __m256i bs = ring[i % D];
+                        constexpr int n = i + D;  // the slot decoded in its place
+                        if constexpr (n < NS)
+                            ring[i % D] = pair_bytesums<BITS2, UNIFORM, 4 * (a0 + n % AG) + n / AG>(tile, e, tbytes, tb, K);
+                        else if (rr < 7)
+                            ring[i % D] = pair_bytesums<BITS2, UNIFORM, 4 * (a0 + (n - NS) % AG) + (n - NS) / AG>(
+                                ntile, ne, tbytes, tb, K);
                         for (int t = 0; t < M; ++t) {
                             acc[h][t] = _mm256_add_epi32(acc[h][t], _mm256_madd_epi16(bs, xb[rr][q][t]));
                             // keep each sum in one register, in order (GCC otherwise reassociates the integer
