@@ -377,8 +377,9 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
 // ------------------------------------------------------------------------ exact MUL1, one token, compile-time K
 // The exact path's decode chain is long (~25 cycles per 8 weights: window, states, hash, byte sums, convert, affine,
 // fp16 rounding, FMA) and its ports are not full: the scheduler holds too few chains. Three changes:
-// * software pipelining: the next slot's integer decode is issued before this slot's rounding and FMA, so the
-//   float ops find their inputs ready when dispatched;
+// * software pipelining: the integer decode of the slot two ahead is issued before this slot's rounding and FMA, so
+//   the float ops find their inputs ready when dispatched (two ahead: 1.02x one ahead on Zen 4, session 24; the last
+//   row decodes its next row's first slots again, unused: guarding that with rr < 7 was 0.93x);
 // * the rounding works on N = 1774 bs - 905216 = f 2^18 (exact in fp32) instead of f: the byte sums' multiply-add
 //   gives M = 1774 bs = N + 905216 for free (weights 1774 instead of 1). N rounded to 11 significant bits is the fp16
 //   value times 2^18 (a power of two: every product below is exactly 2^18 times the plain path's, absent overflow and
@@ -461,21 +462,23 @@ static void band_exact_mul1_m1(const MatRef& A, int band, const Acts& X, float* 
                 __m128i wrapv = _mm_setzero_si128();
                 if constexpr (ct_needs_wrap<BITS2>()) wrapv = wrap_window(tile, tbytes);
                 SpDec cur = sp_decode<BITS2, UNIFORM, 4 * a>(tile, wrapv, tb, sh0, sh1, mask16);
+                SpDec cur2 = sp_decode<BITS2, UNIFORM, 4 * a + 1>(tile, wrapv, tb, sh0, sh1, mask16);
 #pragma GCC unroll 1
                 for (int rr = 0; rr < 8; ++rr) {
-                    // the next row (the last row decodes its own first slot again; unused)
+                    // the next row (the last row decodes its own first slots again; unused)
                     const uint8_t* ntile = rr < 7 ? tile + row_stride : tile;
                     __m128i nwrap = _mm_setzero_si128();
                     if constexpr (ct_needs_wrap<BITS2>()) nwrap = wrap_window(ntile, tbytes);
                     static_for<4>([&](auto QQ) CT_LAMBDA_INLINE {
                         constexpr int q = decltype(QQ)::value;
                         SpDec nxt;
-                        if constexpr (q < 3) nxt = sp_decode<BITS2, UNIFORM, 4 * a + q + 1>(tile, wrapv, tb, sh0, sh1, mask16);
-                        else nxt = sp_decode<BITS2, UNIFORM, 4 * a>(ntile, nwrap, tb, sh0, sh1, mask16);
+                        if constexpr (q < 2) nxt = sp_decode<BITS2, UNIFORM, 4 * a + q + 2>(tile, wrapv, tb, sh0, sh1, mask16);
+                        else nxt = sp_decode<BITS2, UNIFORM, 4 * a + q - 2>(ntile, nwrap, tb, sh0, sh1, mask16);
                         const __m256 x = xp[rr][q];  // (the fp16 values - K_AFF) * 2^18
                         acc0 = _mm256_fmadd_ps(round_half_off(cur.b0), x, acc0);
                         acc1 = _mm256_fmadd_ps(round_half_off(cur.b1), x, acc1);
-                        cur = nxt;
+                        cur = cur2;
+                        cur2 = nxt;
                     });
                     acc0 = _mm256_sub_ps(acc0, xoff[rr]);  // each row's offset out at once: the sums stay small
                     acc1 = _mm256_sub_ps(acc1, xoff[rr]);
