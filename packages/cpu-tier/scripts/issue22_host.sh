@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Every number issue 22 asks for on this host's AVX2 path, in one run (~6 min on 2 cores after the anchor is built):
+# Every number issue 22 asks for on this host's AVX2 path, in one run (~2 min on 2 cores once the anchor is built):
 #   1. m = 1 fast against exllamav3's own CPU kernel (the anchor), interleaved rounds, + the exact case (its ratio);
 #   2. m = 1, 2, 3, 4, 8 fast jobs (tokens per expert; issue 22: m = 2..8 <= 1.3x of m = 1 per expert);
 #   3. the band kernels alone (scripts/avx2_kernel_time.cpp, thread CPU time): fast at m = 1..8 and exact at m = 1,
 #      interleaved rounds.
 # Usage, from the workspace root, with cpu-tier installed (uv sync):
 #   bash packages/cpu-tier/scripts/issue22_host.sh [OUT_PREFIX]
-# OUT_PREFIX defaults to packages/cpu-tier/results/devbox_<cpu family>-<model>_issue22; writes OUT_PREFIX.txt and
+# OUT_PREFIX defaults to packages/cpu-tier/results/devbox_f<cpu family>m<model>_issue22; writes OUT_PREFIX.txt and
 # OUT_PREFIX_*.json. Env: ANCHOR (default /tmp/exl3-cpu-anchor/bench_a, built with the shared tool when absent),
 # ROUNDS (5), PYTHON (uv run --no-sync python). Run it on a quiet machine (1-minute load average below 1): every row
 # records the load average.

@@ -56,24 +56,22 @@ void gemv_int(const MatRef& A, int band, const Acts& X, float* y) {
     with_tokens(X.m, [&](auto MM) { pair_dispatch<decltype(MM)::value>(A, band, X, y); });
 }
 
-template <int CB>
-static void decode_exact_cb(const uint16_t* states, size_t n, float* out) {
+// 8 states at a time through DECODE (8 masked states in 32-bit lanes -> 8 values).
+template <__m256 (*DECODE)(__m256i)>
+static void decode_exact_with(const uint16_t* states, size_t n, float* out) {
     alignas(32) int32_t s[8];
     for (size_t i = 0; i < n; i += 8) {
         for (int l = 0; l < 8; ++l) s[l] = states[i + size_t(l)];
-        _mm256_storeu_ps(out + i, decode_values<CB, true>(_mm256_load_si256(reinterpret_cast<const __m256i*>(s))));
+        _mm256_storeu_ps(out + i, DECODE(_mm256_load_si256(reinterpret_cast<const __m256i*>(s))));
     }
+}
+template <int CB>
+static void decode_exact_cb(const uint16_t* states, size_t n, float* out) {
+    decode_exact_with<decode_values<CB, true>>(states, n, out);
 }
 
 static void decode_exact(int codebook, const uint16_t* states, size_t n, float* out) {
-    if (codebook == DECODE_MUL1_M1) {
-        alignas(32) int32_t s[8];
-        for (size_t i = 0; i < n; i += 8) {
-            for (int l = 0; l < 8; ++l) s[l] = states[i + size_t(l)];
-            _mm256_storeu_ps(out + i, mul1_m1_values(_mm256_load_si256(reinterpret_cast<const __m256i*>(s))));
-        }
-        return;
-    }
+    if (codebook == DECODE_MUL1_M1) return decode_exact_with<mul1_m1_values>(states, n, out);
     if (codebook == CB_MUL1) return decode_exact_cb<CB_MUL1>(states, n, out);
     if (codebook == CB_MCG) return decode_exact_cb<CB_MCG>(states, n, out);
     decode_exact_cb<CB_3INST>(states, n, out);

@@ -391,8 +391,8 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
 //   tile row instead (once per 128-row block would be faster still, but its sums would carry the offset for 32
 //   rows: 10x the fp32 error; per row, most inputs stay at 2-6e-7 relative, all-positive ones reach ~2e-6).
 // The first two: 1.00-1.14x per round the generic band_float loop on Zen 4 (median 1.05-1.06x,
-// results/devbox_zen4_exact_variants.txt); the third: 1.05-1.08x more (median 1.07x; jobs 1.80-1.83x fast's,
-// results/devbox_zen4_exact_offset_split.txt).
+// results/devbox_zen4_exact_variants.txt); the third: 1.05-1.08x more (median 1.07x; jobs 1.80-1.83x fast's at
+// b4bda55, 1.85x against the pipelined pair kernel, results/devbox_zen4_exact_offset_split.txt).
 constexpr float MUL1_N_UNIT = 262144.0f;  // 2^18: N = f * 2^18
 constexpr int MUL1_N_MULT = int(MUL1_K_INV * MUL1_N_UNIT);
 constexpr int MUL1_N_OFF = int(-MUL1_K_AFF * MUL1_N_UNIT);
