@@ -3,8 +3,8 @@
 // the package build. VARIANT 0 = the pair form (default), 1 = the former forms, 2 = the exact float path, 3 = the
 // dword form (one state per 32-bit lane, vpmulld) in the pair form's block structure, M = 1 only (Zen 3 has a
 // full-rate vpmulld; measured slower than the pair form there all the same: results/devbox_zen3_ports.txt).
-// VARIANT 8 = the generic band_float loop at M = 1, the exact kernel before band_exact_mul1_m1 (which variant 2 runs at
-// M = 1; the same bits). The variants 4-7 of results/devbox_zen4_exact_variants.txt (each of its two changes alone)
+// VARIANT 8 = the generic band_float loop, the exact kernel before band_exact_mul1_m1 / _mn (which variant 2 runs at
+// M = 1 / M = 2, 3; the same values). The variants 4-7 of results/devbox_zen4_exact_variants.txt (each of its two changes alone)
 // were template switches of band_exact_mul1_m1, removed once both were kept.
 //   g++ -O3 -mavx2 -mfma -mf16c -std=c++17 -DCPU_TIER_NS=avx2 -DCPU_TIER_ISA_AVX2 -Ipackages/cpu-tier/csrc \
 //       packages/cpu-tier/scripts/avx2_kernel_time.cpp -o /tmp/kt && /tmp/kt M VARIANT SECONDS [POOL]
@@ -75,11 +75,18 @@ static void kb_gemv(const MatRef& A, int band, const Acts& X, float* y) {
     if (X.variant == 2) {  // exact: float path, rounded codebook values
         if (X.m == 1) return band_float<CB_MUL1, 1, true, 6, true>(A, band, X, y);
         if (X.m == 2) return band_float<CB_MUL1, 2, true, 6, true>(A, band, X, y);
+        if (X.m == 3) return band_float<CB_MUL1, 3, true, 6, true>(A, band, X, y);
         if (X.m == 4) return band_float<CB_MUL1, 4, true, 6, true>(A, band, X, y);
         return band_float<CB_MUL1, 8, true, 6, true>(A, band, X, y);
     }
     if (X.variant == 3) return band_dw1<6, true>(A, band, X, y);
-    if (X.variant == 8) return band_float<CB_MUL1, 1, true, 6, true, true>(A, band, X, y);
+    if (X.variant == 8) {  // the generic band_float loop (exact before the dedicated kernels)
+        if (X.m == 1) return band_float<CB_MUL1, 1, true, 6, true, true>(A, band, X, y);
+        if (X.m == 2) return band_float<CB_MUL1, 2, true, 6, true, true>(A, band, X, y);
+        if (X.m == 3) return band_float<CB_MUL1, 3, true, 6, true, true>(A, band, X, y);
+        if (X.m == 4) return band_float<CB_MUL1, 4, true, 6, true, true>(A, band, X, y);
+        return band_float<CB_MUL1, 8, true, 6, true, true>(A, band, X, y);
+    }
     if (X.variant == 1) {
         if (X.m == 1) return band_int1<6, true>(A, band, X, y);
         if (X.m == 2) return band_intm<2, 6, true>(A, band, X, y);
@@ -99,7 +106,7 @@ static double cpu_s() { timespec t; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t); 
 int main(int argc, char** argv) {
     const int M = atoi(argv[1]), variant = atoi(argv[2]); const double secs = atof(argv[3]);
     const int pool = argc > 4 ? atoi(argv[4]) : 1;
-    if ((variant == 3 || variant == 8) && M != 1) { fprintf(stderr, "variants 3 and 8 compute one token: M must be 1, got %d\n", M); return 2; }
+    if (variant == 3 && M != 1) { fprintf(stderr, "variant 3 computes one token: M must be 1, got %d\n", M); return 2; }
     const int k = 5120, n = 2304, bits2 = 6;
     const size_t tb = size_t(k / 16) * (n / 16) * 96;
     std::vector<uint8_t*> mats;

@@ -495,13 +495,98 @@ static void band_exact_mul1_m1(const MatRef& A, int band, const Acts& X, float* 
     for (int c = 0; c < 128; ++c) y[c] *= 1.0f / MUL1_N_UNIT;
 }
 
+// Exact MUL1 at M = 2, 3 tokens, compile-time K: band_exact_mul1_m1's arithmetic and pipelining (each value as
+// round11(N) + MUL1_N_OFF from one FMA and two subtracts, decoded two slots ahead; each row's offset out of every
+// token's sums at once) with M token accumulators per half. Kernel alone on Zen 4: 1.13x the generic band_float loop
+// at M = 2, 1.06x at M = 3 (exact 1.89x / 2.02x fast's time); at M = 4 and 8 no faster (the per-row offset subtracts
+// grow with M and the decode is a smaller share), so band_float runs those (results/devbox_zen4_exact_mn.txt).
+template <int M, int BITS2, bool UNIFORM>
+static void band_exact_mul1_mn(const MatRef& A, int band, const Acts& X, float* y) {
+    const TrellisTables& tb = *A.tb;
+    const int tbytes = 16 * BITS2;
+    static_assert(BITS2 != 0 && (M == 2 || M == 3), "compile-time window offsets, two or three tokens");
+    const BandWalk w(A, band, X, tbytes);
+    alignas(64) float facc[M][8 * 4 * 2 * 8];
+    alignas(64) __m256 xp[8][M][4];
+    alignas(64) __m256 xoff[8][M];  // [row rr][token t]: MUL1_N_OFF x the activations of each lane's 4 rows
+    std::memset(facc, 0, sizeof(facc));
+    const __m256i mask16 = _mm256_set1_epi32(0xFFFF);
+    const __m256i sh0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][0]));
+    const __m256i sh1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][1]));
+    const size_t row_stride = w.row_stride;
+    w.start();
+    for (int blk = w.r0 / 8; blk < w.r1 / 8; ++blk) {
+        const uint8_t* brow = w.block(blk);
+        for (int rr = 0; rr < 8; ++rr)
+            for (int t = 0; t < M; ++t) {
+                __m256 xsum = _mm256_setzero_ps();
+                for (int q = 0; q < 4; ++q) {
+                    xp[rr][t][q] = _mm256_broadcast_ps(
+                        reinterpret_cast<const __m128*>(X.xf + t * X.xf_stride + 16 * (8 * blk + rr) + 4 * q));
+                    xsum = _mm256_add_ps(xsum, xp[rr][t][q]);
+                }
+                xoff[rr][t] = _mm256_mul_ps(xsum, _mm256_set1_ps(float(MUL1_N_OFF)));
+            }
+        for (int j = 0; j < 8; ++j) {
+            w.at(blk, j);
+            static_for<4>([&](auto AA) CT_LAMBDA_INLINE {
+                constexpr int a = decltype(AA)::value;
+                __m256 acc0[M], acc1[M];
+                for (int t = 0; t < M; ++t) acc0[t] = acc1[t] = _mm256_setzero_ps();
+                const uint8_t* tile = brow + j * tbytes;
+                __m128i wrapv = _mm_setzero_si128();
+                if constexpr (ct_needs_wrap<BITS2>()) wrapv = wrap_window(tile, tbytes);
+                SpDec cur = sp_decode<BITS2, UNIFORM, 4 * a>(tile, wrapv, tb, sh0, sh1, mask16);
+                SpDec cur2 = sp_decode<BITS2, UNIFORM, 4 * a + 1>(tile, wrapv, tb, sh0, sh1, mask16);
+#pragma GCC unroll 1
+                for (int rr = 0; rr < 8; ++rr) {
+                    const uint8_t* ntile = rr < 7 ? tile + row_stride : tile;
+                    __m128i nwrap = _mm_setzero_si128();
+                    if constexpr (ct_needs_wrap<BITS2>()) nwrap = wrap_window(ntile, tbytes);
+                    static_for<4>([&](auto QQ) CT_LAMBDA_INLINE {
+                        constexpr int q = decltype(QQ)::value;
+                        SpDec nxt;  // two slots ahead (the last row's: its next row's first, or its own again)
+                        if constexpr (q < 2) nxt = sp_decode<BITS2, UNIFORM, 4 * a + q + 2>(tile, wrapv, tb, sh0, sh1, mask16);
+                        else nxt = sp_decode<BITS2, UNIFORM, 4 * a + q - 2>(ntile, nwrap, tb, sh0, sh1, mask16);
+                        const SpDec d = cur;
+                        cur = cur2;
+                        cur2 = nxt;
+                        const __m256 v0 = round_half_off(d.b0), v1 = round_half_off(d.b1);
+                        for (int t = 0; t < M; ++t) {
+                            acc0[t] = _mm256_fmadd_ps(v0, xp[rr][t][q], acc0[t]);
+                            acc1[t] = _mm256_fmadd_ps(v1, xp[rr][t][q], acc1[t]);
+                        }
+                    });
+                    for (int t = 0; t < M; ++t) {
+                        acc0[t] = _mm256_sub_ps(acc0[t], xoff[rr][t]);
+                        acc1[t] = _mm256_sub_ps(acc1[t], xoff[rr][t]);
+                    }
+                    tile = ntile;
+                    wrapv = nwrap;
+                }
+                for (int t = 0; t < M; ++t) {
+                    float* f = facc[t] + (j * 4 + a) * 16;
+                    _mm256_store_ps(f, _mm256_add_ps(_mm256_load_ps(f), acc0[t]));
+                    _mm256_store_ps(f + 8, _mm256_add_ps(_mm256_load_ps(f + 8), acc1[t]));
+                }
+            });
+        }
+    }
+    for (int t = 0; t < M; ++t) {
+        reduce_tile_acc(facc[t], y + 128 * t);
+        for (int c = 0; c < 128; ++c) y[128 * t + c] *= 1.0f / MUL1_N_UNIT;
+    }
+}
+
 // M tokens, float activations, values decoded once per group (exact fp16 values, or without the final fp16
 // rounding for MCG / 3INST "fast"). Block order as band_intm: accumulators stay in registers over 8 tile rows.
-// GENERIC: this loop even where band_exact_mul1_m1 applies (the benchmark's A/B, scripts/avx2_kernel_time.cpp).
+// GENERIC: this loop even where band_exact_mul1_m1 / _mn apply (the benchmark's A/B, scripts/avx2_kernel_time.cpp).
 template <int CB, int M, bool ROUND, int BITS2, bool UNIFORM, bool GENERIC = false>
 static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
     if constexpr (!GENERIC && CB == CB_MUL1 && M == 1 && ROUND && BITS2 != 0)
         return band_exact_mul1_m1<BITS2, UNIFORM>(A, band, X, y);
+    if constexpr (!GENERIC && CB == CB_MUL1 && (M == 2 || M == 3) && ROUND && BITS2 != 0)
+        return band_exact_mul1_mn<M, BITS2, UNIFORM>(A, band, X, y);
     const TrellisTables& tb = *A.tb;
     const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
     const BandWalk w(A, band, X, tbytes);
