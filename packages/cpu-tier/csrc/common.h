@@ -23,9 +23,9 @@
 namespace cpu_tier {
 
 enum Codebook : int { CB_3INST = 0, CB_MCG = 1, CB_MUL1 = 2 };
-// decode_exact's extra index (a test hook): MUL1's exact values through the one-token exact kernel's own arithmetic
-// where a variant has one (AVX2: band_exact_mul1_m1's offset split), else the same as CB_MUL1.
-constexpr int DECODE_MUL1_M1 = 3;
+// decode_exact's extra index (a test hook): MUL1's exact values through the exact kernel's own arithmetic
+// where a variant has one (AVX2: band_exact_mul1's offset split), else the same as CB_MUL1.
+constexpr int DECODE_MUL1_SPLIT = 3;
 
 // MUL1 GPU decode: one fp16 FMA, (1024 + bytesum) * half(0x1EEE) + half(0xC931). Its affine part is exact in fp32:
 // value = bytesum * K_INV + K_AFF (before the fp16 rounding), K_AFF = 1024 * K_INV + K_BIAS.

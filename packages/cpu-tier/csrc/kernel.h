@@ -209,7 +209,7 @@ struct KernelTable {
     IntBandFn int_band;       // MUL1 integer path ("fast"), any m in 1..MAXM
     FloatBandFn float_band[3];  // float path per codebook (CB_3INST, CB_MCG, CB_MUL1), m in {1, 2, 4, 8};
                                 // round = exact fp16 codebook values (MUL1's float path always rounds)
-    DecodeFn decode_exact;    // the float path's exact codebook values (test hook; codebook index, or DECODE_MUL1_M1)
+    DecodeFn decode_exact;    // the float path's exact codebook values (test hook; codebook index, or DECODE_MUL1_SPLIT)
 };
 
 const KernelTable& kernel_table();

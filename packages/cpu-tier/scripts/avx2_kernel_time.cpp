@@ -3,9 +3,9 @@
 // the package build. VARIANT 0 = the pair form (default), 1 = the former forms, 2 = the exact float path, 3 = the
 // dword form (one state per 32-bit lane, vpmulld) in the pair form's block structure, M = 1 only (Zen 3 has a
 // full-rate vpmulld; measured slower than the pair form there all the same: results/devbox_zen3_ports.txt).
-// VARIANT 8 = the generic band_float loop, the exact kernel before band_exact_mul1_m1 / _mn (which variant 2 runs at
-// M = 1 / M = 2, 3; the same values). The variants 4-7 of results/devbox_zen4_exact_variants.txt (each of its two changes alone)
-// were template switches of band_exact_mul1_m1, removed once both were kept.
+// VARIANT 8 = the generic band_float loop, the exact kernel before band_exact_mul1 (which variant 2 runs at M = 1,
+// 2, 3; the same values). The variants 4-7 of results/devbox_zen4_exact_variants.txt (each of its two changes alone)
+// were template switches of the one-token exact kernel, removed once both were kept.
 //   g++ -O3 -mavx2 -mfma -mf16c -std=c++17 -DCPU_TIER_NS=avx2 -DCPU_TIER_ISA_AVX2 -Ipackages/cpu-tier/csrc \
 //       packages/cpu-tier/scripts/avx2_kernel_time.cpp -o /tmp/kt && /tmp/kt M VARIANT SECONDS [POOL]
 #include <time.h>

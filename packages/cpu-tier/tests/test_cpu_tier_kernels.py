@@ -194,8 +194,8 @@ def test_exact_codebook_values_bit_for_bit(isa: str) -> None:
     mod = _loader.load_emulated() if isa == "avx512emu" else _loader.load(isa)
     if mod is None:
         pytest.skip("_native_avx512emu not built (or no AVX2 on this host)")
-    # Index 3: MUL1 through the one-token exact kernel's own arithmetic (AVX2: the offset split of
-    # band_exact_mul1_m1, round11(N) + 905216 from float(1774 bs)); elsewhere the same as MUL1.
+    # Index 3: MUL1 through the exact kernel's own arithmetic (AVX2: the offset split of
+    # band_exact_mul1, round11(N) + 905216 from float(1774 bs)); elsewhere the same as MUL1.
     states = np.arange(65536, dtype=np.uint16)
     for index, cb in [*enumerate(exl3.CODEBOOKS), (3, "mul1")]:
         want = exl3.codebook_values(states, cb).astype(np.float32)

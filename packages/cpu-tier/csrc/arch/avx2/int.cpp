@@ -71,7 +71,7 @@ static void decode_exact_cb(const uint16_t* states, size_t n, float* out) {
 }
 
 static void decode_exact(int codebook, const uint16_t* states, size_t n, float* out) {
-    if (codebook == DECODE_MUL1_M1) return decode_exact_with<mul1_m1_values>(states, n, out);
+    if (codebook == DECODE_MUL1_SPLIT) return decode_exact_with<mul1_split_values>(states, n, out);
     if (codebook == CB_MUL1) return decode_exact_cb<CB_MUL1>(states, n, out);
     if (codebook == CB_MCG) return decode_exact_cb<CB_MCG>(states, n, out);
     decode_exact_cb<CB_3INST>(states, n, out);

@@ -374,7 +374,7 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
     }
 }
 
-// ------------------------------------------------------------------------ exact MUL1, one token, compile-time K
+// ------------------------------------------------------------------- exact MUL1, 1 to 3 tokens, compile-time K
 // The exact path's decode chain is long (~25 cycles per 8 weights: window, states, hash, byte sums, convert, affine,
 // fp16 rounding, FMA) and its ports are not full: the scheduler holds too few chains. Three changes:
 // * software pipelining: the integer decode of the slot two ahead is issued before this slot's rounding and FMA, so
@@ -392,7 +392,11 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
 //   rows: 10x the fp32 error; per row, most inputs stay at 2-6e-7 relative, all-positive ones reach ~2e-6).
 // The first two: 1.00-1.14x per round the generic band_float loop on Zen 4 (median 1.05-1.06x,
 // results/devbox_zen4_exact_variants.txt); the third: 1.05-1.08x more (median 1.07x; jobs 1.80-1.83x fast's at
-// b4bda55, 1.85x against the pipelined pair kernel, results/devbox_zen4_exact_offset_split.txt).
+// b4bda55, 1.85x against the pipelined pair kernel, results/devbox_zen4_exact_offset_split.txt). At 2 and 3 tokens
+// (a token's accumulators each; each row's offset out of every token's sums; each half's FMAs right after its
+// rounding): 1.16-1.23x / 1.07-1.09x the generic loop, exact 1.81x / 1.98x fast's time (kernel alone, Zen 4); at 4
+// and 8 tokens no faster than the generic loop (the per-row offset subtracts grow with M while the FMA saved per 8
+// weights does not), which runs them (results/devbox_zen4_exact_mn.txt).
 constexpr float MUL1_N_UNIT = 262144.0f;  // 2^18: N = f * 2^18
 constexpr int MUL1_N_MULT = int(MUL1_K_INV * MUL1_N_UNIT);
 constexpr int MUL1_N_OFF = int(-MUL1_K_AFF * MUL1_N_UNIT);
@@ -422,89 +426,18 @@ CT_INLINE __m256 round_half_off(__m256 mf) {
     return round_half_split(mf, _mm256_fmadd_ps(mf, _mm256_set1_ps(VELTKAMP_HALF),
                                                 _mm256_set1_ps(-VELTKAMP_HALF * float(MUL1_N_OFF))));
 }
-// The exact values of 8 masked states as band_exact_mul1_m1 computes them (the decode_exact test hook, index
-// DECODE_MUL1_M1): (round11(N) + MUL1_N_OFF - MUL1_N_OFF) * 2^-18, exact.
-CT_INLINE __m256 mul1_m1_values(__m256i s) {
+// The exact values of 8 masked states as band_exact_mul1 computes them (the decode_exact test hook, index
+// DECODE_MUL1_SPLIT): (round11(N) + MUL1_N_OFF - MUL1_N_OFF) * 2^-18, exact.
+CT_INLINE __m256 mul1_split_values(__m256i s) {
     return _mm256_mul_ps(_mm256_sub_ps(round_half_off(mul1_shifted(s)), _mm256_set1_ps(float(MUL1_N_OFF))),
                          _mm256_set1_ps(1.0f / MUL1_N_UNIT));
 }
-template <int BITS2, bool UNIFORM>
-static void band_exact_mul1_m1(const MatRef& A, int band, const Acts& X, float* y) {
-    const TrellisTables& tb = *A.tb;
-    const int tbytes = 16 * BITS2;
-    static_assert(BITS2 != 0, "compile-time window offsets only");
-    const BandWalk w(A, band, X, tbytes);
-    alignas(64) float facc[8 * 4 * 2 * 8];
-    alignas(64) __m256 xp[8][4];
-    alignas(64) __m256 xoff[8];  // [row rr]: MUL1_N_OFF x the activations of each lane's 4 rows
-    std::memset(facc, 0, sizeof(facc));
-    const __m256i mask16 = _mm256_set1_epi32(0xFFFF);
-    const __m256i sh0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][0]));
-    const __m256i sh1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(tb.shift[0][1]));
-    const size_t row_stride = w.row_stride;
-    w.start();
-    for (int blk = w.r0 / 8; blk < w.r1 / 8; ++blk) {
-        const uint8_t* brow = w.block(blk);
-        for (int rr = 0; rr < 8; ++rr) {
-            __m256 xsum = _mm256_setzero_ps();  // per lane: the activations of its 4 rows of tile row rr
-            for (int q = 0; q < 4; ++q) {
-                xp[rr][q] = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(X.xf + 16 * (8 * blk + rr) + 4 * q));
-                xsum = _mm256_add_ps(xsum, xp[rr][q]);
-            }
-            xoff[rr] = _mm256_mul_ps(xsum, _mm256_set1_ps(float(MUL1_N_OFF)));
-        }
-        for (int j = 0; j < 8; ++j) {
-            w.at(blk, j);
-            static_for<4>([&](auto AA) CT_LAMBDA_INLINE {
-                constexpr int a = decltype(AA)::value;
-                __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-                const uint8_t* tile = brow + j * tbytes;
-                __m128i wrapv = _mm_setzero_si128();
-                if constexpr (ct_needs_wrap<BITS2>()) wrapv = wrap_window(tile, tbytes);
-                SpDec cur = sp_decode<BITS2, UNIFORM, 4 * a>(tile, wrapv, tb, sh0, sh1, mask16);
-                SpDec cur2 = sp_decode<BITS2, UNIFORM, 4 * a + 1>(tile, wrapv, tb, sh0, sh1, mask16);
-#pragma GCC unroll 1
-                for (int rr = 0; rr < 8; ++rr) {
-                    // the next row (the last row decodes its own first slots again; unused)
-                    const uint8_t* ntile = rr < 7 ? tile + row_stride : tile;
-                    __m128i nwrap = _mm_setzero_si128();
-                    if constexpr (ct_needs_wrap<BITS2>()) nwrap = wrap_window(ntile, tbytes);
-                    static_for<4>([&](auto QQ) CT_LAMBDA_INLINE {
-                        constexpr int q = decltype(QQ)::value;
-                        SpDec nxt;
-                        if constexpr (q < 2) nxt = sp_decode<BITS2, UNIFORM, 4 * a + q + 2>(tile, wrapv, tb, sh0, sh1, mask16);
-                        else nxt = sp_decode<BITS2, UNIFORM, 4 * a + q - 2>(ntile, nwrap, tb, sh0, sh1, mask16);
-                        const __m256 x = xp[rr][q];  // (the fp16 values - K_AFF) * 2^18
-                        acc0 = _mm256_fmadd_ps(round_half_off(cur.b0), x, acc0);
-                        acc1 = _mm256_fmadd_ps(round_half_off(cur.b1), x, acc1);
-                        cur = cur2;
-                        cur2 = nxt;
-                    });
-                    acc0 = _mm256_sub_ps(acc0, xoff[rr]);  // each row's offset out at once: the sums stay small
-                    acc1 = _mm256_sub_ps(acc1, xoff[rr]);
-                    tile = ntile;
-                    wrapv = nwrap;
-                }
-                float* f = facc + (j * 4 + a) * 16;
-                _mm256_store_ps(f, _mm256_add_ps(_mm256_load_ps(f), acc0));
-                _mm256_store_ps(f + 8, _mm256_add_ps(_mm256_load_ps(f + 8), acc1));
-            });
-        }
-    }
-    reduce_tile_acc(facc, y);
-    for (int c = 0; c < 128; ++c) y[c] *= 1.0f / MUL1_N_UNIT;
-}
 
-// Exact MUL1 at M = 2, 3 tokens, compile-time K: band_exact_mul1_m1's arithmetic and pipelining (each value as
-// round11(N) + MUL1_N_OFF from one FMA and two subtracts, decoded two slots ahead; each row's offset out of every
-// token's sums at once) with M token accumulators per half. Kernel alone on Zen 4: 1.13x the generic band_float loop
-// at M = 2, 1.06x at M = 3 (exact 1.89x / 2.02x fast's time); at M = 4 and 8 no faster (the per-row offset subtracts
-// grow with M and the decode is a smaller share), so band_float runs those (results/devbox_zen4_exact_mn.txt).
 template <int M, int BITS2, bool UNIFORM>
-static void band_exact_mul1_mn(const MatRef& A, int band, const Acts& X, float* y) {
+static void band_exact_mul1(const MatRef& A, int band, const Acts& X, float* y) {
     const TrellisTables& tb = *A.tb;
     const int tbytes = 16 * BITS2;
-    static_assert(BITS2 != 0 && (M == 2 || M == 3), "compile-time window offsets, two or three tokens");
+    static_assert(BITS2 != 0 && M >= 1 && M <= 3, "compile-time window offsets, one to three tokens");
     const BandWalk w(A, band, X, tbytes);
     alignas(64) float facc[M][8 * 4 * 2 * 8];
     alignas(64) __m256 xp[8][M][4];
@@ -551,11 +484,10 @@ static void band_exact_mul1_mn(const MatRef& A, int band, const Acts& X, float* 
                         const SpDec d = cur;
                         cur = cur2;
                         cur2 = nxt;
-                        const __m256 v0 = round_half_off(d.b0), v1 = round_half_off(d.b1);
-                        for (int t = 0; t < M; ++t) {
-                            acc0[t] = _mm256_fmadd_ps(v0, xp[rr][t][q], acc0[t]);
-                            acc1[t] = _mm256_fmadd_ps(v1, xp[rr][t][q], acc1[t]);
-                        }
+                        const __m256 v0 = round_half_off(d.b0);
+                        for (int t = 0; t < M; ++t) acc0[t] = _mm256_fmadd_ps(v0, xp[rr][t][q], acc0[t]);
+                        const __m256 v1 = round_half_off(d.b1);
+                        for (int t = 0; t < M; ++t) acc1[t] = _mm256_fmadd_ps(v1, xp[rr][t][q], acc1[t]);
                     });
                     for (int t = 0; t < M; ++t) {
                         acc0[t] = _mm256_sub_ps(acc0[t], xoff[rr][t]);
@@ -580,13 +512,11 @@ static void band_exact_mul1_mn(const MatRef& A, int band, const Acts& X, float* 
 
 // M tokens, float activations, values decoded once per group (exact fp16 values, or without the final fp16
 // rounding for MCG / 3INST "fast"). Block order as band_intm: accumulators stay in registers over 8 tile rows.
-// GENERIC: this loop even where band_exact_mul1_m1 / _mn apply (the benchmark's A/B, scripts/avx2_kernel_time.cpp).
+// GENERIC: this loop even where band_exact_mul1 applies (the benchmark's A/B, scripts/avx2_kernel_time.cpp).
 template <int CB, int M, bool ROUND, int BITS2, bool UNIFORM, bool GENERIC = false>
 static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
-    if constexpr (!GENERIC && CB == CB_MUL1 && M == 1 && ROUND && BITS2 != 0)
-        return band_exact_mul1_m1<BITS2, UNIFORM>(A, band, X, y);
-    if constexpr (!GENERIC && CB == CB_MUL1 && (M == 2 || M == 3) && ROUND && BITS2 != 0)
-        return band_exact_mul1_mn<M, BITS2, UNIFORM>(A, band, X, y);
+    if constexpr (!GENERIC && CB == CB_MUL1 && M <= 3 && ROUND && BITS2 != 0)
+        return band_exact_mul1<M, BITS2, UNIFORM>(A, band, X, y);
     const TrellisTables& tb = *A.tb;
     const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
     const BandWalk w(A, band, X, tbytes);

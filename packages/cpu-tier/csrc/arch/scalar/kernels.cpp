@@ -68,7 +68,7 @@ void float_band(const MatRef& A, int band, const Acts& X, bool round, float* y) 
 }
 
 void decode_exact(int codebook, const uint16_t* states, size_t n, float* out) {
-    if (codebook == DECODE_MUL1_M1) codebook = CB_MUL1;
+    if (codebook == DECODE_MUL1_SPLIT) codebook = CB_MUL1;
     for (size_t i = 0; i < n; ++i) out[i] = codebook_value(states[i], codebook, true);
 }
 
