@@ -394,7 +394,8 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
 // results/devbox_zen4_exact_variants.txt); the third: 1.05-1.08x more (median 1.07x; jobs 1.80-1.83x fast's at
 // b4bda55, 1.85x against the pipelined pair kernel, results/devbox_zen4_exact_offset_split.txt). At 2 and 3 tokens
 // (a token's accumulators each; each row's offset out of every token's sums; each half's FMAs right after its
-// rounding): 1.16-1.23x / 1.07-1.09x the generic loop, exact 1.81x / 1.98x fast's time (kernel alone, Zen 4); at 4
+// rounding; at 3 tokens one slot ahead, 1.02-1.05x two): 1.11-1.24x / 1.06-1.16x the generic loop, exact 1.78x / 1.94x
+// fast's time (kernel alone, Zen 4); at 4
 // and 8 tokens no faster than the generic loop (the per-row offset subtracts grow with M while the FMA saved per 8
 // weights does not), which runs them (results/devbox_zen4_exact_mn.txt).
 constexpr float MUL1_N_UNIT = 262144.0f;  // 2^18: N = f * 2^18
@@ -469,8 +470,11 @@ static void band_exact_mul1(const MatRef& A, int band, const Acts& X, float* y) 
                 const uint8_t* tile = brow + j * tbytes;
                 __m128i wrapv = _mm_setzero_si128();
                 if constexpr (ct_needs_wrap<BITS2>()) wrapv = wrap_window(tile, tbytes);
+                // decoded D slots ahead: two at 1 and 2 tokens, one at 3 (6 accumulators leave too few registers)
+                constexpr int D = M == 3 ? 1 : 2;
                 SpDec cur = sp_decode<BITS2, UNIFORM, 4 * a>(tile, wrapv, tb, sh0, sh1, mask16);
-                SpDec cur2 = sp_decode<BITS2, UNIFORM, 4 * a + 1>(tile, wrapv, tb, sh0, sh1, mask16);
+                SpDec cur2 = cur;
+                if constexpr (D == 2) cur2 = sp_decode<BITS2, UNIFORM, 4 * a + 1>(tile, wrapv, tb, sh0, sh1, mask16);
 #pragma GCC unroll 1
                 for (int rr = 0; rr < 8; ++rr) {
                     const uint8_t* ntile = rr < 7 ? tile + row_stride : tile;
@@ -478,12 +482,16 @@ static void band_exact_mul1(const MatRef& A, int band, const Acts& X, float* y) 
                     if constexpr (ct_needs_wrap<BITS2>()) nwrap = wrap_window(ntile, tbytes);
                     static_for<4>([&](auto QQ) CT_LAMBDA_INLINE {
                         constexpr int q = decltype(QQ)::value;
-                        SpDec nxt;  // two slots ahead (the last row's: its next row's first, or its own again)
-                        if constexpr (q < 2) nxt = sp_decode<BITS2, UNIFORM, 4 * a + q + 2>(tile, wrapv, tb, sh0, sh1, mask16);
-                        else nxt = sp_decode<BITS2, UNIFORM, 4 * a + q - 2>(ntile, nwrap, tb, sh0, sh1, mask16);
+                        // slot q + D of this row, or of the next (the last row's: its own first slots again, unused)
+                        SpDec nxt;
+                        if constexpr (q + D < 4) nxt = sp_decode<BITS2, UNIFORM, 4 * a + q + D>(tile, wrapv, tb, sh0, sh1, mask16);
+                        else nxt = sp_decode<BITS2, UNIFORM, 4 * a + q + D - 4>(ntile, nwrap, tb, sh0, sh1, mask16);
                         const SpDec d = cur;
-                        cur = cur2;
-                        cur2 = nxt;
+                        if constexpr (D == 2) {
+                            cur = cur2;
+                            cur2 = nxt;
+                        } else
+                            cur = nxt;
                         const __m256 v0 = round_half_off(d.b0);
                         for (int t = 0; t < M; ++t) acc0[t] = _mm256_fmadd_ps(v0, xp[rr][t][q], acc0[t]);
                         const __m256 v1 = round_half_off(d.b1);
