@@ -255,7 +255,7 @@ NB_MODULE(CPU_TIER_MODULE, m) {
 
     m.def("decode_exact", [](nb::ndarray<const uint16_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> states, int codebook) {
         if (codebook < 0 || codebook > cpu_tier::DECODE_MUL1_SPLIT)
-            throw std::invalid_argument("codebook: must be 0 (3inst), 1 (mcg), 2 (mul1) or 3 (mul1 as the one-token exact kernel computes it)");
+            throw std::invalid_argument("codebook: must be 0 (3inst), 1 (mcg), 2 (mul1) or 3 (mul1 as the exact kernel computes it)");
         if (states.shape(0) % 16) throw std::invalid_argument("states: length must be a multiple of 16");
         auto* data = new std::vector<float>(states.shape(0));
         kernel_table().decode_exact(codebook, states.data(), states.shape(0), data->data());
