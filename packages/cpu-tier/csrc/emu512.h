@@ -231,6 +231,11 @@ CT_EMU_FN F512 add_ps(F512 a, F512 b) {
     for (int i = 0; i < 16; ++i) r.f[i] = a.f[i] + b.f[i];
     return r;
 }
+CT_EMU_FN F512 sub_ps(F512 a, F512 b) {
+    F512 r;
+    for (int i = 0; i < 16; ++i) r.f[i] = a.f[i] - b.f[i];
+    return r;
+}
 CT_EMU_FN F512 mul_ps(F512 a, F512 b) {
     F512 r;
     for (int i = 0; i < 16; ++i) r.f[i] = a.f[i] * b.f[i];
@@ -299,6 +304,7 @@ CT_EMU_FN F512 cvtph_ps(__m256i a) {
 #define _mm512_castsi512_ps ::cpu_tier::emu::castsi512_ps
 #define _mm512_cvtepi32_ps ::cpu_tier::emu::cvtepi32_ps
 #define _mm512_add_ps ::cpu_tier::emu::add_ps
+#define _mm512_sub_ps ::cpu_tier::emu::sub_ps
 #define _mm512_mul_ps ::cpu_tier::emu::mul_ps
 #define _mm512_fmadd_ps ::cpu_tier::emu::fmadd_ps
 #define _mm512_cvtps_ph ::cpu_tier::emu::cvtps_ph

@@ -66,6 +66,37 @@ def test_variants_agree_bit_for_bit_where_exact_arithmetic_allows() -> None:
         assert rel_max(o, outs[0].astype(np.float64)) <= 2e-6
 
 
+def test_exact_kernels_of_avx2_and_avx512_are_one_arithmetic() -> None:
+    """Both families' exact MUL1 kernels at K = 3 (band_exact_mul1) round by the same offset split and sum in the same
+    order (per lane, slot and tile row; the offset out per row) up to 3 tokens: their outputs are equal bit for bit.
+    The AVX-512 side is the hardware variant where the host runs it, and the emulated module (its kernel code with
+    scalar intrinsics) where that is built, so AVX2-only machines check it too."""
+    from cpu_tier._loader import load_emulated
+
+    if "avx2" not in ISAS:
+        pytest.skip("needs the avx2 variant")
+    emu = load_emulated()
+    if "avx512" not in ISAS and emu is None:
+        pytest.skip("neither the avx512 variant nor the emulated module")
+    rng = np.random.default_rng(23)
+    t = exl3.random_tensor(1024, 768, 3, "mul1", seed=rng)
+    rt = emu.Runtime(1, [], 50) if emu is not None else None
+    try:
+        for m in (1, 2, 3):
+            x = rng.standard_normal((m, 1024)).astype(np.float32)
+            a = exl3_matmul(x, t, precision="exact", config=CpuTierConfig(threads=1, isa="avx2"))
+            if "avx512" in ISAS:
+                b = exl3_matmul(x, t, precision="exact", config=CpuTierConfig(threads=1, isa="avx512"))
+                assert np.array_equal(a, b), (m, float(np.abs(a - b).max()))
+            if rt is not None:
+                e = np.empty((m, 768), np.float32)
+                rt.matmul(x, t.trellis, t.suh.view(np.uint16), t.svh.view(np.uint16), None, 2, False, e)
+                assert np.array_equal(a, e), (m, float(np.abs(a - e).max()))
+    finally:
+        if rt is not None:
+            rt.close()
+
+
 def test_isa_selection() -> None:
     runnable = runnable_isas()
     assert runnable[-1] == "scalar"
@@ -188,14 +219,15 @@ def test_fast_path_int32_sums_do_not_overflow(isa: str) -> None:
 @pytest.mark.parametrize("isa", ISAS + ["avx512emu"])
 def test_exact_codebook_values_bit_for_bit(isa: str) -> None:
     # Each variant's float path rounds its decoded values to fp16 its own way (AVX2: Veltkamp's split, AVX-512: the
-    # F16C conversion, scalar: integer rounding): every one of the 65,536 states, every codebook, bit for bit.
+    # F16C conversion in the generic loop, scalar: integer rounding): every one of the 65,536 states, every codebook,
+    # bit for bit.
     from cpu_tier import _loader
 
     mod = _loader.load_emulated() if isa == "avx512emu" else _loader.load(isa)
     if mod is None:
         pytest.skip("_native_avx512emu not built (or no AVX2 on this host)")
-    # Index 3: MUL1 through the exact kernel's own arithmetic (AVX2: the offset split of
-    # band_exact_mul1, round11(N) + 905216 from float(1774 bs)); elsewhere the same as MUL1.
+    # Index 3: MUL1 through the exact kernels' own arithmetic (AVX2 and AVX-512: the offset split of
+    # band_exact_mul1, round11(N) + 905216 from float(1774 bs)); scalar: the same as MUL1.
     states = np.arange(65536, dtype=np.uint16)
     for index, cb in [*enumerate(exl3.CODEBOOKS), (3, "mul1")]:
         want = exl3.codebook_values(states, cb).astype(np.float32)

@@ -8,12 +8,11 @@ namespace CPU_TIER_NS {
 
 
 // f rounded to fp16's precision (11 significant bits, to nearest, ties to even), given c = f * 8193 rounded to fp32:
-// Veltkamp's split, c - (c - f). Two FP subtracts and (round_half) one multiply instead of the F16C round trip
-// (cvtps2ph + cvtph2ps): exact kernel 1.05-1.14x faster on Zen 5 (results/devbox_zen5_exact_rounding.txt).
+// Veltkamp's split, c - (c - f) (VELTKAMP_HALF, x86/common.h). Two FP subtracts and (round_half) one multiply
+// instead of the F16C round trip (cvtps2ph + cvtph2ps): exact kernel 1.05-1.14x faster on Zen 5 (results/devbox_zen5_exact_rounding.txt).
 // Equal to the fp16 conversion for every value the codebooks produce (none is below fp16's normal range, where
 // fewer bits remain): all 65,536 states of MCG and 3INST and the 1,021 MUL1 byte sums, checked bit for bit
 // (tests/test_cpu_tier_kernels.py::test_exact_codebook_values_bit_for_bit).
-constexpr float VELTKAMP_HALF = 8193.0f;  // 2^(24 - 11) + 1
 CT_INLINE __m256 round_half_split(__m256 f, __m256 c) {
     __asm__("" : "+x"(c));  // c stays the rounded product: no contraction of c - (c - f) into an FMA of it
     return _mm256_sub_ps(c, _mm256_sub_ps(c, f));
@@ -398,11 +397,6 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
 // fast's time (kernel alone, Zen 4); at 4
 // and 8 tokens no faster than the generic loop (the per-row offset subtracts grow with M while the FMA saved per 8
 // weights does not), which runs them (results/devbox_zen4_exact_mn.txt).
-constexpr float MUL1_N_UNIT = 262144.0f;  // 2^18: N = f * 2^18
-constexpr int MUL1_N_MULT = int(MUL1_K_INV * MUL1_N_UNIT);
-constexpr int MUL1_N_OFF = int(-MUL1_K_AFF * MUL1_N_UNIT);
-static_assert(float(MUL1_N_MULT) == MUL1_K_INV * MUL1_N_UNIT && float(MUL1_N_OFF) == -MUL1_K_AFF * MUL1_N_UNIT,
-              "MUL1's affine map is not an integer one at 2^18");
 // 8 masked states -> Mf = float(1774 bs) = N + MUL1_N_OFF (exact).
 CT_INLINE __m256 mul1_shifted(__m256i s) {
     const __m256i p = _mm256_mullo_epi32(s, _mm256_set1_epi32(int32_t(MUL1_MULT)));
@@ -421,8 +415,6 @@ CT_INLINE SpDec sp_decode(const uint8_t* tile, __m128i wrapv, const TrellisTable
             mul1_shifted(slot_states<UNIFORM, S, 1>(L, tb, sh1, mask16))};
 }
 // Mf = N + MUL1_N_OFF (a slot's sp_decode) -> round11(N) + MUL1_N_OFF, exactly.
-static_assert(double(VELTKAMP_HALF * float(MUL1_N_OFF)) == double(VELTKAMP_HALF) * MUL1_N_OFF,
-              "the split's addend -8193 * MUL1_N_OFF is not exact in fp32");
 CT_INLINE __m256 round_half_off(__m256 mf) {
     return round_half_split(mf, _mm256_fmadd_ps(mf, _mm256_set1_ps(VELTKAMP_HALF),
                                                 _mm256_set1_ps(-VELTKAMP_HALF * float(MUL1_N_OFF))));
@@ -459,7 +451,9 @@ static void band_exact_mul1(const MatRef& A, int band, const Acts& X, float* y) 
                         reinterpret_cast<const __m128*>(X.xf + t * X.xf_stride + 16 * (8 * blk + rr) + 4 * q));
                     xsum = _mm256_add_ps(xsum, xp[rr][t][q]);
                 }
-                xoff[rr][t] = _mm256_mul_ps(xsum, _mm256_set1_ps(float(MUL1_N_OFF)));
+                __m256 off = _mm256_mul_ps(xsum, _mm256_set1_ps(float(MUL1_N_OFF)));
+                __asm__("" : "+x"(off));  // a rounded product: never contracted with the row's subtract into an FMA
+                xoff[rr][t] = off;
             }
         for (int j = 0; j < 8; ++j) {
             w.at(blk, j);

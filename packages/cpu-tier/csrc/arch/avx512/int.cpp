@@ -51,21 +51,23 @@ void gemv_int(const MatRef& A, int band, const Acts& X, float* y) {
     }
 }
 
-template <int CB>
-static void decode_exact_cb(const uint16_t* states, size_t n, float* out) {
+// 16 states at a time through DECODE (16 masked states in 32-bit lanes -> 16 values).
+template <__m512 (*DECODE)(__m512i)>
+static void decode_exact_with(const uint16_t* states, size_t n, float* out) {
     alignas(64) int32_t s[16];
     alignas(64) float v[16];
     for (size_t i = 0; i < n; i += 16) {
         for (int l = 0; l < 16; ++l) s[l] = states[i + size_t(l)];
-        _mm512_store_ps(v, decode_values16<CB, true>(_mm512_load_si512(s)));
+        _mm512_store_ps(v, DECODE(_mm512_load_si512(s)));
         for (int l = 0; l < 16; ++l) out[i + size_t(l)] = v[l];
     }
 }
 
 static void decode_exact(int codebook, const uint16_t* states, size_t n, float* out) {
-    if (codebook == CB_MUL1 || codebook == DECODE_MUL1_SPLIT) return decode_exact_cb<CB_MUL1>(states, n, out);
-    if (codebook == CB_MCG) return decode_exact_cb<CB_MCG>(states, n, out);
-    decode_exact_cb<CB_3INST>(states, n, out);
+    if (codebook == DECODE_MUL1_SPLIT) return decode_exact_with<mul1_split_values16>(states, n, out);
+    if (codebook == CB_MUL1) return decode_exact_with<decode_values16<CB_MUL1, true>>(states, n, out);
+    if (codebook == CB_MCG) return decode_exact_with<decode_values16<CB_MCG, true>>(states, n, out);
+    decode_exact_with<decode_values16<CB_3INST, true>>(states, n, out);
 }
 
 const KernelTable& kernel_table() {

@@ -327,8 +327,129 @@ static void band_intm(const MatRef& A, int band, const Acts& X, float* y) {
     }
 }
 
-template <int CB, int M, bool ROUND, int BITS2, bool UNIFORM>
+// ------------------------------------------------------------------- exact MUL1, 1 to 8 tokens, compile-time K
+// AVX2's band_exact_mul1 (arch/avx2/kernels.h: the derivation) on 16 lanes, in its block order (the accumulators
+// stay in registers over a block's 8 tile rows; band_float below flushes them to memory every row): the values as
+// round11(N) + MUL1_N_OFF from Mf = float(1774 bs) by one FMA and two subtracts (Veltkamp's split, the offset folded
+// in) instead of the F16C round trip (vcvtps2ph + vcvtph2ps: two uops each on Intel's 512-bit ports), each row's
+// offset out of every token's sums at once, the integer decode of the slot one or two ahead issued before this
+// slot's rounding and FMAs (32 zmm registers: room for 8 tokens' accumulators). The same fp16 values (decode_exact index
+// DECODE_MUL1_SPLIT, checked bit for bit on every state), every product 2^18 times the plain path's.
+CT_INLINE __m512 round_half_split16(__m512 f, __m512 c) {
+#if !defined(CT_EMU512)
+    __asm__("" : "+v"(c));  // c stays the rounded product: no contraction of c - (c - f) into an FMA of it
+#endif
+    return _mm512_sub_ps(c, _mm512_sub_ps(c, f));
+}
+// 16 masked states -> Mf = float(1774 bs) = N + MUL1_N_OFF (exact).
+CT_INLINE __m512 mul1_shifted16(__m512i s) {
+    const __m512i p = _mm512_mullo_epi32(s, _mm512_set1_epi32(int32_t(MUL1_MULT)));
+    return _mm512_cvtepi32_ps(
+        _mm512_madd_epi16(_mm512_maddubs_epi16(p, _mm512_set1_epi8(1)), _mm512_set1_epi16(short(MUL1_N_MULT))));
+}
+// Mf = N + MUL1_N_OFF -> round11(N) + MUL1_N_OFF, exactly.
+CT_INLINE __m512 round_half_off16(__m512 mf) {
+    return round_half_split16(mf, _mm512_fmadd_ps(mf, _mm512_set1_ps(VELTKAMP_HALF),
+                                                  _mm512_set1_ps(-VELTKAMP_HALF * float(MUL1_N_OFF))));
+}
+// The exact values of 16 masked states as band_exact_mul1 computes them (decode_exact's DECODE_MUL1_SPLIT).
+CT_INLINE __m512 mul1_split_values16(__m512i s) {
+    return _mm512_mul_ps(_mm512_sub_ps(round_half_off16(mul1_shifted16(s)), _mm512_set1_ps(float(MUL1_N_OFF))),
+                         _mm512_set1_ps(1.0f / MUL1_N_UNIT));
+}
+template <int BITS2, bool UNIFORM, int S>
+CT_INLINE __m512 sp_decode16(const uint8_t* tile, __m128i wrapv, const TrellisTables& tb, __m512i sh, __m512i mask16) {
+    return mul1_shifted16(slot_states16<UNIFORM, S>(slot_window2<BITS2, S>(tile, nullptr, wrapv, tb), tb, sh, mask16));
+}
+
+template <int M, int BITS2, bool UNIFORM>
+static void band_exact_mul1(const MatRef& A, int band, const Acts& X, float* y) {
+    const TrellisTables& tb = *A.tb;
+    const int tbytes = 16 * BITS2;
+    static_assert(BITS2 != 0 && M >= 1 && M <= 8, "compile-time window offsets, one to eight tokens");
+    const BandWalk w(A, band, X, tbytes);
+    alignas(64) float facc[M][8 * 4 * 16];
+    alignas(64) __m512 xp[8][M][4];
+    alignas(64) __m512 xoff[8][M];  // [row rr][token t]: MUL1_N_OFF x the activations of each lane's 4 rows
+    std::memset(facc, 0, sizeof(facc));
+    const __m512i mask16 = _mm512_set1_epi32(0xFFFF);
+    const __m512i sh = _mm512_load_si512(tb.shift[0]);
+    const size_t row_stride = w.row_stride;
+    w.start();
+    for (int blk = w.r0 / 8; blk < w.r1 / 8; ++blk) {
+        const uint8_t* brow = w.block(blk);
+        for (int rr = 0; rr < 8; ++rr)
+            for (int t = 0; t < M; ++t) {
+                __m512 xsum = _mm512_setzero_ps();
+                for (int q = 0; q < 4; ++q) {
+                    xp[rr][t][q] = _mm512_broadcast_f32x4(_mm_loadu_ps(X.xf + t * X.xf_stride + 16 * (8 * blk + rr) + 4 * q));
+                    xsum = _mm512_add_ps(xsum, xp[rr][t][q]);
+                }
+                __m512 off = _mm512_mul_ps(xsum, _mm512_set1_ps(float(MUL1_N_OFF)));
+#if !defined(CT_EMU512)
+                __asm__("" : "+v"(off));  // a rounded product: never contracted with the row's subtract into an FMA
+#endif
+                xoff[rr][t] = off;
+            }
+        for (int j = 0; j < 8; ++j) {
+            w.at(blk, j);
+            static_for<4>([&](auto AA) CT_LAMBDA_INLINE {
+                constexpr int a = decltype(AA)::value;
+                __m512 acc[M];
+                for (int t = 0; t < M; ++t) acc[t] = _mm512_setzero_ps();
+                const uint8_t* tile = brow + j * tbytes;
+                __m128i wrapv = _mm_setzero_si128();
+                if constexpr (ct_needs_wrap<BITS2>()) wrapv = wrap_window(tile, tbytes);
+                // decoded D slots ahead: one at 1 token (1.02-1.07x two there), two from 2 tokens (1.02-1.05x one
+                // at 4 and 8; equal at 2 and 3), Zen 4
+                constexpr int D = M == 1 ? 1 : 2;
+                __m512 cur = sp_decode16<BITS2, UNIFORM, 4 * a>(tile, wrapv, tb, sh, mask16);
+                __m512 cur2 = cur;
+                if constexpr (D == 2) cur2 = sp_decode16<BITS2, UNIFORM, 4 * a + 1>(tile, wrapv, tb, sh, mask16);
+#pragma GCC unroll 1
+                for (int rr = 0; rr < 8; ++rr) {
+                    const uint8_t* ntile = rr < 7 ? tile + row_stride : tile;
+                    __m128i nwrap = _mm_setzero_si128();
+                    if constexpr (ct_needs_wrap<BITS2>()) nwrap = wrap_window(ntile, tbytes);
+                    static_for<4>([&](auto QQ) CT_LAMBDA_INLINE {
+                        constexpr int q = decltype(QQ)::value;
+                        // slot q + D of this row, or of the next (the last row's: its own first slots again, unused)
+                        __m512 nxt;
+                        if constexpr (q + D < 4) nxt = sp_decode16<BITS2, UNIFORM, 4 * a + q + D>(tile, wrapv, tb, sh, mask16);
+                        else nxt = sp_decode16<BITS2, UNIFORM, 4 * a + q + D - 4>(ntile, nwrap, tb, sh, mask16);
+                        const __m512 v = round_half_off16(cur);
+                        if constexpr (D == 2) {
+                            cur = cur2;
+                            cur2 = nxt;
+                        } else {
+                            cur = nxt;
+                        }
+                        for (int t = 0; t < M; ++t) acc[t] = _mm512_fmadd_ps(v, xp[rr][t][q], acc[t]);
+                    });
+                    for (int t = 0; t < M; ++t) acc[t] = _mm512_sub_ps(acc[t], xoff[rr][t]);
+                    tile = ntile;
+                    wrapv = nwrap;
+                }
+                for (int t = 0; t < M; ++t) {
+                    float* f = facc[t] + (j * 4 + a) * 16;
+                    _mm512_store_ps(f, _mm512_add_ps(_mm512_load_ps(f), acc[t]));
+                }
+            });
+        }
+    }
+    for (int t = 0; t < M; ++t) {
+        reduce_tile_acc(facc[t], y + 128 * t);
+        for (int c = 0; c < 128; ++c) y[128 * t + c] *= 1.0f / MUL1_N_UNIT;
+    }
+}
+
+// M tokens, float activations, values decoded once per slot (exact fp16 values, or without the final fp16 rounding
+// for MCG / 3INST "fast"), row order. GENERIC: this loop even where band_exact_mul1 applies (the benchmark's A/B,
+// scripts/avx512_kernel_time.cpp).
+template <int CB, int M, bool ROUND, int BITS2, bool UNIFORM, bool GENERIC = false>
 static void band_float(const MatRef& A, int band, const Acts& X, float* y) {
+    if constexpr (!GENERIC && CB == CB_MUL1 && ROUND && BITS2 != 0)
+        return band_exact_mul1<M, BITS2, UNIFORM>(A, band, X, y);
     const TrellisTables& tb = *A.tb;
     const int tbytes = BITS2 != 0 ? 16 * BITS2 : tb.tile_bytes;
     const BandWalk w(A, band, X, tbytes);

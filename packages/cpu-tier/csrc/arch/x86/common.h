@@ -15,6 +15,18 @@ CT_INLINE __m128i wrap_window(const uint8_t* tile, int tile_bytes) {
                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(tile + tile_bytes - 16)), 12);
 }
 
+// The exact MUL1 kernels' arithmetic (both families' band_exact_mul1; the derivation is at AVX2's): a value's fp16
+// rounding by Veltkamp's split, c = RN(f * 8193), round11(f) = c - (c - f), on N = f * 2^18 = 1774 bs - 905216,
+// which the byte sums' multiply-add gives as M = 1774 bs = N + MUL1_N_OFF (exact in fp32).
+constexpr float VELTKAMP_HALF = 8193.0f;  // 2^(24 - 11) + 1
+constexpr float MUL1_N_UNIT = 262144.0f;  // 2^18: N = f * 2^18
+constexpr int MUL1_N_MULT = int(MUL1_K_INV * MUL1_N_UNIT);
+constexpr int MUL1_N_OFF = int(-MUL1_K_AFF * MUL1_N_UNIT);
+static_assert(float(MUL1_N_MULT) == MUL1_K_INV * MUL1_N_UNIT && float(MUL1_N_OFF) == -MUL1_K_AFF * MUL1_N_UNIT,
+              "MUL1's affine map is not an integer one at 2^18");
+static_assert(double(VELTKAMP_HALF * float(MUL1_N_OFF)) == double(VELTKAMP_HALF) * MUL1_N_OFF,
+              "the split's addend -8193 * MUL1_N_OFF is not exact in fp32");
+
 constexpr int EXT_STRIDE = 272;  // >= 4 + 256 (largest tile), multiple of 16
 
 // Generic K: copy a row's 8 tiles to ext = [last 4 bytes | tile] per tile, so every window (base >= -4) is
