@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cpu_tier import bench, runnable_isas
@@ -143,3 +144,31 @@ def test_anchor_rows_and_rounds(tmp_path: Path, capsys: pytest.CaptureFixture[st
         assert s["speedup_over_anchor_of_medians"] == pytest.approx(4.0 / s["ours_ms_min_med_max"][1])
     with pytest.raises(SystemExit):
         bench.main(["--quick", "--anchor", str(tmp_path / "missing")])
+
+
+@pytest.mark.skipif(not SIMD, reason="the host runs no SIMD variant (scalar-only x86-64)")
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_exact_at_every_tokens_beside_fast(tmp_path: Path, capsys: pytest.CaptureFixture[str], rounds: int) -> None:
+    """--cases fast,exact runs exact at every --tokens beside fast at the same m, round by round (fast then exact in
+    even rounds, exact then fast in odd ones), and a summary row per m gives exact's time over fast's (the medians of
+    the rounds)."""
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--isa", SIMD[-1], "--threads", "1", "--tokens", "1,3", "--iters", "1", "--cases", "fast,exact"]
+    assert bench.main([*argv, "--rounds", str(rounds), "--json", str(out)]) == 0
+    assert "exact's time" in capsys.readouterr().out
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["case"].startswith(("expert/", "summary/"))]
+    order = [(r["case"].split(" ")[-1], r["tokens"], r.get("round")) for r in rows]
+    for m in (1, 3):
+        want = [("fast", m, 0), ("exact", m, 0)]
+        if rounds == 2:
+            want += [("exact", m, 1), ("fast", m, 1), ("fast", m, None)]
+        want += [("exact", m, None)]
+        assert order[: len(want)] == want, (m, order)
+        order = order[len(want) :]
+    assert not order
+    for m in (1, 3):
+        fast = [r["ms_per_expert"] for r in rows if r.get("precision") == "fast" and r["tokens"] == m]
+        exact = [r["ms_per_expert"] for r in rows if r.get("precision") == "exact" and r["tokens"] == m]
+        assert len(fast) == len(exact) == rounds
+        (s,) = [r for r in rows if r["case"] == "summary/expert/mul1 K=3 exact" and r["tokens"] == m]
+        assert s["exact_over_fast_of_medians"] == pytest.approx(float(np.median(exact) / np.median(fast)))

@@ -26,6 +26,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,17 @@ def _experts(n: int, hidden: int, inter: int, codebook: str, seed: int) -> tuple
     return gate, up, down
 
 
+@dataclass(frozen=True)
+class _Where:
+    """Where a case runs: the ISA, the thread count and pinning, and that setting's probes (bandwidth, clock)."""
+
+    isa: str
+    thr: int
+    pin: tuple[int, ...]
+    bw: float
+    ghz: float
+
+
 def _stats(ts: list[float]) -> tuple[float, float, float]:
     """p50, p10, p90."""
     a = np.sort(np.asarray(ts))
@@ -224,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=1,
-        help="rounds of the m=1 fast case (and of the anchor, when given), interleaved; a summary row gives "
-        "min/median/max over the rounds' medians",
+        help="rounds of the fast and exact cases from DRAM at every --tokens (and of the anchor, when given, "
+        "interleaved with m=1 fast); a summary row gives min/median/max over the rounds' medians, and exact's "
+        "time over fast's",
     )
     p.add_argument(
         "--anchor",
@@ -433,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
             # (tokens, precision, codebook, pool name, slab_blocks, prefetch_blocks)
-            cases = (
+            Case = tuple[int, str, str, str, int, int]
+            main_pf = (slabs[0], pfbs[0])
+            cases: list[Case] = (
                 [
                     (m, "fast", "mul1", pool, sb, pf)
                     for m in tokens
@@ -445,23 +460,32 @@ def main(argv: list[str] | None = None) -> int:
                 if "fast" in want
                 else []
             )
-            if "exact" in want:
-                cases.append((1, "exact", "mul1", "dram", slabs[0], pfbs[0]))
+            if "exact" in want:  # each m's exact case right after that m's fast one
+                for m in tokens:
+                    at = max((i + 1 for i, c in enumerate(cases) if c[0] == m), default=len(cases))
+                    cases.insert(at, (m, "exact", "mul1", "dram", *main_pf))
             if mcg is not None:
-                cases.append((1, "fast", "mcg", "dram", slabs[0], pfbs[0]))
+                cases.append((1, "fast", "mcg", "dram", *main_pf))
             cases += [(1, "fast", "mul1", c, sb, pf) for c in ("llc", "l2") if c in want for sb in slabs for pf in pfbs]
-            if isa == "scalar":
-                cases = [c for c in cases if c[0] == 1 and c[3] == "dram"][:2]
-            for m, prec, cb, pool, sb, pf in cases:
-                experts = {"dram": (gate, up, down) if cb == "mul1" else mcg, "dram-huge": huge, "llc": llc, "l2": l2}[
-                    pool
-                ]
-                if isa == "scalar":  # a few experts suffice for a variant this slow
-                    experts = tuple(p[:2] for p in experts)  # type: ignore[assignment]
-                ne = len(experts[0])
-                e_inter = experts[0][0].n
-                e_bytes = 3 * hidden * e_inter * K // 8
-                e_weights = 3 * hidden * e_inter
+            if isa == "scalar":  # m = 1 from DRAM at the default split only: fast and exact
+                cases = [c for c in cases if c[0] == 1 and c[3] == "dram" and c[4:] == main_pf][:2]
+
+            def is_main(
+                c: Case, main_pf: tuple[int, int] = main_pf
+            ) -> bool:  # from DRAM, default split: several rounds
+                return (c[2], c[3], *c[4:]) == ("mul1", "dram", *main_pf)
+
+            # groups measured round by round together: a main fast case and the exact case at its m (their ratio
+            # under the same conditions), the anchor beside m = 1 fast; every other case alone, one round
+            groups: list[list[Case]] = []
+            for c in cases:
+                if c[1] == "exact" and groups and is_main(groups[-1][0]) and groups[-1][0][:2] == (c[0], "fast"):
+                    groups[-1].append(c)
+                else:
+                    groups.append([c])
+
+            def case_name(c: Case, e_inter: int) -> str:
+                m, prec, cb, pool, sb, pf = c
                 case = f"expert/{cb} K={K} {'fast' if prec == 'fast' else 'exact'}"
                 if pool == "dram-huge":
                     case += " huge"
@@ -471,120 +495,149 @@ def main(argv: list[str] | None = None) -> int:
                     case += f" rows/{sb}"
                 if len(pfbs) > 1:
                     case += f" pf{pf}"
-                # the headline case (m=1 fast from DRAM, default split): several rounds, interleaved with the anchor
-                headline = (m, prec, cb, pool, sb, pf) == (1, "fast", "mul1", "dram", slabs[0], pfbs[0])
-                rounds = args.rounds if headline else 1
-                ours_med: list[float] = []
+                return case
+
+            def run_ours(c: Case, rnd: int, w: _Where) -> tuple[str, float]:
+                """One case's jobs once (a warm-up, then --iters timed): its row; returns (name, ms per expert)."""
+                m, prec, cb, pool, sb, pf = c
+                experts = {"dram": (gate, up, down) if cb == "mul1" else mcg, "dram-huge": huge, "llc": llc, "l2": l2}[
+                    pool
+                ]
+                if w.isa == "scalar":  # a few experts suffice for a variant this slow
+                    experts = tuple(p[:2] for p in experts)  # type: ignore[assignment]
+                ne = len(experts[0])
+                e_inter = experts[0][0].n
+                e_bytes = 3 * hidden * e_inter * K // 8
+                e_weights = 3 * hidden * e_inter
+                case = case_name(c, e_inter)
+                tier = ExpertTier(
+                    CpuTierConfig(
+                        threads=w.thr,
+                        cpus=w.pin,
+                        isa=w.isa,  # type: ignore[arg-type]
+                        precision=prec,  # type: ignore[arg-type]
+                        slab_blocks=sb,
+                        amx_min_tokens=args.amx_min_tokens,
+                        prefetch_blocks=pf,
+                    )
+                )
+                tier.add_layer(0, *experts)
+                x = rng.standard_normal((m, hidden)).astype(np.float32)
+                picks = Picks(
+                    np.repeat(np.arange(m, dtype=np.int32), ne),
+                    np.tile(np.arange(ne, dtype=np.int32), m),
+                    np.full(m * ne, 0.5, np.float32),
+                )
+                out = np.empty((m, hidden), np.float32)
+                iters = max(1, args.iters if w.isa != "scalar" else 1)
+                times = []
+                phases = np.zeros(6)
+                for it in range(iters + 1):
+                    t1 = time.perf_counter()
+                    job = tier.submit(0, x, picks, out)
+                    job.wait()
+                    job.result()
+                    dt = time.perf_counter() - t1
+                    if it:
+                        times.append(dt / ne)
+                        phases += np.asarray(job._native.phase_s()) / ne / iters
+                tier.close()
+                med, p10, p90 = _stats(times)
+                gbps = e_bytes / med / 1e9
+                gw = e_weights / med / 1e9
+                rows.append(
+                    {
+                        "case": case,
+                        "pool": pool,
+                        "slab_blocks": sb,
+                        "prefetch_blocks": pf,
+                        "expert_bytes": e_bytes,
+                        "isa": w.isa,
+                        "threads": w.thr,
+                        "tokens": m,
+                        "precision": prec,
+                        "codebook": cb,
+                        "round": rnd,
+                        "load_average": _load(),
+                        "ms_per_expert": med * 1e3,
+                        "p10_ms": p10 * 1e3,
+                        "p90_ms": p90 * 1e3,
+                        "job_ms_per_expert": [round(t * 1e3, 4) for t in times],
+                        "Gweights_per_s": gw,
+                        "GBps": gbps,
+                        "GBps_per_core": gbps / w.thr,
+                        "probe_GBps": w.bw,
+                        "ratio_to_probe": gbps / w.bw,
+                        "clock_GHz": w.ghz,
+                        "cycles_per_weight": w.ghz * 1e9 * w.thr / (gw * 1e9),
+                        "phase_ms_per_expert": dict(
+                            zip(
+                                ("zero", "input", "gate_up", "swiglu_down_input", "down", "sum"),
+                                (round(float(v) * 1e3, 4) for v in phases),
+                            )
+                        ),
+                    }
+                )
+                print(
+                    f"{case:<30}{w.isa:>8}{w.thr:>5}{m:>3}{prec:>7}{med * 1e3:9.3f}{p10 * 1e3:8.3f}"
+                    f"{p90 * 1e3:8.3f}{gw:8.2f}{gbps:8.2f}{gbps / w.thr:10.2f}{w.bw:8.2f}{gbps / w.bw:7.2f}"
+                    f"{w.ghz * w.thr / gw:7.3f}",
+                    flush=True,
+                )
+                return case, med * 1e3
+
+            def run_anchor(rnd: int, ours_ms: float | None, w: _Where) -> float:
+                a = _run_anchor(args.anchor, w.isa, w.thr, n_exp, args.anchor_seconds, args.pin)
+                row = {
+                    "case": f"anchor/exllamav3 {a.get('tier', '?')}",
+                    "isa": w.isa,
+                    "threads": w.thr,
+                    "tokens": 1,
+                    "round": rnd,
+                    "load_average": _load(),
+                    "ms_per_expert": a["ms_med"],
+                    "min_ms": a["ms_min"],
+                    "max_ms": a["ms_max"],
+                    "passes": a.get("passes"),
+                    "anchor": a,
+                    "GBps": a.get("GBps"),
+                    "ratio_anchor_over_ours": a["ms_med"] / ours_ms if ours_ms else None,
+                }
+                rows.append(row)
+                print(
+                    f"{row['case']:<30}{w.isa:>8}{w.thr:>5}{1:>3}{'int8':>7}{a['ms_med']:9.3f}"
+                    f"{a['ms_min']:8.3f}{a['ms_max']:8.3f}{'':>8}{a.get('GBps', 0):8.2f}"
+                    f"{a.get('GBps', 0) / w.thr:10.2f}  (min/max, not p10/p90; load {_load():.2f})",
+                    flush=True,
+                )
+                return float(a["ms_med"])
+
+            where = _Where(isa, thr, pin, bw, ghz)
+            for group in groups:
+                rounds = args.rounds if is_main(group[0]) else 1
+                # the headline case (m = 1 fast from DRAM, default split) has the anchor beside it
+                with_anchor = (
+                    group[0][:2] == (1, "fast") and is_main(group[0]) and bool(args.anchor) and isa != "scalar"
+                )
+                names = [""] * len(group)
+                ours_med: list[list[float]] = [[] for _ in group]
                 anchor_med: list[float] = []
+                # even rounds: the group's cases in order (the anchor right after the headline case); odd ones the
+                # other way round, so neither side always runs first
+                order: list[int | None] = [0, *([None] if with_anchor else []), *range(1, len(group))]
                 for rnd in range(rounds):
-                    for who in ("ours", "anchor") if rnd % 2 == 0 else ("anchor", "ours"):
-                        if who == "anchor":
-                            if not (headline and args.anchor and isa != "scalar"):
-                                continue
-                            a = _run_anchor(args.anchor, isa, thr, n_exp, args.anchor_seconds, args.pin)
-                            anchor_med.append(a["ms_med"])
-                            row = {
-                                "case": f"anchor/exllamav3 {a.get('tier', '?')}",
-                                "isa": isa,
-                                "threads": thr,
-                                "tokens": 1,
-                                "round": rnd,
-                                "load_average": _load(),
-                                "ms_per_expert": a["ms_med"],
-                                "min_ms": a["ms_min"],
-                                "max_ms": a["ms_max"],
-                                "passes": a.get("passes"),
-                                "anchor": a,
-                                "GBps": a.get("GBps"),
-                                "ratio_anchor_over_ours": a["ms_med"] / ours_med[-1] if ours_med else None,
-                            }
-                            rows.append(row)
-                            print(
-                                f"{row['case']:<30}{isa:>8}{thr:>5}{1:>3}{'int8':>7}{a['ms_med']:9.3f}"
-                                f"{a['ms_min']:8.3f}{a['ms_max']:8.3f}{'':>8}{a.get('GBps', 0):8.2f}"
-                                f"{a.get('GBps', 0) / thr:10.2f}  (min/max, not p10/p90; load {_load():.2f})",
-                                flush=True,
-                            )
-                            continue
-                        tier = ExpertTier(
-                            CpuTierConfig(
-                                threads=thr,
-                                cpus=pin,
-                                isa=isa,  # type: ignore[arg-type]
-                                precision=prec,
-                                slab_blocks=sb,
-                                amx_min_tokens=args.amx_min_tokens,
-                                prefetch_blocks=pf,
-                            )
-                        )
-                        tier.add_layer(0, *experts)
-                        x = rng.standard_normal((m, hidden)).astype(np.float32)
-                        picks = Picks(
-                            np.repeat(np.arange(m, dtype=np.int32), ne),
-                            np.tile(np.arange(ne, dtype=np.int32), m),
-                            np.full(m * ne, 0.5, np.float32),
-                        )
-                        out = np.empty((m, hidden), np.float32)
-                        iters = max(1, args.iters if isa != "scalar" else 1)
-                        times = []
-                        phases = np.zeros(6)
-                        for it in range(iters + 1):
-                            t1 = time.perf_counter()
-                            job = tier.submit(0, x, picks, out)
-                            job.wait()
-                            job.result()
-                            dt = time.perf_counter() - t1
-                            if it:
-                                times.append(dt / ne)
-                                phases += np.asarray(job._native.phase_s()) / ne / iters
-                        tier.close()
-                        med, p10, p90 = _stats(times)
-                        ours_med.append(med * 1e3)
-                        gbps = e_bytes / med / 1e9
-                        gw = e_weights / med / 1e9
-                        rows.append(
-                            {
-                                "case": case,
-                                "pool": pool,
-                                "slab_blocks": sb,
-                                "prefetch_blocks": pf,
-                                "expert_bytes": e_bytes,
-                                "isa": isa,
-                                "threads": thr,
-                                "tokens": m,
-                                "precision": prec,
-                                "codebook": cb,
-                                "round": rnd,
-                                "load_average": _load(),
-                                "ms_per_expert": med * 1e3,
-                                "p10_ms": p10 * 1e3,
-                                "p90_ms": p90 * 1e3,
-                                "job_ms_per_expert": [round(t * 1e3, 4) for t in times],
-                                "Gweights_per_s": gw,
-                                "GBps": gbps,
-                                "GBps_per_core": gbps / thr,
-                                "probe_GBps": bw,
-                                "ratio_to_probe": gbps / bw,
-                                "clock_GHz": ghz,
-                                "cycles_per_weight": ghz * 1e9 * thr / (gw * 1e9),
-                                "phase_ms_per_expert": dict(
-                                    zip(
-                                        ("zero", "input", "gate_up", "swiglu_down_input", "down", "sum"),
-                                        (round(float(v) * 1e3, 4) for v in phases),
-                                    )
-                                ),
-                            }
-                        )
-                        print(
-                            f"{case:<30}{isa:>8}{thr:>5}{m:>3}{prec:>7}{med * 1e3:9.3f}{p10 * 1e3:8.3f}"
-                            f"{p90 * 1e3:8.3f}{gw:8.2f}{gbps:8.2f}{gbps / thr:10.2f}{bw:8.2f}{gbps / bw:7.2f}"
-                            f"{ghz * thr / gw:7.3f}",
-                            flush=True,
-                        )
-                if rounds > 1 or anchor_med:
-                    o = np.asarray(ours_med)
-                    summary = {
-                        "case": "summary/" + case,
+                    for i in order if rnd % 2 == 0 else order[::-1]:
+                        if i is None:
+                            anchor_med.append(run_anchor(rnd, ours_med[0][-1] if ours_med[0] else None, where))
+                        else:
+                            names[i], ms = run_ours(group[i], rnd, where)
+                            ours_med[i].append(ms)
+                for i, c in enumerate(group):
+                    m, prec = c[0], c[1]
+                    o = np.asarray(ours_med[i])
+                    ratio = float(np.median(o)) / float(np.median(ours_med[0])) if i and prec == "exact" else None
+                    summary: dict[str, Any] = {
+                        "case": "summary/" + names[i],
                         "isa": isa,
                         "threads": thr,
                         "tokens": m,
@@ -592,7 +645,7 @@ def main(argv: list[str] | None = None) -> int:
                         "ours_ms_min_med_max": [float(o.min()), float(np.median(o)), float(o.max())],
                     }
                     text = f"ours {o.min():.3f}/{np.median(o):.3f}/{o.max():.3f}"
-                    if anchor_med:
+                    if i == 0 and anchor_med:
                         a = np.asarray(anchor_med)
                         r = a / o[: len(a)]
                         summary.update(
@@ -606,8 +659,12 @@ def main(argv: list[str] | None = None) -> int:
                             f" | anchor {a.min():.3f}/{np.median(a):.3f}/{a.max():.3f} | ours faster by "
                             f"{np.median(a) / np.median(o):.2f}x (rounds {r.min():.2f}..{r.max():.2f})"
                         )
-                    rows.append(summary)
-                    print(f"{'summary (ms/expert min/med/max)':<30}{isa:>8}{thr:>5}{m:>3}  {text}", flush=True)
+                    if ratio is not None:
+                        summary["exact_over_fast_of_medians"] = ratio
+                        text += f" | exact's time {ratio:.2f}x fast's (rounds interleaved)"
+                    if rounds > 1 or anchor_med or ratio is not None:
+                        rows.append(summary)
+                        print(f"{'summary (ms/expert min/med/max)':<30}{isa:>8}{thr:>5}{m:>3}  {text}", flush=True)
     if args.json:
         env = {
             "cpu": _cpu_model(),
