@@ -207,7 +207,7 @@ struct KernelTable {
     bool amx;                 // has the AMX-INT8 kernel (run where Acts::amx asks)
     bool emulated;            // the test-only emulated AVX-512 build (no hardware AVX-512 or AMX instructions)
     IntBandFn int_band;       // MUL1 integer path ("fast"), any m in 1..MAXM
-    FloatBandFn float_band[3];  // float path per codebook (CB_3INST, CB_MCG, CB_MUL1), m in {1, 2, 3, 4, 8};
+    FloatBandFn float_band[3];  // float path per codebook (CB_3INST, CB_MCG, CB_MUL1), m in 1..MAXM;
                                 // round = exact fp16 codebook values (MUL1's float path always rounds)
     DecodeFn decode_exact;    // the float path's exact codebook values (test hook; codebook index, or DECODE_MUL1_SPLIT)
 };
@@ -217,13 +217,14 @@ const KernelTable& kernel_table();
 inline void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, float* y) {
     const KernelTable& kt = kernel_table();
     if (mode == GemvMode::Int) return kt.int_band(A, band, X, y);  // MUL1
-    // Float path: M in {1, 2, 3, 4, 8} are compiled; other token counts run as a sum of those (5 = 4 + 1, ...).
+    // Float path: every M in 1..MAXM is compiled (5..7 ran as 4 + 1..3 before, decoding every weight twice: exact
+    // at 5..7 tokens took 2.4-2.9x fast's time); a larger m runs as calls of MAXM tokens and the rest.
     const bool round = mode == GemvMode::Exact;
     const FloatBandFn f = kt.float_band[A.codebook];
     int done = 0;
     while (done < X.m) {
         const int left = X.m - done;
-        const int mm = left >= 8 ? 8 : left >= 4 ? 4 : left >= 3 ? 3 : left >= 2 ? 2 : 1;
+        const int mm = left < MAXM ? left : MAXM;
         Acts S = X;
         S.m = mm;
         S.xf = X.xf + size_t(done) * X.xf_stride;

@@ -2,13 +2,15 @@
 // its kernels header (which defines band_float).
 #pragma once
 
+#include <stdexcept>
+
 #include "common.h"
 
 namespace cpu_tier {
 namespace CPU_TIER_NS {
 
 // ---------------------------------------------------------------------------------- float path dispatch
-// Each family defines band_float<CB, M, ROUND, BITS2, UNIFORM> (CB: codebook; M: tokens in {1, 2, 3, 4, 8}; BITS2: 2K
+// Each family defines band_float<CB, M, ROUND, BITS2, UNIFORM> (CB: codebook; M: tokens, 1 to MAXM; BITS2: 2K
 // with compile-time window offsets, 0 = table driven; UNIFORM: the shifts depend on the half only, integer K).
 // K = 3 (DeepSeek-V4.1's) is compiled with compile-time window offsets; every other K runs the generic kernels.
 template <int M, int CB, bool ROUND>
@@ -28,9 +30,14 @@ static void float_dispatch_cb(const MatRef& A, int band, const Acts& X, bool rou
         case 2: return round ? float_dispatch_k<2, CB, true>(A, band, X, y) : float_dispatch_k<2, CB, R0>(A, band, X, y);
         case 3: return round ? float_dispatch_k<3, CB, true>(A, band, X, y) : float_dispatch_k<3, CB, R0>(A, band, X, y);
         case 4: return round ? float_dispatch_k<4, CB, true>(A, band, X, y) : float_dispatch_k<4, CB, R0>(A, band, X, y);
-        default: return round ? float_dispatch_k<8, CB, true>(A, band, X, y) : float_dispatch_k<8, CB, R0>(A, band, X, y);
+        case 5: return round ? float_dispatch_k<5, CB, true>(A, band, X, y) : float_dispatch_k<5, CB, R0>(A, band, X, y);
+        case 6: return round ? float_dispatch_k<6, CB, true>(A, band, X, y) : float_dispatch_k<6, CB, R0>(A, band, X, y);
+        case 7: return round ? float_dispatch_k<7, CB, true>(A, band, X, y) : float_dispatch_k<7, CB, R0>(A, band, X, y);
+        case 8: return round ? float_dispatch_k<8, CB, true>(A, band, X, y) : float_dispatch_k<8, CB, R0>(A, band, X, y);
+        default: throw std::logic_error("float path: tokens per call outside 1..MAXM");
     }
 }
+
 
 // The float entry point of codebook CB (in a family's float_<codebook>.cpp, after its kernels header).
 #define CT_DEFINE_GEMV_FLOAT(NAME, CB)                                                       \
