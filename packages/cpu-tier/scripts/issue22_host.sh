@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Every number issue 22 asks for on this host's AVX2 path, in one run (~4 min on 2 cores once the anchor is built):
+# Every number issue 22 asks for on this host's AVX2 path, in one run (~8 min on 2 cores once the anchor is built):
 #   1. m = 1 fast against exllamav3's own CPU kernel (the anchor), interleaved rounds, + the exact case (its ratio,
 #      over the same rounds);
-#   2. m = 1, 2, 3, 4, 8 fast jobs (tokens per expert; issue 22: m = 2..8 <= 1.3x of m = 1 per expert), each followed
-#      by the exact job at the same m (exact within 2x of fast at every m);
-#   3. the band kernels alone (scripts/avx2_kernel_time.cpp, thread CPU time): fast at m = 1..8 and exact at m = 1..3,
+#   2. m = 1..8 fast jobs (tokens per expert; issue 22: m = 2..8 <= 1.3x of m = 1 per expert), each with the exact
+#      job at the same m, round by round (exact within 2x of fast at every m);
+#   3. the band kernels alone (scripts/avx2_kernel_time.cpp, thread CPU time): fast at m = 1, 2, 3, 4, 8 and exact at
+#      m = 1..3,
 #      interleaved rounds.
 # Usage, from the workspace root, with cpu-tier installed (uv sync):
 #   bash packages/cpu-tier/scripts/issue22_host.sh [OUT_PREFIX]
@@ -38,8 +39,8 @@ log() { tee -a "$out.txt"; }
 echo "## 1. m = 1 fast vs exllamav3 (interleaved), + exact" | log
 $py -m cpu_tier.bench --isa avx2 --tokens 1 --cases fast,exact --rounds "$rounds" --iters 10 --anchor "$anchor" \
     --json "${out}_anchor.json" 2>&1 | log
-echo "## 2. fast and exact jobs at m = 1, 2, 3, 4, 8" | log
-$py -m cpu_tier.bench --isa avx2 --tokens 1,2,3,4,8 --cases fast,exact --iters 10 --json "${out}_tokens.json" 2>&1 | log
+echo "## 2. fast and exact jobs at m = 1..8" | log
+$py -m cpu_tier.bench --isa avx2 --tokens 1,2,3,4,5,6,7,8 --cases fast,exact --iters 10 --json "${out}_tokens.json" 2>&1 | log
 echo "## 3. band kernels alone (Gw/s; v0 = fast pair form at m tokens, v2 = exact at m = 1, 2, 3), $rounds rounds" | log
 kt=$(mktemp /tmp/kt.XXXXXX)
 g++ -O3 -mavx2 -mfma -mf16c -std=c++17 -DCPU_TIER_NS=avx2 -DCPU_TIER_ISA_AVX2 -Ipackages/cpu-tier/csrc \
