@@ -99,18 +99,10 @@ static void band_exact16(const MatRef& A, int band, const Acts& X, float* y) {
             }
         }
     }
-    for (int t = 0; t < M; ++t)
-        for (int j = 0; j < 8; ++j)
-            for (int c0i = 0; c0i < 8; ++c0i) {
-                const float* v = facc[t] + (j * 8 + c0i) * 16;
-                float lo = 0.0f, hi = 0.0f;
-                for (int q = 0; q < 4; ++q) {
-                    lo += v[4 * q] + v[4 * q + 1];
-                    hi += v[4 * q + 2] + v[4 * q + 3];
-                }
-                y[t * 128 + 16 * j + c0i] = lo * (1.0f / MUL1_N_UNIT);
-                y[t * 128 + 16 * j + c0i + 8] = hi * (1.0f / MUL1_N_UNIT);
-            }
+    for (int t = 0; t < M; ++t) {
+        reduce_pair_acc(facc[t], y + 128 * t);
+        for (int c = 0; c < 128; ++c) y[128 * t + c] *= 1.0f / MUL1_N_UNIT;
+    }
 }
 template <int M>
 static void kb_m(const MatRef& A, int band, const Acts& X, float* y) {

@@ -79,6 +79,22 @@ CT_INLINE Band16 band16(const MatRef& A, int band, const Acts& X) {
     return Band16(A, band, X, TB != 0 ? TB : A.tb->tile_bytes);
 }
 
+// The 16-bit-lane kernels' accumulators ([j][c0][16 dword lanes] of 8 x 8 column pairs) -> the band's 128 sums:
+// dword lane D of (j, c0) holds column c0 for D % 4 in {0, 1}, column c0 + 8 for {2, 3}.
+CT_INLINE void reduce_pair_acc(const float* facc, float* y) {
+    for (int j = 0; j < 8; ++j)
+        for (int c0 = 0; c0 < 8; ++c0) {
+            const float* v = facc + (j * 8 + c0) * 16;
+            float lo = 0.0f, hi = 0.0f;
+            for (int q = 0; q < 4; ++q) {
+                lo += v[4 * q] + v[4 * q + 1];
+                hi += v[4 * q + 2] + v[4 * q + 3];
+            }
+            y[16 * j + c0] = lo;
+            y[16 * j + c0 + 8] = hi;
+        }
+}
+
 // MUL1 integer path on 16-bit lanes (K <= 4: the whole tile fits two zmm registers). Per 32 weights (one column
 // pair c0 of a tile): vpermt2b + vpmultishiftqb extract 32 states; s * 0x83DCD12D mod 2^32 from three 16-bit
 // multiplies (low half: lo16(s * 0xD12D); high half: hi16(s * 0xD12D) + lo16(s * 0x83DC)); two vpmaddubsw give
@@ -175,18 +191,7 @@ static void band_int16(const MatRef& A, int band, const Acts& X, float* y) {
         }
     }
     for (int t = 0; t < M; ++t) {
-        // dword lane D of (j, c0): D % 4 in {0, 1} -> column c0, {2, 3} -> column c0 + 8
-        for (int j = 0; j < 8; ++j)
-            for (int c0 = 0; c0 < 8; ++c0) {
-                const float* v = facc[t] + (j * 8 + c0) * 16;
-                float lo = 0.0f, hi = 0.0f;
-                for (int q = 0; q < 4; ++q) {
-                    lo += v[4 * q] + v[4 * q + 1];
-                    hi += v[4 * q + 2] + v[4 * q + 3];
-                }
-                y[t * 128 + 16 * j + c0] = lo;
-                y[t * 128 + 16 * j + c0 + 8] = hi;
-            }
+        reduce_pair_acc(facc[t], y + 128 * t);
         int_affine(y + 128 * t, X, t);
     }
 }
