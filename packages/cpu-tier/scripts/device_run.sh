@@ -26,12 +26,12 @@ if [ "${SMT_PROBE:-0}" = 1 ]; then
     && timeout 60 /tmp/smt_probe 2>&1 | tee "$OUT/smt.txt"
 fi
 # the AVX-512 band kernels alone (standalone, KT512=1; scripts/avx512_kernel_time.cpp, thread CPU time, one pinned
-# vCPU): fast (v0), the exact kernel (v2) and the 16-bit-decode exact prototype (v5) at m = 1, 2, 4, 3 rounds (~1 min)
+# vCPU): fast (v0), the exact kernel (v2) and the generic float loop (v8) at m = 1, 2, 4, 3 rounds (~1 min)
 if [ "${KT512:-0}" = 1 ]; then
   g++ -O3 -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512dq -mavx512vnni -mavx512vbmi \
       -mprefer-vector-width=512 -Wno-maybe-uninitialized -std=c++17 -DCPU_TIER_NS=avx512 -DCPU_TIER_ISA_AVX512 \
       -Ipackages/cpu-tier/csrc packages/cpu-tier/scripts/avx512_kernel_time.cpp -o /tmp/kt512 \
-    && for r in 1 2 3; do for m in 1 2 4; do for v in 0 2 5; do taskset -c $(( $(nproc) - 1 )) /tmp/kt512 $m $v 2; done; done; done \
+    && for r in 1 2 3; do for m in 1 2 4; do for v in 0 2 8; do taskset -c $(( $(nproc) - 1 )) /tmp/kt512 $m $v 2; done; done; done \
       2>&1 | tee "$OUT/kernel512.txt"
 fi
 bash packages/cpu-tier/scripts/build_native.sh "$OUT/build.log" --emu "${EMU:-ON}" || exit 1
