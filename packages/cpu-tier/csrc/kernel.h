@@ -77,6 +77,13 @@ template <int N, class F>
 CT_INLINE void static_for(F&& f) {
     static_for_impl(f, std::make_integer_sequence<int, N>{});
 }
+// f(std::integral_constant<int, m>{}) for a runtime token count m in 1..MAXM (nothing otherwise).
+template <class F>
+CT_INLINE void with_tokens(int m, F&& f) {
+    static_for<MAXM>([&](auto I) CT_LAMBDA_INLINE {
+        if (m == decltype(I)::value + 1) f(std::integral_constant<int, decltype(I)::value + 1>{});
+    });
+}
 
 // Row (k offset inside a tile row) of q-order position p.
 CT_INLINE int qorder_row(int p) { return 2 * (p >> 2) + (p & 1) + 8 * ((p >> 1) & 1); }
@@ -217,20 +224,9 @@ const KernelTable& kernel_table();
 inline void gemv_band(const MatRef& A, int band, const Acts& X, GemvMode mode, float* y) {
     const KernelTable& kt = kernel_table();
     if (mode == GemvMode::Int) return kt.int_band(A, band, X, y);  // MUL1
-    // Float path: every M in 1..MAXM is compiled (5..7 ran as 4 + 1..3 before, decoding every weight twice: exact
-    // at 5..7 tokens took 2.4-2.9x fast's time); a larger m runs as calls of MAXM tokens and the rest.
-    const bool round = mode == GemvMode::Exact;
-    const FloatBandFn f = kt.float_band[A.codebook];
-    int done = 0;
-    while (done < X.m) {
-        const int left = X.m - done;
-        const int mm = left < MAXM ? left : MAXM;
-        Acts S = X;
-        S.m = mm;
-        S.xf = X.xf + size_t(done) * X.xf_stride;
-        f(A, band, S, round, y + size_t(done) * 128);
-        done += mm;
-    }
+    // Float path: every M in 1..MAXM (an Acts' capacity) is compiled, as on the integer path (until session 27,
+    // 5..7 ran as 4 + 1..3, decoding every weight twice: exact at 5..7 tokens took 2.4-2.9x fast's time).
+    kt.float_band[A.codebook](A, band, X, mode == GemvMode::Exact, y);
 }
 
 }  // namespace CPU_TIER_NS

@@ -4,14 +4,6 @@
 namespace cpu_tier {
 namespace CPU_TIER_NS {
 
-// f(std::integral_constant<int, m>{}) for a runtime token count m in 1..MAXM (nothing otherwise).
-template <class F>
-CT_INLINE void with_tokens(int m, F&& f) {
-    static_for<MAXM>([&](auto I) CT_LAMBDA_INLINE {
-        if (m == decltype(I)::value + 1) f(std::integral_constant<int, decltype(I)::value + 1>{});
-    });
-}
-
 // K = 2, 3 (DeepSeek-V4.1's), 4 are compiled with compile-time window offsets; every other K runs the generic
 // (table-driven) kernels.
 template <int M>

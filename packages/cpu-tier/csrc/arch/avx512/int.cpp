@@ -6,14 +6,6 @@
 namespace cpu_tier {
 namespace CPU_TIER_NS {
 
-// f(std::integral_constant<int, m>{}) for a runtime token count m in 1..MAXM (nothing otherwise).
-template <class F>
-CT_INLINE void with_tokens(int m, F&& f) {
-    static_for<MAXM>([&](auto I) CT_LAMBDA_INLINE {
-        if (m == decltype(I)::value + 1) f(std::integral_constant<int, decltype(I)::value + 1>{});
-    });
-}
-
 template <int TB>
 static void int16_dispatch(const MatRef& A, int band, const Acts& X, float* y) {
 #if defined(CT_HAVE_AMX)

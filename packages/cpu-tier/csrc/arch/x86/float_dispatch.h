@@ -25,19 +25,13 @@ static void float_dispatch_k(const MatRef& A, int band, const Acts& X, float* y)
 template <int CB>
 static void float_dispatch_cb(const MatRef& A, int band, const Acts& X, bool round, float* y) {
     constexpr bool R0 = CB == CB_MUL1;  // the variant used when round == false
-    switch (X.m) {
-        case 1: return round ? float_dispatch_k<1, CB, true>(A, band, X, y) : float_dispatch_k<1, CB, R0>(A, band, X, y);
-        case 2: return round ? float_dispatch_k<2, CB, true>(A, band, X, y) : float_dispatch_k<2, CB, R0>(A, band, X, y);
-        case 3: return round ? float_dispatch_k<3, CB, true>(A, band, X, y) : float_dispatch_k<3, CB, R0>(A, band, X, y);
-        case 4: return round ? float_dispatch_k<4, CB, true>(A, band, X, y) : float_dispatch_k<4, CB, R0>(A, band, X, y);
-        case 5: return round ? float_dispatch_k<5, CB, true>(A, band, X, y) : float_dispatch_k<5, CB, R0>(A, band, X, y);
-        case 6: return round ? float_dispatch_k<6, CB, true>(A, band, X, y) : float_dispatch_k<6, CB, R0>(A, band, X, y);
-        case 7: return round ? float_dispatch_k<7, CB, true>(A, band, X, y) : float_dispatch_k<7, CB, R0>(A, band, X, y);
-        case 8: return round ? float_dispatch_k<8, CB, true>(A, band, X, y) : float_dispatch_k<8, CB, R0>(A, band, X, y);
-        default: throw std::logic_error("float path: tokens per call outside 1..MAXM");
-    }
+    if (X.m < 1 || X.m > MAXM) throw std::logic_error("float path: tokens per call outside 1..MAXM");
+    with_tokens(X.m, [&](auto MM) {
+        constexpr int M = decltype(MM)::value;
+        if (round) float_dispatch_k<M, CB, true>(A, band, X, y);
+        else float_dispatch_k<M, CB, R0>(A, band, X, y);
+    });
 }
-
 
 // The float entry point of codebook CB (in a family's float_<codebook>.cpp, after its kernels header).
 #define CT_DEFINE_GEMV_FLOAT(NAME, CB)                                                       \
