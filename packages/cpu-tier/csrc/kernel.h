@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <stdexcept>
 #include <type_traits>
 #include <utility>
 
@@ -77,9 +78,11 @@ template <int N, class F>
 CT_INLINE void static_for(F&& f) {
     static_for_impl(f, std::make_integer_sequence<int, N>{});
 }
-// f(std::integral_constant<int, m>{}) for a runtime token count m in 1..MAXM (nothing otherwise).
+// f(std::integral_constant<int, m>{}) for a runtime token count m in 1..MAXM; any other m throws (every path, the
+// integer and the float ones, dispatches through here: none drops a call silently).
 template <class F>
 CT_INLINE void with_tokens(int m, F&& f) {
+    if (m < 1 || m > MAXM) throw std::logic_error("cpu-tier kernel: tokens per call outside 1..MAXM");
     static_for<MAXM>([&](auto I) CT_LAMBDA_INLINE {
         if (m == decltype(I)::value + 1) f(std::integral_constant<int, decltype(I)::value + 1>{});
     });

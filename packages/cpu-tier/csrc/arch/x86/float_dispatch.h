@@ -2,8 +2,6 @@
 // its kernels header (which defines band_float).
 #pragma once
 
-#include <stdexcept>
-
 #include "common.h"
 
 namespace cpu_tier {
@@ -25,7 +23,6 @@ static void float_dispatch_k(const MatRef& A, int band, const Acts& X, float* y)
 template <int CB>
 static void float_dispatch_cb(const MatRef& A, int band, const Acts& X, bool round, float* y) {
     constexpr bool R0 = CB == CB_MUL1;  // the variant used when round == false
-    if (X.m < 1 || X.m > MAXM) throw std::logic_error("float path: tokens per call outside 1..MAXM");
     with_tokens(X.m, [&](auto MM) {
         constexpr int M = decltype(MM)::value;
         if (round) float_dispatch_k<M, CB, true>(A, band, X, y);
