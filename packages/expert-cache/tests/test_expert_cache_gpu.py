@@ -355,7 +355,7 @@ def test_gpu_cache_matches_the_simulator(make_home) -> None:
 
 def test_home_must_be_pinned_on_cuda(make_home) -> None:
     cfg = ExpertCacheConfig(num_layers=1, num_experts=4, slot_bytes=64, num_slots=2)
-    with pytest.raises(ValueError, match=r"home\[0\]\[0\] \(weights\): must be pinned"):
+    with pytest.raises(ValueError, match=r"home\[0\]\[0\] \(weights\): must be page-locked"):
         ExpertCache(cfg, make_home(cfg), "cuda")
 
 

@@ -216,6 +216,9 @@ def test_rows_validation_names_the_row(make_home, make_rows) -> None:
           buffers=(rows.buffers[0].view(torch.int16) if rows.buffers[0].numel() % 2 == 0 else
                    rows.buffers[0][:-1].view(torch.int16), *rows.buffers[1:]))  # fmt: skip
     fails(ValueError, r"rows\.kernel_bases: one address per buffer \(3\) or none, got 1", kernel_bases=(4096,))
+    fails(ValueError, r"rows\.names: one name per buffer \(3\) or none, got 2", names=("a", "b"))
+    two_d = (rows.buffers[0], rows.buffers[1][None], rows.buffers[2])
+    fails(ValueError, r"shard b: must be a 1-D contiguous uint8 tensor", buffers=two_d, names=("a", "shard b", "c"))
     fails(ValueError, r"rows\.offset: shape must be \[num_layers, projections, experts\] = \(3, 4, 10\)",
           offset=rows.offset.transpose(0, 2, 1))  # fmt: skip
     fails(TypeError, r"rows\.buffer: must be an integer numpy array", buffer=rows.buffer.astype(np.float64))
@@ -252,3 +255,9 @@ def test_stacked_home_errors_unchanged(make_home) -> None:
     bad[2][0] = "not a tensor"  # type: ignore[call-overload]
     with pytest.raises(TypeError, match=r"home\[2\]\[0\] \(trellis\): must be a torch\.Tensor"):
         ExpertCache(cfg, bad)
+    # checks made on the rows (pinning, on a CUDA cache) name the stacked tensor too (home[l][p], p-major per layer);
+    # the CPU check is the CUDA one minus the pinning, so call it with cuda=True here (these tensors are not pinned)
+    rows = ExpertRows.from_stacked(home, cfg)
+    assert rows.names[len(PROJ) + 2] == "home[1][2] (scale)"
+    with pytest.raises(ValueError, match=r"home\[0\]\[0\] \(trellis\): must be page-locked"):
+        rows.check(cfg, cuda=True)

@@ -61,6 +61,9 @@ class ExpertRows:
     owner
         Anything that must stay alive as long as the rows are used (e.g. the object holding the mappings). The cache
         keeps a reference; it does not close it.
+    names
+        Per buffer, the name errors give it (e.g. ``home[0][1] (scales)`` for :meth:`from_stacked`'s buffers); empty
+        means ``rows.buffers[i]``.
 
     Notes
     -----
@@ -75,6 +78,7 @@ class ExpertRows:
     offset: np.ndarray
     kernel_bases: tuple[int, ...] = ()
     owner: object = None
+    names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for field in ("buffer", "offset"):  # frozen means frozen: read-only copies of the arrays
@@ -98,6 +102,7 @@ class ExpertRows:
         if len(home) != L:
             raise ValueError(f"home: expected {L} layers, got {len(home)}")
         buffers: list[torch.Tensor] = []
+        names: list[str] = []
         buffer = np.empty((L, P, E), np.int32)
         offset = np.empty((L, P, E), np.int64)
         for layer, row in enumerate(home):
@@ -119,7 +124,8 @@ class ExpertRows:
                 buffer[layer, p] = len(buffers)
                 offset[layer, p] = np.arange(E, dtype=np.int64) * spec.nbytes
                 buffers.append(t.view(-1).view(torch.uint8))
-        return cls(tuple(buffers), buffer, offset, (), home)
+                names.append(name)
+        return cls(tuple(buffers), buffer, offset, (), home, tuple(names))
 
     # ---- validation ------------------------------------------------------------------------------------------
 
@@ -134,10 +140,12 @@ class ExpertRows:
         L, E, P = config.num_layers, config.num_experts, len(specs)
         if not isinstance(self.buffers, tuple) or not self.buffers:
             raise TypeError(f"rows.buffers: must be a non-empty tuple of tensors, got {type(self.buffers).__name__}")
+        if self.names and len(self.names) != len(self.buffers):
+            raise ValueError(f"rows.names: one name per buffer ({len(self.buffers)}) or none, got {len(self.names)}")
         sizes = np.empty(len(self.buffers), np.int64)
         hosts = np.empty(len(self.buffers), np.int64)
         for i, t in enumerate(self.buffers):
-            name = f"rows.buffers[{i}]"
+            name = self.names[i] if self.names else f"rows.buffers[{i}]"
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name}: must be a torch.Tensor, got {type(t).__name__}")
             if t.device.type != "cpu":
