@@ -32,9 +32,9 @@ for s in $SUITES; do
         *) echo "gpu_all_tests: unknown suite '$s' (dsv41, engram, dma, cache)" >&2; exit 2 ;;
     esac
 done
+# the device tool brings back at most 8 files of $OUT: the suites' logs but their steps logs travel as one archive,
+# the summary beside it
+source packages/vllm-dsv41/scripts/gpu_out_bundle.sh
+OUT=$ROOT_OUT gpu_out_bundle
 printf '%s\n' "${summary[@]}" | tee "$ROOT_OUT/summary.txt"
-# the device tool brings back at most 8 files of $OUT: the suites' logs travel as one archive beside the summary
-(cd "$ROOT_OUT" && find . -type f ! -name summary.txt ! -name logs.tgz | sort > /tmp/gpu-all-tests.list \
-    && tar czf logs.tgz -T /tmp/gpu-all-tests.list && xargs -d '\n' rm -f < /tmp/gpu-all-tests.list \
-    && find . -mindepth 1 -type d -empty -delete && echo "gpu_all_tests: the suites' logs in \$OUT/logs.tgz")
 ! grep -qv " rc=0 " "$ROOT_OUT/summary.txt"

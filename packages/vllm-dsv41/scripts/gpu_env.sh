@@ -1,7 +1,7 @@
 # Source on the device machine after the gpu-vllm kit staged vLLM and the project wheels: the kit's environment,
 # exllamav3 (staged here from a carried .exl3 the first time, gpu_stage_exl3.sh) behind the kit's site so the kit's
 # pydantic wins, the working tree's pure-Python members first, and the call's housekeeping (gpu_tmo, gpu_time_ok,
-# gpu_out_bundle: below). Set OUT before sourcing.
+# gpu_out_bundle: gpu_out_bundle.sh). Set OUT before sourcing.
 export DSV41_CALL_T0=${DSV41_CALL_T0:-$(date +%s)}  # first, so staging exllamav3 below counts (see gpu_tmo)
 source /tmp/gpuvllm/env.sh
 _tree="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../.." && pwd)"
@@ -35,20 +35,5 @@ gpu_tmo() {  # seconds: the step's own limit $1, cut to what is left of the call
 }
 gpu_time_ok() { [ "$(gpu_left)" -ge "${1:-30}" ]; }  # at least $1 s (default 30) left of the call
 
-# $OUT comes back only up to 8 files (16 MiB each, 2 folders down): at exit, when more are there, every file but the
-# *steps.log files and jitcache.tgz goes into one $OUT/bundle-HHMMSS.tgz (files over 12 MiB stay out and are named).
-gpu_out_bundle() {
-    [ -n "${OUT:-}" ] && [ -d "$OUT" ] || return 0
-    [ "$(find "$OUT" -type f | wc -l)" -le 8 ] && return 0
-    local b list=/tmp/dsv41-bundle.list
-    b="bundle-$(date +%H%M%S).tgz"
-    (
-        cd "$OUT" || exit 0
-        find . -type f ! -name '*steps.log' ! -name jitcache.tgz ! -name 'bundle-*.tgz' -size -12M | sort > "$list"
-        tar czf "/tmp/$b" -T "$list" && xargs -d '\n' rm -f < "$list" && mv "/tmp/$b" "$b"
-        find . -mindepth 1 -type d -empty -delete
-        find . -type f -size +12M -printf 'gpu_out_bundle: left out of the bundle (over 12 MiB): %p %s B\n'
-        echo "gpu_out_bundle: $(wc -l < "$list") files of \$OUT in \$OUT/$b"
-    )
-}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_out_bundle.sh"
 trap gpu_out_bundle EXIT
